@@ -1,0 +1,3 @@
+from lightning_efficient.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Argument checks shared by every technique.
+
+One helper per kind of check, so that every message has the same shape: the argument's name,
+what was given, and what is allowed. Techniques call these in ``__init__`` (contract item 3).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "check_choice",
+    "check_int",
+    "check_float",
+    "check_bool",
+    "parse_bytes",
+    "format_bytes",
+    "import_object",
+    "missing_extra",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def _given(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Return ``value`` if it is one of ``choices``; else raise a ``ValueError`` naming ``name``."""
+    choices = tuple(choices)
+    if isinstance(value, bool) or value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {allowed}; got {_given(value)}.")
+    return value
+
+
+def check_int(
+    name: str,
+    value: Any,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    allow_none: bool = False,
+) -> int | None:
+    """Check that ``value`` is an int (not a bool) within ``[minimum, maximum]``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        what = "an integer" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {what}; got {_given(value)}.")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"`{name}` must be {_range(minimum, maximum)}; got {value!r}.")
+    return value
+
+
+def check_float(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    max_exclusive: bool = False,
+    allow_none: bool = False,
+) -> float | None:
+    """Check that ``value`` is a real number within ``[minimum, maximum]`` (or ``maximum)``)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        what = "a number" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {what}; got {_given(value)}.")
+    value = float(value)
+    too_high = maximum is not None and (value >= maximum if max_exclusive else value > maximum)
+    if value != value or (minimum is not None and value < minimum) or too_high:
+        raise ValueError(
+            f"`{name}` must be {_range(minimum, maximum, max_exclusive)}; got {value!r}."
+        )
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False; got {_given(value)}.")
+    return value
+
+
+def _range(minimum: Any, maximum: Any, max_exclusive: bool = False) -> str:
+    if minimum is not None and maximum is not None:
+        return f"in [{minimum}, {maximum}{')' if max_exclusive else ']'}"
+    if minimum is not None:
+        return f">= {minimum}"
+    return f"{'<' if max_exclusive else '<='} {maximum}"
+
+
+def parse_bytes(name: str, value: Any, *, allow_none: bool = False) -> int | None:
+    """Parse a memory size given as bytes (int) or a string such as ``"24GiB"`` or ``"500MB"``.
+
+    Binary units (KiB, MiB, GiB, TiB and the short K, M, G, T) are powers of 1024; decimal units
+    (KB, MB, GB, TB) are powers of 1000.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}.")
+    if isinstance(value, (int, float)):
+        if value <= 0 or value != value:
+            raise ValueError(f"`{name}` must be a positive number of bytes; got {value!r}.")
+        return int(value)
+    if isinstance(value, str):
+        match = _BYTES_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"`{name}` could not be read as a memory size: {value!r}. Use bytes or a number "
+                "with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of "
+                "1024), e.g. '24GiB' or '500MB'."
+            )
+        size = float(match.group(1)) * _UNITS[unit]
+        if size <= 0:
+            raise ValueError(f"`{name}` must be a positive memory size; got {value!r}.")
+        return int(size)
+    raise TypeError(f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}.")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def import_object(name: str, path: str) -> Any:
+    """Import ``"package.module.Object"``; errors name the argument that held the path."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"`{name}` must be a dotted import path like 'torch.optim.AdamW'; got {path!r}.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"`{name}`: could not import module {module_name!r} ({err}).") from err
+    try:
+        return getattr(module, attr)
+    except AttributeError as err:
+        raise ValueError(f"`{name}`: module {module_name!r} has no attribute {attr!r}.") from err
+
+
+def missing_extra(package: str, extra: str, purpose: str) -> ImportError:
+    """The error for a missing optional dependency, with the exact command that installs it."""
+    return ImportError(
+        f"{purpose} needs the optional dependency `{package}`, which is not installed. "
+        f"Install it with: pip install 'lightning-efficient[{extra}]'"
+    )

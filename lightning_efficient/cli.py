@@ -1,0 +1,113 @@
+"""The ``lightning-efficient`` command: LightningCLI with this package's classes, plus extra commands.
+
+- ``lightning-efficient fit|validate|test|predict --config X.yaml`` is LightningCLI. Every callback
+  and strategy of this package resolves by its short class name in yaml (``class_path:
+  ActivationCheckpointing``) because importing the package registers them as subclasses.
+- The model defaults to ``TinyGPT`` and the data to ``TextDataModule``; any LightningModule and
+  LightningDataModule can be given by class path.
+- Bad configuration ends with a short ``error: ...`` message and exit code 2.
+- Commands that are not trainer methods (``estimate``, ...) live in ``EXTRA_COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import lightning_efficient  # noqa: F401  (registers every callback and strategy for short names)
+
+__all__ = ["EfficientCLI", "main", "EXTRA_COMMANDS", "CONFIG_ERRORS"]
+
+#: Exceptions raised while building the objects of a config that are configuration mistakes.
+CONFIG_ERRORS = (ValueError, TypeError, MisconfigurationException, ImportError)
+
+
+class _ShortErrorParser(LightningArgumentParser):
+    """Ends a bad command line or config with ``error: ...`` (no usage dump, exit code 2)."""
+
+    def error(self, message: str, ex: Exception | None = None):  # type: ignore[override]
+        if not getattr(self, "exit_on_error", True):
+            return super().error(message, ex)
+        _fail(f"{message.strip()}\n(run `lightning-efficient fit --help` for the options)")
+
+
+class EfficientCLI(LightningCLI):
+    """LightningCLI over any LightningModule/DataModule (default: the TinyGPT demo)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", _ShortErrorParser)
+        kwargs.setdefault("model_class", pl.LightningModule)
+        kwargs.setdefault("datamodule_class", pl.LightningDataModule)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("epilog", classes_epilog())
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.set_defaults(
+            {
+                "model": {"class_path": "lightning_efficient.demos.TinyGPT"},
+                "data": {"class_path": "lightning_efficient.demos.TextDataModule"},
+            }
+        )
+        for hook in _PARSER_HOOKS:
+            hook(parser)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except CONFIG_ERRORS as err:
+            _fail(f"invalid configuration: {err}")
+
+
+#: Functions ``hook(parser)`` that techniques use to add parser options (kept in one list).
+_PARSER_HOOKS: list[Callable[[Any], None]] = []
+
+#: Extra subcommands: name -> (one-line help, function(argv) -> exit code).
+EXTRA_COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {}
+
+
+def classes_epilog() -> str:
+    """The package's callbacks and strategies, for ``--help``."""
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_efficient.techniques import TECHNIQUES
+
+    callbacks = [c.__name__ for c in TECHNIQUES if not issubclass(c, Strategy)]
+    strategies = [c.__name__ for c in TECHNIQUES if issubclass(c, Strategy)]
+    return (
+        "lightning-efficient callbacks (trainer.callbacks, class_path by short name): "
+        f"{', '.join(callbacks) or 'none'}. "
+        f"lightning-efficient strategies (trainer.strategy): {', '.join(strategies) or 'none'}."
+    )
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in EXTRA_COMMANDS:
+        return EXTRA_COMMANDS[args[0]][1](args[1:])
+    if args and args[0] in ("-h", "--help"):
+        extra = "\n".join(f"  {name:<14}{help_}" for name, (help_, _) in EXTRA_COMMANDS.items())
+        if extra:
+            print(f"lightning-efficient extra commands:\n{extra}\n")
+    EfficientCLI(args=None if argv is None else args)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The one place for compatibility rules between techniques, strategies and the trainer.
+
+A rule is a function ``rule(trainer, techniques) -> str | None`` registered with ``@rule``; it
+returns a message saying what conflicts and what to do instead, or ``None``. ``check(trainer)``
+runs every rule once per fit (the first technique's ``setup`` calls it) and raises one
+``ValueError`` listing every conflict found.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["rule", "check", "RULES"]
+
+Rule = Callable[[Any, Sequence[Any]], "str | None"]
+RULES: list[Rule] = []
+_checked: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def rule(fn: Rule) -> Rule:
+    """Register a compatibility rule."""
+    RULES.append(fn)
+    return fn
+
+
+def techniques_of(trainer: Any) -> list[Any]:
+    from lightning_efficient.techniques._base import Technique
+
+    return [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, Technique)]
+
+
+def check(trainer: Any) -> None:
+    """Run every rule once per trainer and set of techniques; raise one ValueError listing all
+    conflicts found."""
+    techniques = techniques_of(trainer)
+    key = tuple(id(t) for t in techniques)
+    if _checked.get(trainer) == key:
+        return
+    problems = [msg for fn in RULES if (msg := fn(trainer, techniques))]
+    if problems:
+        raise ValueError("Incompatible settings:\n- " + "\n- ".join(problems))
+    _checked[trainer] = key
+
+
+@rule
+def _fp16_on_cpu(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+    precision = str(getattr(getattr(trainer, "precision_plugin", None), "precision", ""))
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    if precision.startswith("16") and getattr(device, "type", None) == "cpu":
+        return (
+            f"precision={precision!r} (float16) on a CPU-only machine: CPUs have no fast fp16 "
+            "path and Lightning's grad scaler needs CUDA. Use precision='bf16-mixed' (or "
+            "'32-true') instead."
+        )
+    return None

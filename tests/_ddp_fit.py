@@ -1,0 +1,31 @@
+"""Run one contract case under DDP with 2 CPU processes (gloo); rank zero writes a JSON result.
+
+Usage: python tests/_ddp_fit.py CASE_ID OUT.json  (Lightning re-launches this script for rank 1)
+"""
+
+import json
+import sys
+
+from helpers import fit
+from lightning_efficient.measure.report import report_for
+from test_contract import ALL
+
+
+def main(case_id: str, out: str) -> None:
+    case = next(c for c in ALL if c.id == case_id)
+    kwargs = {"accelerator": "cpu", "devices": 2, "max_steps": 3, **case.trainer_kwargs}
+    if case.kind != "strategy":
+        kwargs.setdefault("strategy", "ddp")
+    trainer, _, _ = case.fit(None, **kwargs)
+    if trainer.is_global_zero:
+        result = {
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "report": report_for(trainer).to_dict(),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

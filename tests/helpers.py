@@ -1,0 +1,88 @@
+"""Tiny models, data and trainers shared by the tests (CPU, seconds per fit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch import Callback
+
+from lightning_efficient.demos import TextDataModule, TinyGPT
+
+TINY_MODEL = dict(seq_len=32, n_layer=2, n_embd=32, n_head=2, dropout=0.0, warmup_steps=2)
+TINY_DATA = dict(batch_size=4, seq_len=32, max_train_samples=64)
+
+
+def tiny_model(**overrides: Any) -> TinyGPT:
+    return TinyGPT(**{**TINY_MODEL, **overrides})
+
+
+def tiny_data(**overrides: Any) -> TextDataModule:
+    return TextDataModule(**{**TINY_DATA, **overrides})
+
+
+class LossRecorder(Callback):
+    """Records the training loss of every optimizer step (on rank zero's process)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))
+
+
+class SaveAt(Callback):
+    """Saves a checkpoint right after optimizer step ``step``, as a run stopped there would, and
+    calls ``snapshot(trainer)`` at that moment (its result is kept in ``self.snapshot``)."""
+
+    def __init__(self, step: int, path: Any, snapshot: Any = None) -> None:
+        self.step, self.path, self._snap, self.snapshot = step, str(path), snapshot, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self.snapshot is None:
+            trainer.save_checkpoint(self.path)
+            self.snapshot = self._snap(trainer) if self._snap else True
+
+
+def tiny_trainer(tmp_path: Any = None, callbacks: Any = (), **overrides: Any) -> pl.Trainer:
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        val_check_interval=None,
+        default_root_dir=str(tmp_path) if tmp_path is not None else None,
+    )
+    kwargs.update(overrides)
+    return pl.Trainer(callbacks=list(callbacks), **kwargs)
+
+
+def fit(
+    tmp_path: Any = None,
+    callbacks: Any = (),
+    *,
+    seed: int = 0,
+    model: Any = None,
+    data: Any = None,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[pl.Trainer, Any, LossRecorder]:
+    """Seeded tiny fit; returns the trainer, the module and the per-step losses."""
+    pl.seed_everything(seed, verbose=False)
+    model = model if model is not None else tiny_model()
+    data = data if data is not None else tiny_data()
+    recorder = LossRecorder()
+    trainer = tiny_trainer(tmp_path, [*callbacks, recorder], **trainer_kwargs)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, model, recorder
+
+
+def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -1,0 +1,287 @@
+"""The technique contract (DESIGN.md), one test per item, parametrized over one registry.
+
+Every technique registers a ``Case`` in ``CASES`` below. ``REFERENCE`` is a real Lightning
+callback (``EarlyStopping``) that runs through the same tests, so the tests are shown to work
+even for properties no technique of ours has yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import EarlyStopping
+
+from helpers import SaveAt, fit, params_of, tiny_model
+from lightning_efficient.cli import EfficientCLI
+from lightning_efficient.measure.report import report_for
+
+HERE = Path(__file__).parent
+
+
+@dataclass
+class Case:
+    """How the contract tests exercise one technique.
+
+    cls / init_args: the class and the arguments of a test-friendly instance (also the yaml).
+    bad_args: ``(kwargs, argument name)`` pairs that must fail at construction.
+    fuzz: argument name -> hypothesis strategy of *wrong* values for it.
+    kind: "callback" or "strategy".
+    stateful: the technique has ``state_dict``; resume must equal an uninterrupted run.
+    state_changes: its state differs between step k and 2k (resume test checks it).
+    same_maths: losses equal the plain run within ``rtol``/``atol`` (contract item 6).
+    ddp: True, or the message a DDP run must fail with when the technique refuses DDP.
+    reports: the technique adds a row to the efficiency report (contract item 8).
+    trainer_kwargs: extra Trainer arguments the technique needs in tests.
+    """
+
+    cls: type
+    init_args: dict[str, Any] = field(default_factory=dict)
+    bad_args: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    fuzz: dict[str, Any] = field(default_factory=dict)
+    kind: str = "callback"
+    errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
+    stateful: bool = False
+    state_changes: bool = True
+    same_maths: bool = True
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    ddp: bool | str = True
+    reports: bool = True
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or self.cls.__name__
+
+    def make(self) -> Any:
+        return self.cls(**self.init_args)
+
+    def fit(self, tmp_path: Any, *, with_technique: bool = True, callbacks: Any = (), **kw: Any):
+        trainer_kwargs = {**self.trainer_kwargs, **kw}
+        extra = list(callbacks)
+        if with_technique:
+            if self.kind == "strategy":
+                trainer_kwargs["strategy"] = self.make()
+            else:
+                extra.insert(0, self.make())
+        return fit(tmp_path, extra, **trainer_kwargs)
+
+
+REFERENCE = Case(
+    EarlyStopping,
+    init_args={"monitor": "val_loss", "patience": 100, "min_delta": 0.0},
+    bad_args=[({"monitor": "val_loss", "mode": "sideways"}, "mode")],
+    fuzz={"mode": st.text(max_size=8).filter(lambda s: s not in ("min", "max"))},
+    errors=(MisconfigurationException,),
+    stateful=True,
+    reports=False,
+    trainer_kwargs={"val_check_interval": 2},
+    id="reference-EarlyStopping",
+)
+
+#: One entry per technique of the package. Techniques register themselves here.
+CASES: list[Case] = []
+
+ALL = [REFERENCE, *CASES]
+ids = [c.id for c in ALL]
+
+
+def _fuzz_cases() -> list[tuple[Case, str]]:
+    return [(c, arg) for c in ALL for arg in c.fuzz]
+
+
+def _kwargs_for(case: Case, arg: str, value: Any) -> dict[str, Any]:
+    return {**case.init_args, arg: value}
+
+
+# -- 1. works on an unmodified LightningModule ---------------------------------------------
+def test_demo_imports_nothing_of_the_package() -> None:
+    import ast
+
+    import lightning_efficient.demos as demos
+
+    for path in Path(demos.__file__).parent.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.startswith("lightning_efficient") for n in names), f"{path.name} imports {names}"
+
+
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_fits_unmodified_module(case: Case, tmp_path) -> None:
+    trainer, model, rec = case.fit(tmp_path, max_steps=4)
+    assert trainer.global_step == 4
+    assert len(rec.losses) >= 4 and all(torch.isfinite(torch.tensor(rec.losses)))
+
+
+# -- 2. constructs from yaml through the CLI parser ----------------------------------------
+def _simple_state(obj: Any) -> dict[str, Any]:
+    simple = (int, float, str, bool, type(None), tuple, list, dict)
+    return {k: v for k, v in vars(obj).items() if isinstance(v, simple) and not k.startswith("__")}
+
+
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_constructs_from_yaml(case: Case, tmp_path) -> None:
+    import yaml
+
+    spec = {"class_path": case.cls.__name__ if case.cls.__module__.startswith("lightning_efficient") else f"{case.cls.__module__}.{case.cls.__name__}", "init_args": case.init_args}
+    key = "strategy" if case.kind == "strategy" else "callbacks"
+    trainer_cfg: dict[str, Any] = {"accelerator": "cpu", "logger": False, key: spec if key == "strategy" else [spec]}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"trainer": trainer_cfg}))
+    cli = EfficientCLI(args=["--config", str(cfg)], run=False)
+    if case.kind == "strategy":
+        built = cli.trainer.strategy
+    else:
+        built = next(cb for cb in cli.trainer.callbacks if isinstance(cb, case.cls))
+    assert isinstance(built, case.cls)
+    assert _simple_state(built) == _simple_state(case.make())
+
+
+# -- 3. bad arguments fail at construction, naming the argument ------------------------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_bad_arguments_named(case: Case) -> None:
+    assert case.bad_args, f"{case.id} must list at least one bad argument"
+    for kwargs, arg in case.bad_args:
+        with pytest.raises(case.errors) as info:
+            case.cls(**kwargs)
+        assert arg in str(info.value), f"message does not name `{arg}`: {info.value}"
+
+
+@pytest.mark.parametrize("case,arg", _fuzz_cases(), ids=[f"{c.id}-{a}" for c, a in _fuzz_cases()])
+def test_fuzzed_wrong_values_named(case: Case, arg: str) -> None:
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(value=case.fuzz[arg])
+    def check(value: Any) -> None:
+        with pytest.raises(case.errors) as info:
+            case.cls(**_kwargs_for(case, arg, value))
+        assert arg in str(info.value), f"{arg}={value!r}: message does not name it: {info.value}"
+
+    check()
+
+
+# -- 4. checkpoints load with and without the technique; keys unchanged ----------------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_checkpoint_portable(case: Case, tmp_path) -> None:
+    plain_keys = set(tiny_model().state_dict())
+    trainer, model, _ = case.fit(tmp_path / "with", max_steps=2)
+    ckpt_with = tmp_path / "with.ckpt"
+    trainer.save_checkpoint(ckpt_with)
+    assert set(model.state_dict()) == plain_keys
+    state = torch.load(ckpt_with, weights_only=False)["state_dict"]
+    assert set(state) == plain_keys
+    # without the technique: loads strictly into a plain module and resumes training
+    fresh = tiny_model()
+    fresh.load_state_dict(state, strict=True)
+    trainer2, _, _ = case.fit(tmp_path / "without", with_technique=False, max_steps=4, ckpt_path=str(ckpt_with))
+    assert trainer2.global_step == 4
+    # and the other way round: a plain checkpoint resumes with the technique
+    plain_trainer, _, _ = case.fit(tmp_path / "plain", with_technique=False, max_steps=2)
+    ckpt_plain = tmp_path / "plain.ckpt"
+    plain_trainer.save_checkpoint(ckpt_plain)
+    trainer3, _, _ = case.fit(tmp_path / "resumed", max_steps=4, ckpt_path=str(ckpt_plain))
+    assert trainer3.global_step == 4
+
+
+# -- 5. stop at step k and resume equals an uninterrupted run --------------------------------
+@pytest.mark.parametrize("case", [c for c in ALL if c.stateful], ids=[c.id for c in ALL if c.stateful])
+def test_resume_matches_uninterrupted(case: Case, tmp_path) -> None:
+    k = 4
+    ckpt = tmp_path / "k.ckpt"
+    save = SaveAt(k, ckpt, snapshot=lambda t: (_technique_state(case, t), params_of(t.lightning_module)))
+    epoch = dict(limit_train_batches=k)  # k is an epoch boundary: plain DataLoaders resume there
+    full_trainer, full_model, _ = case.fit(tmp_path / "full", max_steps=2 * k, callbacks=[save], **epoch)
+    at_k, params_k = save.snapshot
+    resumed_trainer, resumed_model, _ = case.fit(tmp_path / "resumed", max_steps=2 * k, ckpt_path=str(ckpt), **epoch)
+    assert resumed_trainer.global_step == full_trainer.global_step == 2 * k
+    # the test must be able to fail: the model (and the state, if it evolves) moved after k
+    assert any(not torch.equal(a, b) for a, b in zip(params_k.values(), params_of(full_model).values()))
+    at_2k = _technique_state(case, full_trainer)
+    if case.state_changes:
+        assert at_k != at_2k, f"{case.id}: state at step k equals state at 2k; the test would pass trivially"
+    assert _technique_state(case, resumed_trainer) == at_2k
+    for (name, a), b in zip(params_of(full_model).items(), params_of(resumed_model).values()):
+        torch.testing.assert_close(a, b, rtol=case.rtol, atol=case.atol, msg=f"{name} differs")
+
+
+def _technique_state(case: Case, trainer: Any) -> Any:
+    obj = trainer.strategy if case.kind == "strategy" else next(c for c in trainer.callbacks if isinstance(c, case.cls))
+    return _comparable(obj.state_dict())
+
+
+def _comparable(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.flatten().tolist())
+    if isinstance(x, dict):
+        return {k: _comparable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_comparable(v) for v in x]
+    return x
+
+
+# -- 6. the maths is unchanged (or within a stated tolerance) --------------------------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_losses_match_plain_run(case: Case, tmp_path) -> None:
+    _, _, plain = case.fit(tmp_path / "plain", with_technique=False, max_steps=4)
+    _, _, tech = case.fit(tmp_path / "tech", max_steps=4)
+    assert len(tech.losses) == len(plain.losses) == 4
+    if case.same_maths:
+        torch.testing.assert_close(torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=case.rtol, atol=case.atol)
+    else:  # lossy: the first loss is the same model on the same batch, later ones stay close
+        assert abs(tech.losses[0] - plain.losses[0]) <= case.atol + case.rtol * abs(plain.losses[0])
+
+
+# -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_ddp_two_processes(case: Case, tmp_path) -> None:
+    out = tmp_path / "ddp.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    if case.ddp is True:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result = json.loads(out.read_text())
+        assert result["world_size"] == 2 and result["global_step"] == 3
+        if case.reports:
+            assert case.cls.__name__ in result["report"]
+    else:
+        assert proc.returncode != 0 and str(case.ddp) in proc.stderr, proc.stderr[-4000:]
+
+
+# -- 8. reports what it did; logs once on rank zero, nothing per step ------------------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_reports_once_not_per_step(case: Case, tmp_path, caplog, capsys) -> None:
+    def messages(steps: int) -> tuple[list[str], Any]:
+        caplog.clear()
+        capsys.readouterr()
+        with caplog.at_level("INFO"):
+            trainer, _, _ = case.fit(tmp_path / f"s{steps}", max_steps=steps, limit_val_batches=0)
+        printed = capsys.readouterr().out
+        logged = [r.getMessage() for r in caplog.records if case.cls.__name__ in r.getMessage()]
+        return logged + [ln for ln in printed.splitlines() if case.cls.__name__ in ln], trainer
+
+    short, trainer = messages(2)
+    long, _ = messages(6)
+    assert len(long) == len(short), f"messages grow with steps: {len(short)} -> {len(long)}"
+    report = report_for(trainer)
+    if case.reports:
+        assert case.cls.__name__ in report and report[case.cls.__name__].change
+    else:
+        assert case.cls.__name__ not in report

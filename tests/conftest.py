@@ -5,7 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+# subprocesses (DDP ranks, CLI runs) import this checkout's package and the test helpers
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(HERE.parent), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -8,7 +8,6 @@ even for properties no technique of ours has yet.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -250,10 +249,9 @@ def test_losses_match_plain_run(case: Case, tmp_path) -> None:
 @pytest.mark.parametrize("case", ALL, ids=ids)
 def test_ddp_two_processes(case: Case, tmp_path) -> None:
     out = tmp_path / "ddp.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     if case.ddp is True:
         assert proc.returncode == 0, proc.stderr[-4000:]

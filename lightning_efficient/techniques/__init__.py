@@ -9,3 +9,8 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 TECHNIQUES: list[type] = []
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+
+# the instrument's tracking callback (lightning_efficient.measure.memory)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+TECHNIQUES.append(MemoryBreakdown)

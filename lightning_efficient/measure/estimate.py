@@ -89,7 +89,7 @@ class MemoryEstimate:
     def table(self, title: str = "Memory at the peak"):  # -> rich.table.Table
         from rich.table import Table
 
-        table = Table(title=f"{title} ({self.peak_phase})")
+        table = Table(title=f"{title}: peak in {self.peak_phase}")
         table.add_column("Category")
         table.add_column("Bytes", justify="right")
         table.add_column("Share", justify="right")

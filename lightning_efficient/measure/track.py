@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -60,6 +61,9 @@ class StorageTracker(TorchDispatchMode):
     Args:
         rounding: Optional ``rounding(nbytes) -> nbytes`` applied to each allocation (e.g.
             ``estimate.cuda_round`` for the CUDA caching allocator's block sizes).
+        fake: ``True`` counts only fake tensors, ``False`` only real ones, ``None`` both. With
+            two trackers active (an estimate made during a measured step of a fit), each one
+            then counts only its own tensors.
 
     New storages start as ``"temporaries"``; ``label(tensors, category)`` raises their category
     (order: temporaries < activations < gradients < optimizer_state < parameters);
@@ -67,9 +71,10 @@ class StorageTracker(TorchDispatchMode):
     autograd keeps for backward). ``phase`` names the current phase for the log.
     """
 
-    def __init__(self, rounding: Callable[[int], int] | None = None) -> None:
+    def __init__(self, rounding: Callable[[int], int] | None = None, fake: bool | None = None) -> None:
         super().__init__()
         self.rounding = rounding
+        self.fake = fake
         self.phase = "forward"
         self._live: dict[int, _Storage] = {}
         self._refs: dict[int, Any] = {}
@@ -77,6 +82,8 @@ class StorageTracker(TorchDispatchMode):
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _storage(self, t: torch.Tensor, category: str) -> _Storage | None:
+        if self.fake is not None and isinstance(t, FakeTensor) != self.fake:
+            return None
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError, TypeError):  # sparse, nested, odd subclasses
@@ -338,7 +345,7 @@ def measure_step(
         accumulate_grad_batches=accumulate_grad_batches,
         loss_fn=loss_fn,
     )
-    tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None)
+    tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=False)
     try:
         for cb in callbacks:
             hook = getattr(cb, "configure_estimate", None)

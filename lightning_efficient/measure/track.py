@@ -284,8 +284,10 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
                     with silenced_logging(model), _autocast(plan.precision):
                         if plan.loss_fn is not None:
                             out = plan.loss_fn(model, batch)
-                        else:
+                        elif _takes_batch_idx(model.training_step):
                             out = model.training_step(batch, 0)
+                        else:
+                            out = model.training_step(batch)
                     loss = _loss_of(out)
                     del out
                     tracker.end_forward()
@@ -307,6 +309,18 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
     finally:
         for h in handles:
             h.remove()
+
+
+def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        return True
+    if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from lightning_efficient.techniques import TECHNIQUES
 ROOT = Path(__file__).parents[1]
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lightning_efficient", *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,

@@ -377,6 +377,7 @@ class ActivationCheckpointing(Technique):
         self.wrapped: list[str] = []
         self.choice: BudgetChoice | None = None
         self._pending = False
+        self._active = False
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
@@ -415,9 +416,9 @@ class ActivationCheckpointing(Technique):
         self._apply_and_report(trainer, pl_module, self.choice.num_blocks)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self.wrapped:
+        if self._active:  # leave the model as it was given (``self.wrapped`` keeps the record)
             remove_activation_checkpointing(pl_module)
-            self.wrapped = []
+            self._active = False
         self._pending = False
 
     # -- helpers ----------------------------------------------------------------------------
@@ -448,6 +449,7 @@ class ActivationCheckpointing(Technique):
 
     def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
         self.wrapped = self._apply(pl_module, num_blocks)
+        self._active = True
         change = self._describe(self.wrapped, pl_module)
         figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
         if self.choice is not None:

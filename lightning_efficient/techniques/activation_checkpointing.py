@@ -25,6 +25,7 @@ Modes:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -381,16 +382,30 @@ class ActivationCheckpointing(Technique):
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
-        """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed."""
+        """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed.
+
+        With a budget, the budget search runs first on the plan's model and batch (nested
+        estimates), so the estimate shows the blocks a fit would checkpoint."""
         model = plan.model
         before = checkpointed_blocks(model)
         num_blocks = None
         if self.budget is not None:
-            num_blocks = self.choice.num_blocks if self.choice is not None else None
+            choice = blocks_for_budget(
+                model,
+                plan.batch,
+                self.budget,
+                self.policy,
+                every_n=self.every_n,
+                selective=self.selective,
+                optimizer=plan.optimizer,
+                precision=plan.precision,
+                accumulate_grad_batches=plan.accumulate_grad_batches,
+                loss_fn=plan.loss_fn,
+            )
+            num_blocks = choice.num_blocks
         names = self._apply(model, num_blocks)
         plan.on_exit(functools.partial(_restore, model, before))
-        if hasattr(plan, "notes"):
-            plan.notes.append(self._describe(names, model))
+        plan.note(f"{self.name}: {self._describe(names, model)}")
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -482,11 +497,16 @@ def _span(names: Sequence[str]) -> str:
 
 def _estimate_kwargs(trainer: Any) -> dict[str, Any]:
     """The estimate settings of the running fit: precision, optimizer, accumulation."""
-    kwargs: dict[str, Any] = {"precision": str(getattr(trainer, "precision", "32-true"))}
+    kwargs: dict[str, Any] = {
+        "precision": str(getattr(trainer, "precision", "32-true")),
+        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+    }
     optimizers = getattr(trainer, "optimizers", None) or []
     if optimizers:
         opt = optimizers[0]
-        cls, defaults = type(opt), dict(opt.defaults)
+        cls = type(opt)
+        accepted = inspect.signature(cls).parameters
+        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
         kwargs["optimizer"] = lambda groups: cls(groups, **defaults)
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     if getattr(device, "type", None) == "cuda":

@@ -148,6 +148,13 @@ def test_auto_on_transformers_models(name: str) -> None:
     assert list(model.state_dict()) == keys and not model.is_gradient_checkpointing
 
 
+def test_warns_when_the_model_checkpoints_itself(tmp_path) -> None:
+    model = gpt(n_layer=2)
+    model.blocks[0].gradient_checkpointing = True  # what transformers' layers carry when enabled
+    with pytest.warns(UserWarning, match="own gradient checkpointing is on \\(blocks.0\\)"):
+        fit(tmp_path, [ActivationCheckpointing()], model=model, max_steps=1, limit_val_batches=0)
+
+
 def _first_leaf(block: nn.Module) -> str:
     return next(n for n, m in block.named_modules() if n and not list(m.children()) and list(m.parameters()))
 
@@ -297,6 +304,8 @@ def test_offload_on_cpu_is_a_noop_with_one_note(tmp_path, caplog) -> None:
     model = gpt(n_layer=2)
     apply_activation_checkpointing(model, every_n=2, offload_activations=True)
     assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.1": "offload"}
+    est = _estimate(gpt(n_layer=2), batch_for(), callbacks=[ActivationCheckpointing(every_n=2, offload_activations=True)])
+    assert any("not modelled by the estimate" in n for n in est.notes)
 
 
 @pytest.mark.gpu

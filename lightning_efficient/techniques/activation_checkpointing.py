@@ -98,7 +98,7 @@ class _OnHost:
 
 def _pack_to_host(t: torch.Tensor) -> Any:
     # parameters and CPU tensors stay; only device activations move (pinned, async, side stream)
-    if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.numel() == 0:
+    if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.layout != torch.strided or t.numel() == 0:
         return t
     stream = _side_stream(t.device)
     stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -402,12 +402,27 @@ class ActivationCheckpointing(Technique):
                 loss_fn=plan.loss_fn,
             )
             num_blocks = choice.num_blocks
-        names = self._apply(model, num_blocks)
+        # offload is not run on fake tensors (no streams, no pinned memory): counted on device
+        names = self._apply(model, num_blocks, offload=False)
         plan.on_exit(functools.partial(_restore, model, before))
         plan.note(f"{self.name}: {self._describe(names, model)}")
+        if self.offload_activations:
+            others = len(_choose(model, self.policy, self.every_n, num_blocks)[1])
+            plan.note(
+                f"{self.name}: offload_activations is not modelled by the estimate; the saved "
+                f"activations of the {others} blocks that would offload are counted on the device "
+                "(an upper bound)."
+            )
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        own = [n for n, m in pl_module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if own:
+            self.warn(
+                f"the model's own gradient checkpointing is on ({_span(own)}); with this callback "
+                "the blocks would be recomputed twice. Turn one off (e.g. "
+                "`model.gradient_checkpointing_disable()` for a transformers model)."
+            )
         if self.budget is not None:
             self._pending = True  # the estimate needs a batch: decide at the first training batch
             self._select(pl_module)  # fail now if the policy matches nothing
@@ -439,13 +454,13 @@ class ActivationCheckpointing(Technique):
     def _select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return _choose(model, self.policy, self.every_n, None)[0]
 
-    def _apply(self, model: nn.Module, num_blocks: int | None) -> list[str]:
+    def _apply(self, model: nn.Module, num_blocks: int | None, offload: bool = True) -> list[str]:
         return apply_activation_checkpointing(
             model,
             self.policy,
             every_n=self.every_n,
             selective=self.selective,
-            offload_activations=self.offload_activations,
+            offload_activations=self.offload_activations and offload,
             num_blocks=num_blocks,
         )
 

@@ -13,4 +13,9 @@ from lightning_efficient.techniques.activation_checkpointing import ActivationCh
 TECHNIQUES.append(ActivationCheckpointing)
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+
+# the instrument's tracking callback (lightning_efficient.measure.memory)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+TECHNIQUES.append(MemoryBreakdown)
 __all__ += ["ActivationCheckpointing"]

@@ -215,6 +215,27 @@ def test_in_place_idempotent_removable_and_copyable() -> None:
     assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 1
 
 
+def test_layered_with_another_forward_wrapper() -> None:
+    """Another technique may shadow ``forward`` on top of ours (a compiled forward) or below."""
+    model, batch = gpt(), batch_for()
+    block = model.blocks[1]
+    below = block.forward  # the class forward, bound
+    object.__setattr__(block, "forward", lambda *a, **k: below(*a, **k))  # a foreign wrapper, below
+    foreign = block.forward
+    apply_activation_checkpointing(model)
+    assert block.forward.inner is foreign and calls_per_step(model, block.attn.qkv, batch) == 2
+    remove_activation_checkpointing(model)
+    assert block.forward is foreign  # the foreign wrapper is restored, not dropped
+    apply_activation_checkpointing(model)
+    ours = block.forward
+    object.__setattr__(block, "forward", lambda *a, **k: ours(*a, **k))  # foreign, on top of ours
+    assert calls_per_step(model, block.attn.qkv, batch) == 2
+    remove_activation_checkpointing(model)  # ours is under the foreign one: it passes through
+    assert checkpointed_blocks(model) == {} and calls_per_step(model, block.attn.qkv, batch) == 1
+    apply_activation_checkpointing(model)  # the stale one stays a pass-through: no double recompute
+    assert calls_per_step(model, block.attn.qkv, batch) == 2
+
+
 # -- same maths --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs",

@@ -131,7 +131,11 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = getattr(self.module, _ATTR)["mode"]
+        state = self.module.__dict__.get(_ATTR)
+        if state is None or state["wrapper"] is not self:
+            # removed (or replaced) while another wrapper (e.g. a compiled forward) held on to us
+            return self._forward(*args, **kwargs)
+        mode = state["mode"]
         if mode == "offload":
             with torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host):
                 return self._forward(*args, **kwargs)
@@ -143,17 +147,22 @@ class _CheckpointedForward:
 
 
 def _wrap(block: nn.Module, mode: str) -> None:
-    if hasattr(block, _ATTR):
-        getattr(block, _ATTR)["mode"] = mode
+    state = block.__dict__.get(_ATTR)
+    if state is not None:
+        state["mode"] = mode
         return
     inner = block.__dict__.get("forward")
-    object.__setattr__(block, _ATTR, {"mode": mode})
-    object.__setattr__(block, "forward", _CheckpointedForward(block, inner))
+    if isinstance(inner, _CheckpointedForward) and inner.module is block:
+        wrapper = inner  # ours, left in place after a removal: reuse it rather than nest
+    else:
+        wrapper = _CheckpointedForward(block, inner)
+        object.__setattr__(block, "forward", wrapper)
+    object.__setattr__(block, _ATTR, {"mode": mode, "wrapper": wrapper})
 
 
 def _unwrap(block: nn.Module) -> None:
     wrapper = block.__dict__.get("forward")
-    if isinstance(wrapper, _CheckpointedForward):
+    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
         if wrapper.inner is not None:
             object.__setattr__(block, "forward", wrapper.inner)
         else:
@@ -163,7 +172,7 @@ def _unwrap(block: nn.Module) -> None:
 
 def checkpointed_blocks(module: nn.Module) -> dict[str, str]:
     """The wrapped blocks of ``module``: name -> ``"full"``, ``"selective"`` or ``"offload"``."""
-    return {n: getattr(m, _ATTR)["mode"] for n, m in module.named_modules() if hasattr(m, _ATTR)}
+    return {n: m.__dict__[_ATTR]["mode"] for n, m in module.named_modules() if _ATTR in m.__dict__}
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:
@@ -171,8 +180,8 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
     the blocks that were checkpointed (not those that were only offloading)."""
     names = []
     for name, m in module.named_modules():
-        if hasattr(m, _ATTR):
-            if getattr(m, _ATTR)["mode"] != "offload":
+        if _ATTR in m.__dict__:
+            if m.__dict__[_ATTR]["mode"] != "offload":
                 names.append(name)
             _unwrap(m)
     return names
@@ -483,7 +492,12 @@ class ActivationCheckpointing(Technique):
         figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
         if self.choice is not None:
             c = self.choice
-            change += f", fewest under budget {format_bytes(c.budget_bytes)}"
+            if c.num_blocks == 0:
+                change = f"no block checkpointed: the plain peak {format_bytes(c.plain_peak_bytes)} fits"
+            change += (
+                f" (budget {format_bytes(c.budget_bytes)}, estimated peak "
+                f"{format_bytes(c.plain_peak_bytes)} -> {format_bytes(c.peak_bytes)})"
+            )
             figures.update(
                 blocks_total=c.total,
                 budget_bytes=c.budget_bytes,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import fit, tiny_data, tiny_model
+from helpers import fit, tiny_model
 from lightning_efficient.demos.tinygpt import Block
 from lightning_efficient.functional import (
     apply_activation_checkpointing,
@@ -388,6 +388,8 @@ def test_budget_picks_fewest_blocks() -> None:
     assert choice.peak_bytes == peaks[2] <= budget < peaks[1] and choice.plain_peak_bytes == peaks[0]
     assert sorted(choice.peaks) == [0, 1, 2, 4]  # a binary search, not a sweep
     assert checkpointed_blocks(model) == {}
+    fits = blocks_for_budget(model, batch, peaks[0])
+    assert fits.num_blocks == 0 and list(fits.peaks) == [0]  # the plain run fits: one estimate
     # the callback's estimate runs the same search and shows its result
     est = _estimate(model, batch, callbacks=[ActivationCheckpointing(budget=budget)])
     assert est.peak_bytes == peaks[2] and any("2/4 blocks" in n for n in est.notes)

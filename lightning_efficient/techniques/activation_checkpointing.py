@@ -274,7 +274,7 @@ def blocks_for_budget(
 
     Runs the instrument's ``estimate_memory(model, batch, **estimate_kwargs)`` (fake tensors, no
     allocation) for a binary search over the number of checkpointed blocks: about
-    ``2 + log2(blocks)`` estimates. Raises ``ValueError`` giving the smallest achievable peak if
+    ``2 + log2(blocks)`` estimates (one if the plain run fits). Raises ``ValueError`` giving the smallest achievable peak if
     even checkpointing every candidate block does not fit.
     """
     from lightning_efficient.measure.estimate import estimate_memory
@@ -298,20 +298,22 @@ def blocks_for_budget(
                 _restore(model, before)
         return cache[k]
 
-    plain, full = estimate(0), estimate(total)
-    peaks = lambda: {k: e.peak_bytes for k, e in sorted(cache.items())}  # noqa: E731
-    if full.peak_bytes > budget_bytes:
-        raise ValueError(
-            f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
-            f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
-            f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
-            f"{' selectively' if selective else ''} (without: {format_bytes(plain.peak_bytes)}). "
-            "Raise the budget or add a technique that saves other memory (optimizer state, "
-            "parameters, a smaller batch)."
-        )
-    lo, hi = 0, total  # invariant: peak(hi) <= budget; answer in [lo, hi]
-    if plain.peak_bytes <= budget_bytes:
-        hi = 0
+    plain = estimate(0)
+    lo, hi = 0, 0  # invariant: peak(hi) <= budget; the answer is in [lo, hi]
+    if plain.peak_bytes > budget_bytes:
+        full = estimate(total)
+        if full.peak_bytes > budget_bytes:
+            hint = " Without `selective` more is recomputed and less kept." if selective else ""
+            hint += " With every_n=1 every block is checkpointed." if every_n > 1 else ""
+            raise ValueError(
+                f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
+                f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
+                f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
+                f"{' selectively' if selective else ''} (without: {format_bytes(plain.peak_bytes)}).{hint} "
+                "Raise the budget or add a technique that saves other memory (optimizer state, "
+                "parameters, a smaller batch)."
+            )
+        lo, hi = 1, total
     while lo < hi:
         mid = (lo + hi) // 2
         if estimate(mid).peak_bytes <= budget_bytes:
@@ -327,7 +329,7 @@ def blocks_for_budget(
         plain_peak_bytes=plain.peak_bytes,
         activation_bytes=_activations(best),
         plain_activation_bytes=_activations(plain),
-        peaks=peaks(),
+        peaks={k: e.peak_bytes for k, e in sorted(cache.items())},
     )
 
 

@@ -8,9 +8,14 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = []
 
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
+
+TECHNIQUES.append(ActivationCheckpointing)
+
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
 
 # the instrument's tracking callback (lightning_efficient.measure.memory)
 from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
 
 TECHNIQUES.append(MemoryBreakdown)
+__all__ += ["ActivationCheckpointing"]

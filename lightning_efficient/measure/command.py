@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
 
-__all__ = ["estimate_command"]
+__all__ = ["estimate_command", "config_workload", "fail"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,33 +34,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _error(message: str) -> int:
+def fail(message: str) -> int:
+    """Print a short error for a command and return its exit code (2)."""
     print(f"error: {message}", file=sys.stderr)
     return 2
 
 
-def estimate_command(argv: Sequence[str]) -> int:
-    args, rest = _parser().parse_known_args(list(argv))
-    if args.batch_size is not None and args.batch_size < 1:
-        return _error(f"--batch-size must be an integer >= 1; got {args.batch_size}.")
+def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int | None) -> Any:
+    """Build a config's model, datamodule and trainer (without fitting) and take one training
+    batch. Returns ``(model, batch, trainer, precision)``, or an exit code after an error."""
+    if batch_size is not None and batch_size < 1:
+        return fail(f"--batch-size must be an integer >= 1; got {batch_size}.")
     from lightning_efficient.cli import EfficientCLI
 
     cli_args: list[str] = []
-    for cfg in args.config:
+    for cfg in configs:
         cli_args += ["--config", cfg]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
         cli = EfficientCLI(args=cli_args + list(rest), run=False)
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
-    if args.batch_size is not None:
+    if batch_size is not None:
         if not hasattr(data, "batch_size"):
-            return _error(f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute.")
-        data.batch_size = args.batch_size
-    precision = args.precision or _trainer_precision(trainer)
+            return fail(f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute.")
+        data.batch_size = batch_size
     batch = _one_batch(data)
     hook = getattr(model, "configure_model", None)
     if callable(hook):
         hook()
+    return model, batch, trainer, _trainer_precision(trainer)
+
+
+def estimate_command(argv: Sequence[str]) -> int:
+    args, rest = _parser().parse_known_args(list(argv))
+    work = config_workload(args.config, rest, args.batch_size)
+    if isinstance(work, int):
+        return work
+    model, batch, trainer, precision = work
+    precision = args.precision or precision
     techniques = [cb for cb in trainer.callbacks if hasattr(cb, "configure_estimate")]
     if hasattr(trainer.strategy, "configure_estimate"):
         techniques.append(trainer.strategy)
@@ -76,7 +87,7 @@ def estimate_command(argv: Sequence[str]) -> int:
             accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
         )
     except (EstimateError, ValueError, TypeError) as err:
-        return _error(str(err))
+        return fail(str(err))
     title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {args.optimizer}"
     if args.markdown:
         print(f"{title}\n\n{est.to_markdown()}")

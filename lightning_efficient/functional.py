@@ -4,3 +4,20 @@ from lightning_efficient._validate import format_bytes, parse_bytes
 from lightning_efficient.techniques._blocks import find_repeated_blocks, select_modules
 
 __all__ = ["find_repeated_blocks", "select_modules", "parse_bytes", "format_bytes"]
+from lightning_efficient.techniques.dataloading import (  # noqa: E402
+    LengthBucketSampler,
+    auto_num_workers,
+    padding_stats,
+    preload_to_device,
+    rebuild_dataloader,
+    tune_num_workers,
+)
+
+__all__ += [
+    "rebuild_dataloader",
+    "auto_num_workers",
+    "tune_num_workers",
+    "preload_to_device",
+    "LengthBucketSampler",
+    "padding_stats",
+]

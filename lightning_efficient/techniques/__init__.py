@@ -9,3 +9,13 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 TECHNIQUES: list[type] = []
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+
+from lightning_efficient.techniques.dataloading import (  # noqa: E402
+    DataLoaderTuning,
+    DevicePreload,
+    InputStallMonitor,
+    LengthBucketSampler,
+)
+
+TECHNIQUES += [DataLoaderTuning, DevicePreload, InputStallMonitor]
+__all__ += ["DataLoaderTuning", "DevicePreload", "InputStallMonitor", "LengthBucketSampler"]

@@ -189,7 +189,7 @@ def rebuild_dataloader(
     elif loader.batch_size is not None:  # the batch sampler was made from these three
         kwargs.update(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last)
     elif loader.batch_sampler is not None:  # a custom batch sampler
-        kwargs.update(batch_size=None, batch_sampler=loader.batch_sampler)
+        kwargs.update(batch_sampler=loader.batch_sampler)
     else:  # batch_size=None: no automatic batching
         kwargs.update(batch_size=None, sampler=loader.sampler)
     if workers > 0:
@@ -484,7 +484,7 @@ def preload_to_device(
     if loader.batch_size is not None:
         kwargs.update(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last)
     else:
-        kwargs.update(batch_size=None, batch_sampler=loader.batch_sampler)
+        kwargs.update(batch_sampler=loader.batch_sampler)
     return DataLoader(**kwargs)
 
 
@@ -702,6 +702,7 @@ class _LoaderRebuilder(Technique):
 
         if self._wrapped:
             return
+        self._start()
         datamodule = trainer.datamodule
         for hook in _HOOKS:
             source = None
@@ -725,6 +726,9 @@ class _LoaderRebuilder(Technique):
                 "return it from `train_dataloader()`, or rebuild it yourself with "
                 "lightning_efficient.functional."
             )
+
+    def _start(self) -> None:
+        """Forget what an earlier fit decided (a new trainer may differ)."""
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for source, hook in self._wrapped:
@@ -786,6 +790,9 @@ class DataLoaderTuning(_LoaderRebuilder):
         self._chosen: int | None = None
         self._tuned: TuneResult | None = None
         self._changes: dict[str, str] = {}
+
+    def _start(self) -> None:
+        self._chosen, self._tuned, self._changes = None, None, {}
 
     def _workers(self, trainer: Any, loader: DataLoader) -> int:
         if self._chosen is None:
@@ -851,6 +858,9 @@ class DevicePreload(_LoaderRebuilder):
         self.max_bytes = max_bytes
         self._used: dict[str, int] = {}
 
+    def _start(self) -> None:
+        self._used = {}
+
     def _rebuild(self, trainer: Any, loader: DataLoader, hook: str) -> DataLoader:
         limit = parse_bytes("max_bytes", self.max_bytes)
         used = sum(b for h, b in self._used.items() if h != hook)
@@ -877,7 +887,7 @@ class InputStallMonitor(Technique):
 
     The wait is the time from ``on_train_batch_end`` to the next ``on_train_batch_start`` (the
     next batch is fetched and moved to the device there), the step the time from
-    ``on_train_batch_start`` to ``on_train_batch_end``; intervals that contain validation are
+    ``on_train_batch_start`` to ``on_train_batch_end``; time spent in validation is
     skipped. Timed with the instrument's ``StepTimer`` (CUDA events on a GPU, so the wait is the
     time the GPU sat idle). After ``check_after`` steps (and again when training ends, if not
     decided yet) it warns once, with a concrete fix, when ``wait / (wait + step) > threshold``.

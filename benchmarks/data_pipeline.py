@@ -123,9 +123,10 @@ def run(name: str, technique: Callback | None, args: argparse.Namespace) -> dict
         limit_val_batches=0, callbacks=callbacks,
     )
     start = time.perf_counter()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("always")
         trainer.fit(model, datamodule=data)
+    stall_warning = next((str(w.message) for w in caught if "InputStallMonitor" in str(w.message)), None)
     wall = time.perf_counter() - start
     report = report_for(trainer).to_dict()
     loader = trainer.train_dataloader
@@ -135,6 +136,7 @@ def run(name: str, technique: Callback | None, args: argparse.Namespace) -> dict
         "stall_fraction": monitor.stall_fraction,
         "num_workers": getattr(loader, "num_workers", None),
         "fit_wall_s": wall,
+        "stall_warning": stall_warning,
         "report": report,
         "device": str(trainer.strategy.root_device),
     }
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         md.append(
             f"| {r['loading']} | {workers} | {r['samples_per_s']:.1f} | {r['of_limit']:.2f} | {stall} | {by_stall} |"
         )
+    plain_warning = next((x["stall_warning"] for x in runs[0] if x["stall_warning"]), None)
+    md += ["", "InputStallMonitor's warning on the plain run (first round):", "", f"    {plain_warning}"]
     md += [
         "",
         f"Padding to the longest sample per batch, {pad['samples']} paragraphs of the corpus (<= 512 bytes), "

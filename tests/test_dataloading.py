@@ -216,8 +216,10 @@ def test_preload_refuses_too_large_with_size_and_limit(tmp_path) -> None:
     loader = DataLoader(Numbered(100), batch_size=4)
     with pytest.raises(PreloadRefused, match=r"needs 1.95 KiB \(100 samples x 20 B\).*more than max_bytes=1000 B"):
         preload_to_device(loader, "cpu", max_bytes=1000)
+    data = tiny_data()
     with pytest.raises(ValueError, match="more than max_bytes"):
-        fit(tmp_path, [DevicePreload(max_bytes="1KiB")], max_steps=2)
+        fit(tmp_path, [DevicePreload(max_bytes="1KiB")], data=data, max_steps=2)
+    assert "train_dataloader" not in vars(data)  # the failed fit restored the datamodule's hooks
     with pytest.raises(PreloadRefused, match="collate_fn"):
         preload_to_device(DataLoader(Numbered(4), batch_size=2, collate_fn=lambda s: s), "cpu")
     with pytest.raises(ValueError, match="max_bytes"):

@@ -736,6 +736,9 @@ class _LoaderRebuilder(Technique):
                 delattr(source, hook)
         self._wrapped = []
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # a failed fit leaves the hooks as they were
+
     def _rebuild_all(self, trainer: Any, loaders: Any, hook: str) -> Any:
         if isinstance(loaders, DataLoader):
             return self._rebuild(trainer, loaders, hook)

@@ -307,3 +307,15 @@ def test_method_card_example_runs(capsys) -> None:
     exec(compile(code, "docs/memory.md", "exec"), {})
     out = capsys.readouterr().out
     assert out.startswith("peak ") and "activations" in out
+
+
+def test_training_step_without_batch_idx() -> None:
+    from helpers import TINY_MODEL
+    from lightning_efficient.demos import TinyGPT
+
+    class NoIdx(TinyGPT):
+        def training_step(self, batch):  # Lightning allows leaving out batch_idx
+            return self._loss(batch)[0]
+
+    est = estimate_memory(NoIdx(**TINY_MODEL), _batch())
+    assert est.peak_bytes == estimate_memory(tiny_model(), _batch()).peak_bytes

@@ -61,15 +61,19 @@ def estimate_command(argv: Sequence[str]) -> int:
     hook = getattr(model, "configure_model", None)
     if callable(hook):
         hook()
+    techniques = [cb for cb in trainer.callbacks if hasattr(cb, "configure_estimate")]
+    if hasattr(trainer.strategy, "configure_estimate"):
+        techniques.append(trainer.strategy)
     try:
         est = estimate_memory(
             model,
             batch,
             optimizer=args.optimizer,
             precision=precision,
-            callbacks=list(trainer.callbacks),
+            callbacks=techniques,
             steps=args.steps,
             cuda_rounding=args.cuda_rounding,
+            accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
         )
     except (EstimateError, ValueError, TypeError) as err:
         return _error(str(err))

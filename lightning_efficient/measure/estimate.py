@@ -374,7 +374,7 @@ def estimate_memory(
                 hook = getattr(cb, "configure_estimate", None)
                 if hook is not None:
                     hook(plan)
-            tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None)
+            tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=True)
             try:
                 with fake_mode:
                     run_steps(plan, tracker, steps=steps)

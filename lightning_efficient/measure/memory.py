@@ -92,7 +92,7 @@ class MemoryBreakdown(Technique):
             torch.cuda.reset_peak_memory_stats(device)
             self._cuda = {"device": device, "forward_end": None, "grads": 0}
             return
-        tracker = StorageTracker()
+        tracker = StorageTracker(fake=False)
         tracker.__enter__()
         self._tracker = tracker
         tracker.phase = "forward"

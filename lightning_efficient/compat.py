@@ -55,3 +55,16 @@ def _fp16_on_cpu(trainer: Any, techniques: Sequence[Any]) -> "str | None":
             "'32-true') instead."
         )
     return None
+
+
+@rule
+def _preload_with_workers(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+    names = {type(t).__name__ for t in techniques}
+    if {"DataLoaderTuning", "DevicePreload"} <= names:
+        return (
+            "DataLoaderTuning with DevicePreload: preloaded batches already live on the device and "
+            "are served in the main process, so worker processes have nothing to load (and cannot "
+            "hold device tensors). Keep DevicePreload for datasets that fit, DataLoaderTuning for "
+            "the others."
+        )
+    return None

@@ -17,3 +17,21 @@ __all__ += [
     "checkpointed_blocks",
     "blocks_for_budget",
 ]
+
+from lightning_efficient.techniques.dataloading import (  # noqa: E402
+    LengthBucketSampler,
+    auto_num_workers,
+    padding_stats,
+    preload_to_device,
+    rebuild_dataloader,
+    tune_num_workers,
+)
+
+__all__ += [
+    "rebuild_dataloader",
+    "auto_num_workers",
+    "tune_num_workers",
+    "preload_to_device",
+    "LengthBucketSampler",
+    "padding_stats",
+]

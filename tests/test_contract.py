@@ -143,6 +143,45 @@ CASES.append(
     )
 )
 
+# -- data pipeline (techniques/dataloading.py) --------------------------------------------------
+from lightning_efficient.techniques.dataloading import (  # noqa: E402
+    DataLoaderTuning,
+    DevicePreload,
+    InputStallMonitor,
+)
+
+CASES += [
+    Case(
+        DataLoaderTuning,
+        init_args={"num_workers": 1, "pin_memory": False},
+        bad_args=[
+            ({"num_workers": -1}, "num_workers"),
+            ({"num_workers": 0, "prefetch_factor": 2}, "prefetch_factor"),
+            ({"pin_memory": "yes"}, "pin_memory"),
+            ({"tune": "yes"}, "tune"),
+        ],
+        fuzz={
+            "num_workers": st.integers(max_value=-1) | st.text(max_size=6).filter(lambda s: s != "auto"),
+            "prefetch_factor": st.integers(max_value=0),
+        },
+    ),
+    Case(
+        DevicePreload,
+        init_args={"max_bytes": "64MiB"},
+        bad_args=[({"max_bytes": "lots"}, "max_bytes"), ({"max_bytes": -5}, "max_bytes")],
+        fuzz={"max_bytes": st.integers(max_value=0)},
+    ),
+    Case(
+        InputStallMonitor,
+        init_args={"threshold": 0.1, "check_after": 2},
+        bad_args=[({"threshold": 1.5}, "threshold"), ({"check_after": 0}, "check_after")],
+        fuzz={
+            "threshold": st.floats(min_value=1.0) | st.floats(max_value=-0.001),
+            "check_after": st.integers(max_value=0),
+        },
+    ),
+]
+
 ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
 

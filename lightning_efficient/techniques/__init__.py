@@ -19,3 +19,14 @@ from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
 
 TECHNIQUES.append(MemoryBreakdown)
 __all__ += ["ActivationCheckpointing"]
+
+
+from lightning_efficient.techniques.dataloading import (  # noqa: E402
+    DataLoaderTuning,
+    DevicePreload,
+    InputStallMonitor,
+    LengthBucketSampler,
+)
+
+TECHNIQUES += [DataLoaderTuning, DevicePreload, InputStallMonitor]
+__all__ += ["DataLoaderTuning", "DevicePreload", "InputStallMonitor", "LengthBucketSampler"]

@@ -1,0 +1,407 @@
+"""The data pipeline: rebuilt loaders yield the same samples in the same order, preloading too,
+the stall monitor warns once on slow data only, the bucket sampler cuts padding, is deterministic,
+partitions across ranks and resumes mid-epoch; bad input fails clearly."""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch import Callback
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+
+from helpers import fit, tiny_data, tiny_model
+from lightning_efficient.functional import (
+    LengthBucketSampler,
+    auto_num_workers,
+    padding_stats,
+    preload_to_device,
+    rebuild_dataloader,
+    tune_num_workers,
+)
+from lightning_efficient.measure.report import report_for
+from lightning_efficient.techniques import NoEffectWarning
+from lightning_efficient.techniques.dataloading import (
+    DataLoaderTuning,
+    DevicePreload,
+    InputStallMonitor,
+    PreloadedBatches,
+    PreloadRefused,
+    WorkerSeeder,
+)
+
+
+class Numbered(Dataset):
+    """Sample i is (i, a random number drawn in __getitem__, a vector); ``delay_s`` per sample."""
+
+    def __init__(self, n: int = 24, delay_s: float = 0.0) -> None:
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return torch.tensor(i), torch.full((3,), float(i))
+
+
+def ids_per_epoch(loader: DataLoader, epochs: int) -> list[list[int]]:
+    return [[int(x) for b in loader for x in b[0]] for _ in range(epochs)]
+
+
+# -- rebuild_dataloader ---------------------------------------------------------------------
+@pytest.mark.parametrize("persistent", [True, False])
+def test_rebuilt_loader_same_samples_same_order_across_epochs(persistent: bool) -> None:
+    def run(make):
+        torch.manual_seed(0)
+        loader = make()
+        order = ids_per_epoch(loader, 3)
+        return order, torch.rand(1).item()  # the global RNG stream after the epochs
+
+    plain = lambda: DataLoader(Numbered(), batch_size=4, shuffle=True, drop_last=True)  # noqa: E731
+    tuned = lambda: rebuild_dataloader(plain(), num_workers=2, persistent_workers=persistent)  # noqa: E731
+    (order_plain, after_plain), (order_tuned, after_tuned) = run(plain), run(tuned)
+    assert order_plain == order_tuned
+    assert order_plain[0] != order_plain[1]  # it does shuffle per epoch, so the test can fail
+    assert after_plain == after_tuned  # persistent workers draw the per-epoch seed like plain ones
+    assert len(order_plain[0]) == 24
+
+
+def test_rebuild_keeps_batch_sampler_collate_and_settings() -> None:
+    def collate(samples):
+        return [torch.stack([s[0] for s in samples]), "custom"]
+
+    batch_sampler = BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=False)
+    loader = DataLoader(Numbered(10), batch_sampler=batch_sampler, collate_fn=collate)
+    new = rebuild_dataloader(loader, num_workers=1, prefetch_factor=3, persistent_workers=False)
+    assert new.batch_sampler is batch_sampler and new.collate_fn is collate
+    assert (new.num_workers, new.prefetch_factor, new.persistent_workers) == (1, 3, False)
+    assert new.worker_init_fn == WorkerSeeder(0)
+    assert [b[0].tolist() for b in new] == [b[0].tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert all(b[1] == "custom" for b in new)
+    kept = DataLoader(Numbered(10), batch_size=4, drop_last=True)
+    again = rebuild_dataloader(kept)
+    assert (again.batch_size, again.drop_last, again.num_workers) == (4, True, 0)
+    assert isinstance(again.sampler, SequentialSampler)
+
+
+def test_worker_seeding_is_reproducible_and_rank_dependent() -> None:
+    class Noisy(Numbered):
+        def __getitem__(self, i: int):
+            return torch.tensor(i), torch.rand(1)
+
+    def noise(rank: int) -> list[float]:
+        torch.manual_seed(0)
+        loader = rebuild_dataloader(DataLoader(Noisy(8), batch_size=2), num_workers=2, rank=rank)
+        return [float(x) for b in loader for x in b[1]]
+
+    assert noise(0) == noise(0)
+    assert noise(0) != noise(1)
+
+
+def test_rebuild_bad_input() -> None:
+    loader = DataLoader(Numbered(), batch_size=2)
+    with pytest.raises(ValueError, match="num_workers"):
+        rebuild_dataloader(loader, num_workers=-1)
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        rebuild_dataloader(loader, num_workers=0, prefetch_factor=2)
+    with pytest.raises(TypeError, match="loader"):
+        rebuild_dataloader([1, 2, 3])  # type: ignore[arg-type]
+    bad = DataLoader(Numbered(24), batch_size=2, sampler=LengthBucketSampler([1] * 10, bucket_size=4))
+    with pytest.raises(ValueError, match=r"`lengths` has 10 entries but the dataset has 24"):
+        rebuild_dataloader(bad)
+    with pytest.raises(ValueError, match="num_workers"):
+        DataLoaderTuning(num_workers=-2)
+    with pytest.raises(TypeError, match="num_workers"):
+        DataLoaderTuning(num_workers="many")
+    with pytest.raises(ValueError, match="prefetch_factor.*num_workers"):
+        DataLoaderTuning(num_workers=0, prefetch_factor=4)
+    assert auto_num_workers() >= 1
+
+
+# -- tune_num_workers -----------------------------------------------------------------------
+def test_tune_measures_each_count_and_restores_state() -> None:
+    sampler = LengthBucketSampler(list(range(40)), bucket_size=8)
+    loader = DataLoader(Numbered(40, delay_s=0.01), batch_size=4, sampler=sampler)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    result = tune_num_workers(loader, [0, 2], time_cap_s=3.0, max_batches=6)
+    assert torch.equal(torch.get_rng_state(), before)  # training sees the same random stream
+    assert sampler.position == 0  # and the sampler starts the epoch where it was
+    assert set(result.batches_per_s) == {0, 2} and all(result.batches[w] >= 1 for w in (0, 2))
+    rates = result.batches_per_s
+    assert all(r > 0 for r in rates.values())
+    # the kept count is the smallest within 5% of the fastest (no timed assert: which one is
+    # faster depends on the machine's load)
+    within = [w for w, r in rates.items() if r >= 0.95 * max(rates.values())]
+    assert result.best == min(within)
+    assert f"| {result.best} (kept) |" in result.table()
+    with pytest.raises(ValueError, match="candidates"):
+        tune_num_workers(loader, [0, -1])
+    with pytest.raises(ValueError, match="time_cap_s"):
+        tune_num_workers(loader, [0], time_cap_s=0)
+
+
+# -- DataLoaderTuning and DevicePreload in a real fit ---------------------------------------
+class BatchRecorder(Callback):
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.loader = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(batch[0].detach().cpu().clone())
+        self.loader = trainer.train_dataloader
+
+
+def _fit_batches(tmp_path, callbacks, **kw):
+    rec = BatchRecorder()
+    trainer, _, losses = fit(tmp_path, [*callbacks, rec], data=tiny_data(max_train_samples=16), max_steps=8, **kw)
+    return trainer, rec, losses.losses
+
+
+def test_tuning_in_fit_same_batches_as_plain(tmp_path) -> None:
+    _, plain, plain_losses = _fit_batches(tmp_path / "plain", [])
+    trainer, tuned, tuned_losses = _fit_batches(tmp_path / "tuned", [DataLoaderTuning(num_workers=1, pin_memory=False)])
+    assert len(plain.batches) == 8  # two epochs of 4 batches
+    assert all(torch.equal(a, b) for a, b in zip(plain.batches, tuned.batches))
+    assert not torch.equal(plain.batches[0], plain.batches[4])  # epoch 2 is shuffled differently
+    assert tuned.loader.num_workers == 1 and tuned.loader.persistent_workers
+    assert plain.loader.num_workers == 0
+    torch.testing.assert_close(torch.tensor(tuned_losses), torch.tensor(plain_losses))
+    entry = report_for(trainer)["DataLoaderTuning"]
+    assert "num_workers 0->1" in entry.change and entry.figures["num_workers"] == 1
+    # the hooks are restored after fit: the datamodule is unchanged for the next user
+    assert "train_dataloader" not in vars(trainer.datamodule)
+
+
+def test_tuning_with_tune_picks_a_measured_count(tmp_path) -> None:
+    trainer, rec, _ = _fit_batches(tmp_path, [DataLoaderTuning(tune=True, tune_time_s=1.0, pin_memory=False)])
+    figures = report_for(trainer)["DataLoaderTuning"].figures
+    measured = {int(k.removeprefix("batches_per_s_w")) for k in figures if k.startswith("batches_per_s_w")}
+    assert len(measured) >= 2 and rec.loader.num_workers in measured
+
+
+def test_preload_same_batches_as_plain_and_served_from_device(tmp_path) -> None:
+    _, plain, plain_losses = _fit_batches(tmp_path / "plain", [])
+    trainer, pre, pre_losses = _fit_batches(tmp_path / "pre", [DevicePreload()])
+    assert all(torch.equal(a, b) for a, b in zip(plain.batches, pre.batches)) and len(pre.batches) == 8
+    assert isinstance(pre.loader.dataset, PreloadedBatches)
+    assert pre.loader.num_workers == 0 and pre.loader.dataset.device == trainer.strategy.root_device
+    # 16 samples x (input + target) x 32 int64 tokens
+    assert report_for(trainer)["DevicePreload"].figures["preloaded_bytes"] >= 16 * 2 * 32 * 8
+    torch.testing.assert_close(torch.tensor(pre_losses), torch.tensor(plain_losses))
+
+
+def test_preload_function_keeps_shuffle_and_batch_sampler() -> None:
+    data = Numbered(20)
+    torch.manual_seed(1)
+    plain = ids_per_epoch(DataLoader(data, batch_size=3, shuffle=True), 2)
+    torch.manual_seed(1)
+    loader = preload_to_device(DataLoader(data, batch_size=3, shuffle=True), "cpu")
+    assert ids_per_epoch(loader, 2) == plain
+    batch = next(iter(loader))
+    assert isinstance(batch, list) and batch[1].shape == (3, 3)  # default_collate's structure
+    bs = BatchSampler(RandomSampler(range(20), generator=torch.Generator().manual_seed(5)), 4, True)
+    want = [b[0].tolist() for b in DataLoader(data, batch_sampler=bs)]
+    bs.sampler.generator.manual_seed(5)
+    assert [b[0].tolist() for b in preload_to_device(DataLoader(data, batch_sampler=bs), "cpu")] == want
+
+
+def test_preload_refuses_too_large_with_size_and_limit(tmp_path) -> None:
+    loader = DataLoader(Numbered(100), batch_size=4)
+    with pytest.raises(PreloadRefused, match=r"needs 1.95 KiB \(100 samples x 20 B\).*more than max_bytes=1000 B"):
+        preload_to_device(loader, "cpu", max_bytes=1000)
+    data = tiny_data()
+    with pytest.raises(ValueError, match="more than max_bytes"):
+        fit(tmp_path, [DevicePreload(max_bytes="1KiB")], data=data, max_steps=2)
+    assert "train_dataloader" not in vars(data)  # the failed fit restored the datamodule's hooks
+    with pytest.raises(PreloadRefused, match="collate_fn"):
+        preload_to_device(DataLoader(Numbered(4), batch_size=2, collate_fn=lambda s: s), "cpu")
+    with pytest.raises(ValueError, match="max_bytes"):
+        DevicePreload(max_bytes="a lot")
+
+
+def test_dataloader_tuning_with_preload_is_a_conflict(tmp_path) -> None:
+    with pytest.raises(ValueError, match="DataLoaderTuning with DevicePreload"):
+        fit(tmp_path, [DataLoaderTuning(num_workers=1), DevicePreload()], max_steps=1)
+
+
+def test_loaders_given_to_fit_directly_say_no_effect(tmp_path) -> None:
+    dm = tiny_data()
+    dm.setup("fit")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[DataLoaderTuning(num_workers=1)], default_root_dir=str(tmp_path),
+    )
+    with pytest.warns(NoEffectWarning, match="loaders passed to trainer.fit directly"):
+        trainer.fit(tiny_model(), train_dataloaders=dm.train_dataloader())
+    assert trainer.train_dataloader.num_workers == 0
+
+
+# -- InputStallMonitor ----------------------------------------------------------------------
+class DelayedData(pl.LightningDataModule):
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def train_dataloader(self) -> DataLoader:
+        inner = tiny_data()
+        inner.setup("fit")
+        data = inner.train_set
+        delay = self.delay_s
+
+        class Slow(Dataset):
+            def __len__(self) -> int:
+                return len(data)
+
+            def __getitem__(self, i: int):
+                if delay:
+                    time.sleep(delay)
+                return data[i]
+
+        return DataLoader(Slow(), batch_size=4)
+
+
+def _stall_warnings(tmp_path, delay_s: float) -> tuple[list[str], InputStallMonitor]:
+    monitor = InputStallMonitor(check_after=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, [monitor], data=DelayedData(delay_s), max_steps=6, limit_val_batches=0)
+    return [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)], monitor
+
+
+def test_stall_monitor_warns_once_on_slow_data_with_the_fix(tmp_path) -> None:
+    msgs, monitor = _stall_warnings(tmp_path, delay_s=0.1)  # 400 ms of loading per batch
+    assert len(msgs) == 1, msgs
+    assert "waiting for the next batch" in msgs[0] and "DataLoaderTuning(num_workers=" in msgs[0]
+    assert monitor.stall_fraction is not None and monitor.stall_fraction > 0.1
+
+
+def test_stall_monitor_quiet_on_fast_data(tmp_path) -> None:
+    msgs, monitor = _stall_warnings(tmp_path, delay_s=0.0)
+    assert msgs == []
+    assert monitor.stall_fraction is not None and monitor.stall_fraction < 0.1
+
+
+# -- LengthBucketSampler --------------------------------------------------------------------
+def _lengths(n: int = 512, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, 200) for _ in range(n)]
+
+
+def _batches(order: list[int], batch_size: int) -> list[list[int]]:
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def test_bucketing_cuts_padding() -> None:
+    lengths = _lengths()
+    shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
+    plain = padding_stats(lengths, _batches(shuffled, 8))
+    bucketed = padding_stats(lengths, _batches(list(LengthBucketSampler(lengths, bucket_size=128)), 8))
+    assert bucketed["real_tokens"] == plain["real_tokens"] == sum(lengths)
+    assert plain["padding_fraction"] > 0.3
+    assert bucketed["padding_fraction"] < 0.25 * plain["padding_fraction"]
+
+
+def test_bucket_order_deterministic_per_seed_and_epoch() -> None:
+    lengths = _lengths(100)
+    a, b = LengthBucketSampler(lengths, 20, seed=1), LengthBucketSampler(lengths, 20, seed=1)
+    assert list(a) == list(b)
+    e0 = list(a)
+    a.set_epoch(1)
+    assert list(a) != e0 and sorted(a) == sorted(e0) == list(range(100))
+    assert list(LengthBucketSampler(lengths, 20, seed=2)) != e0
+    # inside each bucket the lengths are sorted, longest first
+    for bucket in _batches(e0, 20):
+        ls = [lengths[i] for i in bucket]
+        assert ls == sorted(ls, reverse=True)
+
+
+@pytest.mark.parametrize("n,drop_last", [(99, False), (100, False), (100, True), (101, True)])
+def test_bucket_ddp_partition(n: int, drop_last: bool) -> None:
+    lengths = _lengths(n)
+    shards = [list(LengthBucketSampler(lengths, 60, num_replicas=3, rank=r, drop_last=drop_last)) for r in range(3)]
+    assert len({len(s) for s in shards}) == 1  # every rank takes as many steps
+    flat = [i for s in shards for i in s]
+    if drop_last:
+        assert len(set(flat)) == len(flat) == (n // 3) * 3  # disjoint
+    else:
+        assert set(flat) == set(range(n))  # covering
+        if n % 3 == 0:
+            assert len(flat) == n  # and disjoint
+    # each rank's run is sorted within its share of a bucket, so batches stay homogeneous
+    rank0 = padding_stats(lengths, _batches(shards[0], 4))["padding_fraction"]
+    unbucketed = padding_stats(lengths, _batches(list(range(n))[0::3], 4))["padding_fraction"]
+    assert rank0 < 0.5 * unbucketed
+    assert len(shards[0]) == len(LengthBucketSampler(lengths, 60, num_replicas=3, rank=0, drop_last=drop_last))
+
+
+def test_bucket_resumes_mid_epoch() -> None:
+    lengths = _lengths(60)
+    full = LengthBucketSampler(lengths, 16, seed=4)
+    full.set_epoch(2)
+    whole = list(full)
+    first = LengthBucketSampler(lengths, 16, seed=4)
+    first.set_epoch(2)
+    it = iter(first)
+    head = [next(it) for _ in range(23)]
+    state = first.state_dict()
+    assert state == {"seed": 4, "epoch": 2, "position": 23}
+    resumed = LengthBucketSampler(lengths, 16, seed=0)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)  # Lightning calls this at the start of the resumed epoch
+    assert head + list(resumed) == whole
+    assert resumed.state_dict()["position"] == 0  # the next epoch starts from the beginning
+    # and through a DataLoader
+    loader = DataLoader(Numbered(60), batch_size=5, sampler=resumed)
+    resumed.load_state_dict({"seed": 4, "epoch": 2, "position": 20})
+    assert [int(x) for b in loader for x in b[0]] == whole[20:]
+
+
+def test_bucket_is_left_alone_by_lightning_distributed_injection() -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = LengthBucketSampler(_lengths(10), 4)
+    assert isinstance(sampler, DistributedSampler)  # Lightning only injects into other samplers
+    assert (sampler.num_replicas, sampler.rank) == (1, 0)  # no process group here
+
+
+def test_bucket_bad_input() -> None:
+    with pytest.raises(ValueError, match=r"`lengths` has 3 entries but the dataset has 5"):
+        LengthBucketSampler([1, 2, 3], bucket_size=2, dataset=list(range(5)))
+    with pytest.raises(ValueError, match="bucket_size"):
+        LengthBucketSampler([1, 2, 3], bucket_size=0)
+    with pytest.raises(ValueError, match="lengths"):
+        LengthBucketSampler([1, -2, 3], bucket_size=2)
+    with pytest.raises(TypeError, match="lengths"):
+        LengthBucketSampler("abc", bucket_size=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rank"):
+        LengthBucketSampler([1, 2, 3], bucket_size=2, num_replicas=2, rank=2)
+
+
+def test_bucket_sampler_under_lightning_ddp_shards_itself(tmp_path) -> None:
+    """Lightning leaves the sampler in place (no DistributedSamplerWrapper re-shuffling it) and
+    each of 2 ranks trains on its own bucketed shard: disjoint, covering, batches sorted."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "_ddp_bucket.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sys.path.insert(0, str(script.parent))
+    from _ddp_bucket import LENGTHS  # noqa: E402
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["sampler"] == "LengthBucketSampler" and r["world"] == 2 for r in ranks)
+    seen = [[i for batch in r["seen"] for i in batch] for r in ranks]
+    assert set(seen[0]).isdisjoint(seen[1]) and set(seen[0]) | set(seen[1]) == set(range(len(LENGTHS)))
+    for r in range(2):
+        assert seen[r] == LengthBucketSampler(LENGTHS, 16, seed=3, num_replicas=2, rank=r).rank_order()

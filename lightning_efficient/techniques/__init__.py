@@ -8,4 +8,8 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = []
 
-__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+from lightning_efficient.techniques.zero_offload import ZeROOffload  # noqa: E402
+
+TECHNIQUES.append(ZeROOffload)
+
+__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES", "ZeROOffload"]

@@ -272,7 +272,9 @@ def test_checkpoints_cross_between_zero_and_plain(runs) -> None:
 def stage3(tmp_path_factory):
     """ZeRO-3 with optimizer and parameter offload, saving DeepSpeed's sharded directory."""
     root = tmp_path_factory.mktemp("zero3")
-    strategy = ZeROOffload(stage=3, offload_parameters=True, save_format="zero")
+    # threshold 0: partition every parameter of the tiny model (a config entry no argument owns)
+    no_persist = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    strategy = ZeROOffload(stage=3, offload_parameters=True, save_format="zero", config=no_persist)
     trainer, model, rec = fit(root / "run", strategy=strategy, max_steps=4, use_distributed_sampler=False)
     ckpt_dir = root / "zero3_ckpt"
     trainer.save_checkpoint(ckpt_dir)
@@ -289,8 +291,10 @@ def test_stage3_with_parameter_offload_trains(stage3) -> None:
     assert trainer.strategy.zero_stage_3
     zero = trainer.strategy.config["zero_optimization"]
     assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["stage3_param_persistence_threshold"] == 0  # the user's entry won over the default
     # parameters are partitioned: the module holds placeholders, DeepSpeed the data
-    assert all(p.numel() == 0 for p in trainer.lightning_module.parameters())
+    params = list(trainer.lightning_module.parameters())
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)
     torch.testing.assert_close(torch.tensor(stage3["rec"].losses), torch.tensor(stage3["plain_rec"].losses), rtol=1e-4, atol=1e-5)
     for name, value in params_of(stage3["plain_model"]).items():
         torch.testing.assert_close(stage3["trained"][name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -8,8 +8,13 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = []
 
+__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES", "ZeROOffload"]
+
+# the instrument's tracking callback (lightning_efficient.measure.memory)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+TECHNIQUES.append(MemoryBreakdown)
+
 from lightning_efficient.techniques.zero_offload import ZeROOffload  # noqa: E402
 
 TECHNIQUES.append(ZeROOffload)
-
-__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES", "ZeROOffload"]

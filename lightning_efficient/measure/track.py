@@ -1,0 +1,366 @@
+"""Live storage bytes by category, on fake or real tensors: the one tracker of the instrument.
+
+``StorageTracker`` is a ``TorchDispatchMode``. Every tensor an operation returns is looked up by
+its storage; a storage not seen before is a new allocation of ``storage.nbytes()`` bytes, and a
+weak reference tells when it is freed. Views and in-place results share a storage and so cost
+nothing. The tracker keeps an event log (allocation / free, phase); categories are labels on the
+storages that can be settled later in the step (a gradient is known as one only once autograd
+stores it in ``.grad``), and ``summary()`` replays the log with the final labels. Because it
+follows storages, not modules, forwards that activation checkpointing re-runs during backward are
+counted as they happen.
+
+``run_steps`` is the training step both the estimate (fake tensors) and ``measure_step`` (real
+tensors on the CPU) run, so the two are compared on the same steps and categories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_efficient.measure.estimate import (
+    CATEGORIES,
+    EstimatePlan,
+    MemoryEstimate,
+    _check_common,
+    cuda_round,
+    resolve_optimizer,
+)
+
+__all__ = ["StorageTracker", "run_steps", "measure_step", "MemoryBreakdown"]
+
+# a label only moves up this order (a parameter saved for backward stays a parameter)
+_RANK = {c: i for i, c in enumerate(("temporaries", "activations", "gradients", "optimizer_state", "parameters"))}
+
+
+class _Storage:
+    __slots__ = ("nbytes", "category", "__weakref__")
+
+    def __init__(self, nbytes: int, category: str) -> None:
+        self.nbytes = nbytes
+        self.category = category
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    for x in tree_flatten(obj)[0]:
+        if isinstance(x, torch.Tensor):
+            yield x
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storage bytes by category while active (``with tracker: ...``).
+
+    Args:
+        rounding: Optional ``rounding(nbytes) -> nbytes`` applied to each allocation (e.g.
+            ``estimate.cuda_round`` for the CUDA caching allocator's block sizes).
+
+    New storages start as ``"temporaries"``; ``label(tensors, category)`` raises their category
+    (order: temporaries < activations < gradients < optimizer_state < parameters);
+    ``end_forward()`` labels everything still live that is a temporary as an activation (what
+    autograd keeps for backward). ``phase`` names the current phase for the log.
+    """
+
+    def __init__(self, rounding: Callable[[int], int] | None = None) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.phase = "forward"
+        self._live: dict[int, _Storage] = {}
+        self._refs: dict[int, Any] = {}
+        self._events: list[tuple[_Storage, int, str]] = []
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _storage(self, t: torch.Tensor, category: str) -> _Storage | None:
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):  # sparse, nested, odd subclasses
+            return None
+        key = id(st)
+        rec = self._live.get(key)
+        if rec is not None:
+            return rec
+        nbytes = int(st.nbytes())
+        if self.rounding is not None:
+            nbytes = int(self.rounding(nbytes))
+        rec = _Storage(nbytes, category)
+        self._live[key] = rec
+        self._refs[key] = weakref.ref(st, lambda _r, key=key, rec=rec: self._free(key, rec))
+        self._events.append((rec, 1, self.phase))
+        return rec
+
+    def _free(self, key: int, rec: _Storage) -> None:
+        if self._live.get(key) is rec:
+            del self._live[key]
+            del self._refs[key]
+            self._events.append((rec, -1, self.phase))
+
+    def track(self, tensors: Any, category: str = "temporaries") -> None:
+        """Register the storages of ``tensors`` (any nesting) not seen yet, and label them."""
+        self.label(tensors, category)
+
+    def label(self, tensors: Any, category: str) -> None:
+        if category not in _RANK:
+            raise ValueError(f"`category` must be one of {', '.join(CATEGORIES)}; got {category!r}.")
+        for t in _tensors(tensors):
+            rec = self._storage(t, category)
+            if rec is not None and _RANK[category] > _RANK[rec.category]:
+                rec.category = category
+
+    def end_forward(self) -> None:
+        """Everything live that is still a temporary is kept for backward: an activation."""
+        for rec in self._live.values():
+            if rec.category == "temporaries":
+                rec.category = "activations"
+
+    def live_bytes(self, category: str | None = None) -> int:
+        return sum(r.nbytes for r in self._live.values() if category is None or r.category == category)
+
+    # -- the dispatch hook -------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self._storage(t, "temporaries")
+        return out
+
+    # -- results -----------------------------------------------------------------------------
+    def summary(self, offload: dict[str, bool] | None = None) -> MemoryEstimate:
+        """Replay the log with the final labels: peak, bytes per category at the peak, phases.
+
+        Categories with ``offload[category]`` true are counted in host memory, not the device.
+        """
+        offload = offload or {}
+        device = host = host_peak = 0
+        current = dict.fromkeys(CATEGORIES, 0)
+        peak, at_peak, peak_phase = 0, dict(current), "forward"
+        phase_peaks: dict[str, int] = {}
+        for rec, sign, phase in self._events:
+            n = sign * rec.nbytes
+            if offload.get(rec.category, False):
+                host += n
+                host_peak = max(host_peak, host)
+                continue
+            device += n
+            current[rec.category] += n
+            if phase in phase_peaks:
+                phase_peaks[phase] = max(phase_peaks[phase], device)
+            else:
+                phase_peaks[phase] = device
+            if device > peak:
+                peak, at_peak, peak_phase = device, dict(current), phase
+        return MemoryEstimate(
+            peak_bytes=peak, by_category=at_peak, peak_phase=peak_phase, phase_peaks=phase_peaks, host_bytes=host_peak
+        )
+
+
+# -- the training step both the estimate and the real measurement run -----------------------------
+def _is_lightning(model: nn.Module) -> bool:
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, LightningModule)
+
+
+@contextlib.contextmanager
+def silenced_logging(model: nn.Module) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` of a LightningModule do nothing inside (instance override).
+
+    Fake tensors must not reach Lightning's logging store (device mismatch, and logging outside
+    the loop raises); the estimate measures memory, not metrics.
+    """
+    if not _is_lightning(model):
+        yield
+        return
+    had = {name: name in vars(model) for name in ("log", "log_dict")}
+    saved = {name: vars(model)[name] for name, present in had.items() if present}
+    object.__setattr__(model, "log", lambda *a, **k: None)
+    object.__setattr__(model, "log_dict", lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for name, present in had.items():
+            if present:
+                object.__setattr__(model, name, saved[name])
+            else:
+                vars(model).pop(name, None)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    loss = getattr(out, "loss", None)  # HF ModelOutput
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise TypeError(
+        "the training step must return a loss tensor or a dict with 'loss' (or an object with .loss); "
+        f"got {type(out).__name__}."
+    )
+
+
+def _autocast(precision: str) -> Any:
+    if precision == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return torch.autocast("cpu", dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) -> None:
+    """Run ``steps`` optimizer steps of ``plan`` under ``tracker`` (fake or real tensors).
+
+    Order of a step, as Lightning's automatic optimization runs it: forward (``training_step``
+    or ``loss_fn``) for each micro-batch, then ``zero_grad(set_to_none=True)`` before the first
+    backward, backward, optimizer step. For a plain module the gradients are dropped after the
+    step instead (the usual loop). With ``plan.optimizer_in_backward`` every parameter is stepped
+    and its gradient freed as soon as it is accumulated.
+    """
+    model, batch = plan.model, plan.batch
+    lightning = _is_lightning(model) and plan.loss_fn is None
+    params = _unique_params(model)
+    trainable = [p for p in params if p.requires_grad]
+    model.train()
+    handles = []
+    grad_scale = 65536.0 if plan.precision == "16-mixed" else None
+    try:
+        with tracker:
+            tracker.phase = "forward"
+            tracker.label(params, "parameters")
+            tracker.label(list(model.buffers()), "parameters")
+            tracker.label(batch, "activations")
+            for p in trainable:  # gradients and state left by earlier steps (real runs)
+                if p.grad is not None:
+                    tracker.label(p.grad, "gradients")
+            per_param: dict[int, torch.optim.Optimizer] = {}
+            optimizer = None
+            if plan.optimizer_in_backward:
+                for p in trainable:
+                    per_param[id(p)] = plan.optimizer([{"params": [p]}])
+            else:
+                optimizer = plan.optimizer([{"params": trainable}])
+                tracker.label(_state_tensors(optimizer), "optimizer_state")
+
+            def on_grad(p: torch.Tensor) -> None:
+                tracker.label(p.grad, "gradients")
+                opt = per_param.get(id(p))
+                if opt is not None:
+                    prev = tracker.phase
+                    tracker.phase = "optimizer"
+                    opt.step()
+                    tracker.label(_state_tensors(opt), "optimizer_state")
+                    p.grad = None
+                    tracker.phase = prev
+
+            for p in trainable:
+                handles.append(p.register_post_accumulate_grad_hook(on_grad))
+            micro = plan.accumulate_grad_batches
+            for _ in range(steps):
+                for i in range(micro):
+                    tracker.phase = "forward"
+                    with silenced_logging(model), _autocast(plan.precision):
+                        if plan.loss_fn is not None:
+                            out = plan.loss_fn(model, batch)
+                        else:
+                            out = model.training_step(batch, 0)
+                    loss = _loss_of(out)
+                    del out
+                    tracker.end_forward()
+                    if micro > 1:
+                        loss = loss / micro
+                    if lightning and i == 0 and optimizer is not None:
+                        optimizer.zero_grad(set_to_none=True)
+                    tracker.phase = "backward"
+                    if grad_scale is not None:
+                        loss = loss * grad_scale
+                    loss.backward()
+                    del loss
+                tracker.phase = "optimizer"
+                if optimizer is not None:
+                    optimizer.step()
+                    tracker.label(_state_tensors(optimizer), "optimizer_state")
+                    if not lightning:
+                        optimizer.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in _tensors(state)]
+
+
+def measure_step(
+    model: nn.Module,
+    batch: Any,
+    optimizer_factory: Any = "adamw",
+    *,
+    precision: str = "32-true",
+    steps: int = 2,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    callbacks: Iterable[Any] = (),
+    cuda_rounding: bool = False,
+    accumulate_grad_batches: int = 1,
+) -> MemoryEstimate:
+    """Run ``steps`` REAL training steps of ``model`` (on its device, usually the CPU) under the
+    storage tracker, and return what it measured, in the same fields as ``estimate_memory``.
+
+    The model is trained by these steps (its parameters change). ``precision="bf16-true"``
+    converts the model to bfloat16 in place. Techniques with ``configure_estimate(plan)`` are
+    applied to the real model as they are to the fake one.
+    """
+    _check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
+    factory = resolve_optimizer(optimizer_factory)
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+        batch = _floats_to(batch, torch.bfloat16)
+    plan = EstimatePlan(
+        model=model,
+        batch=batch,
+        optimizer=factory,
+        precision=precision,
+        accumulate_grad_batches=accumulate_grad_batches,
+        loss_fn=loss_fn,
+    )
+    tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None)
+    try:
+        for cb in callbacks:
+            hook = getattr(cb, "configure_estimate", None)
+            if hook is not None:
+                hook(plan)
+        run_steps(plan, tracker, steps=steps)
+    finally:
+        plan._run_undo()
+    result = tracker.summary(offload=plan.offload)
+    result.notes = list(plan.notes)
+    return result
+
+
+def _floats_to(batch: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MemoryBreakdown":  # the callback lives with the techniques' base class
+        from lightning_efficient.measure.memory import MemoryBreakdown
+
+        return MemoryBreakdown
+    raise AttributeError(name)

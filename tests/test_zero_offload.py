@@ -337,3 +337,27 @@ def test_short_name_and_registry() -> None:
     trainer = Trainer(strategy="zero_offload", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, ZeROOffload) and trainer.strategy.stage == 2
     assert trainer.strategy.root_device == torch.device("cpu", 0)
+
+
+# -- the memory estimate ---------------------------------------------------------------------
+def test_estimate_device_peak_falls_with_offload() -> None:
+    from lightning_efficient.measure.estimate import estimate_memory
+
+    model = tiny_model()
+    batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))
+    plain = estimate_memory(model, batch)
+    stage2 = estimate_memory(model, batch, callbacks=[ZeROOffload()])
+    stage3 = estimate_memory(model, batch, callbacks=[ZeROOffload(stage=3, offload_parameters=True)])
+    no_offload = estimate_memory(model, batch, callbacks=[ZeROOffload(offload_optimizer=None)])
+    n_bytes = 4 * sum(p.numel() for p in model.parameters())
+    steps = 8 * len(list(model.parameters()))  # AdamW's per-parameter step counters
+    assert plain.host_bytes == 0 and no_offload.host_bytes == 0
+    assert no_offload.peak_bytes == plain.peak_bytes
+    # AdamW's two moments and the gradients leave the device: host holds 3 x the fp32 weights
+    assert 3 * n_bytes <= stage2.host_bytes <= 3 * n_bytes + steps
+    assert stage2.by_category["optimizer_state"] == 0 and stage2.by_category["gradients"] == 0
+    assert stage2.peak_bytes < plain.peak_bytes - 2 * n_bytes
+    assert 4 * n_bytes <= stage3.host_bytes <= 4 * n_bytes + steps
+    assert stage3.by_category["parameters"] == 0
+    assert stage3.peak_bytes < stage2.peak_bytes
+    assert any("ZeROOffload" in n for n in stage2.notes)

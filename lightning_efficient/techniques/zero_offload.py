@@ -801,9 +801,15 @@ class ZeROOffload(DeepSpeedStrategy):
         offload = getattr(plan, "offload", None)
         if offload is None:
             offload = plan.offload = {}
-        for category, on in offloaded_categories(self.config or {}).items():
-            if on:
-                offload[category] = True
+        moved = [c for c, on in offloaded_categories(self.config or {}).items() if on]
+        for category in moved:
+            offload[category] = True
+        if moved and hasattr(plan, "note"):
+            plan.note(
+                f"ZeROOffload: {', '.join(moved)} counted in host memory (DeepSpeed also keeps "
+                "fp32 master weights there, 4 B/parameter, and one gradient bucket on the device; "
+                "with parameter offload each layer's weights visit the device while it runs)."
+            )
 
 
 def _register() -> None:

@@ -5,7 +5,9 @@ from lightning_efficient.techniques._blocks import find_repeated_blocks, select_
 
 from lightning_efficient.techniques.zero_offload import (
     export_fp32,
+    full_state_dict,
     load_zero_optimizer_state,
+    offloaded_categories,
     rebind_schedulers,
     scale_buckets,
     to_deepspeed_optimizer,
@@ -22,4 +24,6 @@ __all__ += [
     "zero_optimizer_state",
     "load_zero_optimizer_state",
     "export_fp32",
+    "full_state_dict",
+    "offloaded_categories",
 ]

@@ -268,6 +268,20 @@ def test_checkpoints_cross_between_zero_and_plain(runs) -> None:
     _close(runs["plain_from_zero"][1], runs["zero"][1])
 
 
+def test_stage3_resumes_from_a_plain_checkpoint(runs, tmp_path) -> None:
+    # ZeRO-3 partitions parameters and optimizer state: loading a plain AdamW checkpoint must
+    # fill both (master weights and moments), or the run diverges from the plain one
+    epoch = dict(limit_train_batches=K, max_steps=2 * K, use_distributed_sampler=False)
+    strategy = ZeROOffload(stage=3, offload_parameters=True, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    trainer, model, _ = fit(tmp_path, strategy=strategy, ckpt_path=str(runs["root"] / "plain_k.ckpt"), **epoch)
+    assert trainer.global_step == 2 * K
+    from lightning_efficient.techniques.zero_offload import full_state_dict
+
+    resumed = full_state_dict(model)
+    for name, value in params_of(runs["plain"][1]).items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.fixture(scope="module")
 def stage3(tmp_path_factory):
     """ZeRO-3 with optimizer and parameter offload, saving DeepSpeed's sharded directory."""
@@ -361,3 +375,15 @@ def test_estimate_device_peak_falls_with_offload() -> None:
     assert stage3.by_category["parameters"] == 0
     assert stage3.peak_bytes < stage2.peak_bytes
     assert any("ZeROOffload" in n for n in stage2.notes)
+
+
+def test_yaml_short_name_through_the_cli(tmp_path) -> None:
+    import yaml
+
+    from lightning_efficient.cli import EfficientCLI
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "logger": False, "strategy": "zero_offload"}}))
+    cli = EfficientCLI(args=["--config", str(cfg)], run=False)
+    assert isinstance(cli.trainer.strategy, ZeROOffload)
+    assert cli.trainer.strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

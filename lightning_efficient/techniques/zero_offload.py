@@ -804,12 +804,28 @@ class ZeROOffload(DeepSpeedStrategy):
         moved = [c for c, on in offloaded_categories(self.config or {}).items() if on]
         for category in moved:
             offload[category] = True
+        if "optimizer_state" in moved:
+            # the step runs on the host (DeepSpeedCPUAdam, element-wise): the device sees none of
+            # a foreach step's whole-model temporaries; step one tensor at a time instead, so the
+            # temporaries left (counted on the device) are one parameter's worth at most
+            make = plan.optimizer
+            plan.optimizer = lambda groups: _per_tensor(make(groups))
         if moved and hasattr(plan, "note"):
             plan.note(
-                f"ZeROOffload: {', '.join(moved)} counted in host memory (DeepSpeed also keeps "
-                "fp32 master weights there, 4 B/parameter, and one gradient bucket on the device; "
-                "with parameter offload each layer's weights visit the device while it runs)."
+                f"ZeROOffload: {', '.join(moved)} counted in host memory, optimizer step per tensor "
+                "(it runs on the host); DeepSpeed also keeps fp32 master weights there (4 B/parameter) "
+                "and one gradient bucket on the device; with parameter offload each layer's weights "
+                "visit the device while it runs."
             )
+
+
+def _per_tensor(optimizer: Optimizer) -> Optimizer:
+    for group in optimizer.param_groups:
+        if "foreach" in group:
+            group["foreach"] = False
+        if group.get("fused"):
+            group["fused"] = False
+    return optimizer
 
 
 def _register() -> None:

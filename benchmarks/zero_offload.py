@@ -7,8 +7,7 @@ CPU mode (default, no GPU needed; figures from the memory estimate, fake tensors
      offload. Offloaded state counts as host memory (``ZeROOffload.configure_estimate``).
   2. GPT-2-shaped models (TinyGPT with vocabulary 50257, context 1024, head size 64) at batch
      1 x 1024, fp32: the largest of a ladder of sizes whose estimated device peak (CUDA
-     allocator rounding) fits the cap, for each setting, and for stage 3 with every block under
-     activation checkpointing. --quick tries GPT-2 124M only.
+     allocator rounding) fits the cap, for each setting. --quick tries GPT-2 124M only.
 GPU mode (--gpu; needs CUDA): the same ladder trained for real, 2 steps each, with plain
   Lightning and with ZeROOffload stage 2 and stage 3 under
   ``torch.cuda.set_per_process_memory_fraction(cap / total)``; each size runs in a fresh
@@ -56,26 +55,6 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "ZeROOffload stage 2 (optimizer on CPU)": {"stage": 2},
     "ZeROOffload stage 3 (optimizer + parameters on CPU)": {"stage": 3, "offload_parameters": True},
 }
-#: estimate only: stage 3 with every transformer block under activation checkpointing
-CHECKPOINTED = "ZeROOffload stage 3 + block activation checkpointing (estimate only)"
-
-
-class CheckpointBlocks:
-    """Estimate helper: the model's repeated blocks under non-reentrant torch.utils.checkpoint
-    (what the package's activation checkpointing does), to show how far offload plus
-    checkpointing goes. Not a technique: it only changes the estimate's plan."""
-
-    def configure_estimate(self, plan: Any) -> None:
-        from torch.utils.checkpoint import checkpoint
-
-        from lightning_efficient.techniques._blocks import find_repeated_blocks
-
-        for _, block in find_repeated_blocks(plan.model):
-            def wrapped(*args: Any, _forward: Any = block.forward, **kwargs: Any) -> Any:
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-            block.forward = wrapped
-            plan.on_exit(lambda block=block: vars(block).pop("forward"))
 
 
 def gpt(n_layer: int, n_embd: int, device: str = "meta"):
@@ -106,13 +85,11 @@ def environment() -> dict[str, str]:
 
 
 # -- CPU mode: the estimate ------------------------------------------------------------------------
-def estimate(model: torch.nn.Module, batch: Any, setting: dict[str, Any] | None, rounding: bool, checkpointed: bool = False) -> Any:
+def estimate(model: torch.nn.Module, batch: Any, setting: dict[str, Any] | None, rounding: bool) -> Any:
     from lightning_efficient.measure.estimate import estimate_memory
     from lightning_efficient.techniques.zero_offload import ZeROOffload
 
     callbacks: list[Any] = [] if setting is None else [ZeROOffload(**setting)]
-    if checkpointed:
-        callbacks.append(CheckpointBlocks())
     return estimate_memory(model, batch, callbacks=callbacks, cuda_rounding=rounding)
 
 
@@ -144,11 +121,9 @@ def tinygpt_table() -> list[dict[str, Any]]:
 def ladder_estimates(cap: int, quick: bool) -> list[dict[str, Any]]:
     ladder = LADDER[:1] if quick else LADDER
     batch = (torch.zeros(1, 1024, dtype=torch.long, device="meta"),) * 2
-    settings = [(name, setting, False) for name, setting in SETTINGS.items()]
-    settings.append((CHECKPOINTED, SETTINGS["ZeROOffload stage 3 (optimizer + parameters on CPU)"], True))
     rows = []
     best: int | None = None
-    for name, setting, checkpointed in settings:
+    for name, setting in SETTINGS.items():
         tried = []
         # each setting keeps at least as little on the device as the one before: a size the
         # previous one fit fits here too, so start one size above it
@@ -156,7 +131,7 @@ def ladder_estimates(cap: int, quick: bool) -> list[dict[str, Any]]:
             label, n_layer, n_embd = ladder[i]
             model = gpt(n_layer, n_embd)
             t = time.perf_counter()
-            est = estimate(model, batch, setting, rounding=True, checkpointed=checkpointed)
+            est = estimate(model, batch, setting, rounding=True)
             tried.append(
                 {"model": label, "parameters": n_params(model), "device_peak_bytes": est.peak_bytes,
                  "host_bytes": est.host_bytes, "fits": est.peak_bytes <= cap, "estimate_s": time.perf_counter() - t}
@@ -200,8 +175,8 @@ def _train_once(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         trainer.fit(model, train_dataloaders=data)
         result.update(ok=trainer.global_step == 2, step_s=(time.perf_counter() - t) / 2)
-    except torch.OutOfMemoryError as err:
-        result.update(ok=False, error=f"OOM: {str(err).splitlines()[0][:200]}")
+    except Exception as err:  # OOM (torch.OutOfMemoryError, or DeepSpeed's RuntimeError) or other
+        result.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
     result["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     print("RESULT " + json.dumps(result), flush=True)
 

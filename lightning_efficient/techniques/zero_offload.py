@@ -478,14 +478,15 @@ def load_zero_optimizer_state(zero_optimizer: Any, template: Mapping[str, Any], 
     step = 0
     for entry in saved_state.values():
         step = max(step, int(_float(entry.get("step", 0))))
-    for group in inner.param_groups:
-        for flat in group["params"]:
-            st = inner.state[flat]
-            if not st:
-                st["step"] = 0
-                for key in keys:
-                    st[key] = torch.zeros_like(flat.data, dtype=torch.float32)
-            st["step"] = step
+    # stage 1/2 key the state by the groups' flat partitions, stage 3 by its fp32 sub-group flats
+    flats = [flat for group in inner.param_groups for flat in group["params"]]
+    flats += list(getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or [])
+    for flat in {id(f): f for f in flats}.values():
+        st = inner.state[flat]
+        if not st:
+            for key in keys:
+                st[key] = torch.zeros_like(flat.data, dtype=torch.float32)
+        st["step"] = step
     _link_states(zero_optimizer)
     for saved, params in zip(saved_groups, template["params"]):
         for idx, p in zip(saved["params"], params):

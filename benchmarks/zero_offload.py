@@ -127,7 +127,7 @@ def ladder_estimates(cap: int, quick: bool) -> list[dict[str, Any]]:
         tried = []
         # each setting keeps at least as little on the device as the one before: a size the
         # previous one fit fits here too, so start one size above it
-        for i in range(0 if best is None else best + 1, len(ladder)):
+        for i in range(0 if quick or best is None else best + 1, len(ladder)):
             label, n_layer, n_embd = ladder[i]
             model = gpt(n_layer, n_embd)
             t = time.perf_counter()

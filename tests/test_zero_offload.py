@@ -387,3 +387,9 @@ def test_yaml_short_name_through_the_cli(tmp_path) -> None:
     cli = EfficientCLI(args=["--config", str(cfg)], run=False)
     assert isinstance(cli.trainer.strategy, ZeROOffload)
     assert cli.trainer.strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_single_process_fit_leaves_no_process_group_address_in_the_environment(runs) -> None:
+    # the fits above ran in this process; a DDP launch from here must not inherit their port
+    for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        assert key not in os.environ, key

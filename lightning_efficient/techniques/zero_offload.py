@@ -63,6 +63,8 @@ SAVE_FORMATS = ("auto", "plain", "zero")
 
 # config paths that a named argument owns: a user config may repeat them only with equal values
 _ZO = "zero_optimization"
+# what Lightning and DeepSpeed export to os.environ when they start the process group
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
 
 
 def _purpose() -> str:
@@ -691,6 +693,23 @@ class ZeROOffload(DeepSpeedStrategy):
             DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check
         else:
             super().setup_environment()
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        # before fit's launch exports the group's address, port and ranks to os.environ
+        self._env_before = {k: os.environ.get(k) for k in _DIST_ENV}
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.world_size == 1 and getattr(self, "_env_before", None) is not None:
+            # one process: the launcher and DeepSpeed exported the group's address, port and
+            # ranks to os.environ, where processes started later (a DDP launch, tests) would
+            # inherit a port this process still listens on. Put the environment back.
+            for key, value in self._env_before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def setup(self, trainer: Any) -> None:
         if self.config is not None and self.lightning_module is not None:

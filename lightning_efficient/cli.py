@@ -77,6 +77,15 @@ _PARSER_HOOKS: list[Callable[[Any], None]] = []
 EXTRA_COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {}
 
 
+def _export_zero(argv: Sequence[str]) -> int:
+    from lightning_efficient.techniques.zero_offload import export_zero_command
+
+    return export_zero_command(argv)
+
+
+EXTRA_COMMANDS["export-zero"] = ("consolidate a ZeRO checkpoint dir into a plain state_dict", _export_zero)
+
+
 def classes_epilog() -> str:
     """The package's callbacks and strategies, for ``--help``."""
     from lightning.pytorch.strategies import Strategy

@@ -3,30 +3,36 @@
 ``TECHNIQUES`` lists every technique class; the contract tests and the CLI use it.
 """
 
+from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.techniques._base import NoEffectWarning, Technique
-
-#: Every technique class of the package (callbacks and strategies), in documentation order.
-TECHNIQUES: list[type] = []
-
-from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
-
-TECHNIQUES.append(ActivationCheckpointing)
-
-__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
-
-# the instrument's tracking callback (lightning_efficient.measure.memory)
-from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
-
-TECHNIQUES.append(MemoryBreakdown)
-__all__ += ["ActivationCheckpointing"]
-
-
-from lightning_efficient.techniques.dataloading import (  # noqa: E402
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
     InputStallMonitor,
     LengthBucketSampler,
 )
+from lightning_efficient.techniques.zero_offload import ZeROOffload
 
-TECHNIQUES += [DataLoaderTuning, DevicePreload, InputStallMonitor]
-__all__ += ["DataLoaderTuning", "DevicePreload", "InputStallMonitor", "LengthBucketSampler"]
+#: Every technique class of the package (callbacks and strategies), in documentation order.
+TECHNIQUES: list[type] = [
+    MemoryBreakdown,
+    ActivationCheckpointing,
+    DataLoaderTuning,
+    DevicePreload,
+    InputStallMonitor,
+    ZeROOffload,
+]
+
+__all__ = [
+    "Technique",
+    "NoEffectWarning",
+    "TECHNIQUES",
+    "MemoryBreakdown",
+    "ActivationCheckpointing",
+    "DataLoaderTuning",
+    "DevicePreload",
+    "InputStallMonitor",
+    "LengthBucketSampler",
+    "ZeROOffload",
+]

@@ -1,0 +1,279 @@
+"""ZeRO-Offload: the device-side memory peak with and without offload, and the largest model
+that trains inside a 24 GiB cap.
+
+CPU mode (default, no GPU needed; figures from the memory estimate, fake tensors):
+  1. TinyGPT (the demo, batch 16 x 128, fp32 AdamW): device peak and host bytes for plain
+     Lightning, ZeROOffload without offload, stage 2 with CPU offload, stage 3 with parameter
+     offload. Offloaded state counts as host memory (``ZeROOffload.configure_estimate``).
+  2. GPT-2-shaped models (TinyGPT with vocabulary 50257, context 1024, head size 64) at batch
+     1 x 1024, fp32: the largest of a ladder of sizes whose estimated device peak (CUDA
+     allocator rounding) fits the cap, for each setting. --quick tries GPT-2 124M only.
+GPU mode (--gpu; needs CUDA): the same ladder trained for real, 2 steps each, with plain
+  Lightning and with ZeROOffload stage 2 and stage 3 under
+  ``torch.cuda.set_per_process_memory_fraction(cap / total)``; each size runs in a fresh
+  subprocess and the largest that trains (no OOM) is reported. Host RAM bounds the largest
+  offloaded model (about 16 bytes per parameter on the host at fp32).
+
+Run:  python benchmarks/zero_offload.py           (CPU estimates, a few minutes on 2 cores)
+      python benchmarks/zero_offload.py --quick   (TinyGPT table and GPT-2 124M only)
+      python benchmarks/zero_offload.py --gpu     (real training on a CUDA device)
+Writes benchmarks/results/zero_offload{,_quick,_gpu}.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_efficient._validate import parse_bytes  # noqa: E402
+
+GIB = 2**30
+#: GPT-2 / GPT-3 shapes: (name, n_layer, n_embd); head size 64
+LADDER = [
+    ("124M", 12, 768),
+    ("350M", 24, 1024),
+    ("774M", 36, 1280),
+    ("1.5B", 48, 1600),
+    ("2.7B", 32, 2560),
+    ("6.7B", 32, 4096),
+    ("13B", 40, 5120),
+]
+SETTINGS: dict[str, dict[str, Any] | None] = {
+    "plain Lightning": None,
+    "ZeROOffload stage 2 (optimizer on CPU)": {"stage": 2},
+    "ZeROOffload stage 3 (optimizer + parameters on CPU)": {"stage": 3, "offload_parameters": True},
+}
+
+
+def gpt(n_layer: int, n_embd: int, device: str = "meta"):
+    from lightning_efficient.demos import TinyGPT
+
+    with torch.device(device):
+        return TinyGPT(vocab_size=50257, seq_len=1024, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, dropout=0.0)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def environment() -> dict[str, str]:
+    import deepspeed
+    import lightning
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "deepspeed": deepspeed.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+# -- CPU mode: the estimate ------------------------------------------------------------------------
+def estimate(model: torch.nn.Module, batch: Any, setting: dict[str, Any] | None, rounding: bool) -> Any:
+    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.techniques.zero_offload import ZeROOffload
+
+    callbacks: list[Any] = [] if setting is None else [ZeROOffload(**setting)]
+    return estimate_memory(model, batch, callbacks=callbacks, cuda_rounding=rounding)
+
+
+def tinygpt_table() -> list[dict[str, Any]]:
+    from lightning_efficient.demos import TinyGPT
+
+    model = TinyGPT(dropout=0.0)
+    batch = (torch.zeros(16, 128, dtype=torch.long),) * 2
+    settings = {"plain Lightning": None, "ZeROOffload, no offload": {"offload_optimizer": None}, **{k: v for k, v in SETTINGS.items() if v}}
+    rows, base = [], None
+    for name, setting in settings.items():
+        est = estimate(model, batch, setting, rounding=False)
+        base = base or est.peak_bytes
+        rows.append(
+            {
+                "setting": name,
+                "device_peak_bytes": est.peak_bytes,
+                "host_bytes": est.host_bytes,
+                "parameters_bytes": est.by_category["parameters"],
+                "gradients_bytes": est.by_category["gradients"],
+                "optimizer_state_bytes": est.by_category["optimizer_state"],
+                "activations_bytes": est.by_category["activations"] + est.by_category["temporaries"],
+                "device_peak_ratio": est.peak_bytes / base,
+            }
+        )
+    return rows
+
+
+def ladder_estimates(cap: int, quick: bool) -> list[dict[str, Any]]:
+    ladder = LADDER[:1] if quick else LADDER
+    batch = (torch.zeros(1, 1024, dtype=torch.long, device="meta"),) * 2
+    rows = []
+    best: int | None = None
+    for name, setting in SETTINGS.items():
+        tried = []
+        # each setting keeps at least as little on the device as the one before: a size the
+        # previous one fit fits here too, so start one size above it
+        for i in range(0 if quick or best is None else best + 1, len(ladder)):
+            label, n_layer, n_embd = ladder[i]
+            model = gpt(n_layer, n_embd)
+            t = time.perf_counter()
+            est = estimate(model, batch, setting, rounding=True)
+            tried.append(
+                {"model": label, "parameters": n_params(model), "device_peak_bytes": est.peak_bytes,
+                 "host_bytes": est.host_bytes, "fits": est.peak_bytes <= cap, "estimate_s": time.perf_counter() - t}
+            )
+            if est.peak_bytes > cap:
+                break
+            best = i
+        largest = None if best is None else ladder[best]
+        rows.append({"setting": name, "largest": largest[0] if largest else None,
+                     "largest_parameters": n_params(gpt(largest[1], largest[2])) if largest else 0,
+                     "tried": tried})
+    base = rows[0]["largest_parameters"] or 1
+    for r in rows:
+        r["parameters_ratio"] = r["largest_parameters"] / base
+    return rows
+
+
+# -- GPU mode: real training ---------------------------------------------------------------------
+def _train_once(args: argparse.Namespace) -> None:
+    """Child process: train one (size, setting) for 2 steps under the cap; print a JSON line."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_efficient.techniques.zero_offload import ZeROOffload
+
+    cap = parse_bytes("cap", args.cap)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    label, n_layer, n_embd = next(x for x in LADDER if x[0] == args.child_size)
+    setting = SETTINGS[args.child_setting]
+    model = gpt(n_layer, n_embd, device="cpu")
+    ids = torch.randint(0, 50257, (4, 1024))
+    data = DataLoader(TensorDataset(ids, ids), batch_size=1)
+    strategy = "auto" if setting is None else ZeROOffload(**setting)
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision=args.precision, max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    result = {"model": label, "parameters": n_params(model), "setting": args.child_setting}
+    try:
+        t = time.perf_counter()
+        trainer.fit(model, train_dataloaders=data)
+        result.update(ok=trainer.global_step == 2, step_s=(time.perf_counter() - t) / 2)
+    except Exception as err:  # OOM (torch.OutOfMemoryError, or DeepSpeed's RuntimeError) or other
+        result.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+    result["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def ladder_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    start = 0
+    for name in SETTINGS:
+        best, tried = None, []
+        for i in range(start, len(LADDER)):
+            cmd = [sys.executable, __file__, "--child-size", LADDER[i][0], "--child-setting", name,
+                   "--cap", args.cap, "--precision", args.precision]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            res = json.loads(lines[-1][7:]) if lines else {"model": LADDER[i][0], "ok": False,
+                                                           "error": (proc.stderr or "no result")[-300:]}
+            tried.append(res)
+            print(f"  {name}: {LADDER[i][0]} -> {'trains' if res.get('ok') else 'fails'}", flush=True)
+            if not res.get("ok"):
+                break
+            best = i
+        if best is not None:
+            start = best
+        rows.append({"setting": name, "largest": LADDER[best][0] if best is not None else None,
+                     "largest_parameters": tried[best - start]["parameters"] if best is not None else 0,
+                     "tried": tried})
+    base = rows[0]["largest_parameters"] or 1
+    for r in rows:
+        r["parameters_ratio"] = r["largest_parameters"] / base
+    return rows
+
+
+# -- output ----------------------------------------------------------------------------------------
+def gib(n: float) -> str:
+    return f"{n / GIB:.3f}" if n < GIB else f"{n / GIB:.2f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    out = [f"# ZeRO-Offload ({result['mode']})", "", f"Command: `{result['command']}`", "",
+           "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items()), ""]
+    if "tinygpt" in result:
+        out += ["## TinyGPT (demo), batch 16 x 128, fp32 AdamW: memory estimate", "",
+                "| Setting | Device peak (MiB) | Host (MiB) | Params | Grads | Optimizer state | Activations + temps | Device peak vs plain |",
+                "|---|---|---|---|---|---|---|---|"]
+        mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
+        for r in result["tinygpt"]:
+            out.append(f"| {r['setting']} | {mib(r['device_peak_bytes'])} | {mib(r['host_bytes'])} | {mib(r['parameters_bytes'])} | "
+                       f"{mib(r['gradients_bytes'])} | {mib(r['optimizer_state_bytes'])} | {mib(r['activations_bytes'])} | {r['device_peak_ratio']:.3f}x |")
+        out.append("")
+    if result.get("ladder"):
+        src = "trained for real" if result["mode"] == "gpu" else "memory estimate, CUDA allocator rounding"
+        out += [f"## Largest GPT-2-shaped model at batch 1 x 1024 inside {result['cap']} ({src}, {result['precision']})", "",
+                "| Setting | Largest that fits | Parameters | vs plain | Sizes tried above the previous row's (device peak GiB / fits) |", "|---|---|---|---|---|"]
+        for r in result["ladder"]:
+            key = "device_peak_bytes" if result["mode"] != "gpu" else "max_allocated_bytes"
+            tried = "; ".join(f"{t['model']} {gib(t.get(key, 0))} {'yes' if t.get('fits', t.get('ok')) else 'no'}" for t in r["tried"]) or "(nothing larger on the ladder)"
+            top = " (ladder top)" if r["largest"] == LADDER[-1][0] else ""
+            out.append(f"| {r['setting']} | {(r['largest'] or 'none') + top} | {r['largest_parameters'] / 1e6:,.0f}M | {r['parameters_ratio']:.1f}x | {tried} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="TinyGPT table and GPT-2 124M only")
+    parser.add_argument("--gpu", action="store_true", help="train the ladder for real on a CUDA device")
+    parser.add_argument("--cap", default="24GiB", help="device memory cap (default 24GiB)")
+    parser.add_argument("--precision", default="32-true", help="GPU mode: Trainer precision")
+    parser.add_argument("--timeout", type=int, default=1800, help="GPU mode: seconds per size")
+    parser.add_argument("--child-size", help=argparse.SUPPRESS)
+    parser.add_argument("--child-setting", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_size:
+        return _train_once(args)
+    cap = parse_bytes("--cap", args.cap)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    command = "python benchmarks/zero_offload.py" + (" --quick" if args.quick else "") + (" --gpu" if args.gpu else "")
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --gpu needs a CUDA device; run without --gpu for the CPU estimates")
+        result = {"mode": "gpu", "cap": args.cap, "precision": args.precision, "command": command,
+                  "environment": environment(), "ladder": ladder_gpu(args)}
+        suffix = "_gpu"
+    else:
+        t = time.perf_counter()
+        result = {"mode": "cpu estimate", "cap": args.cap, "precision": "32-true", "command": command,
+                  "environment": environment(), "tinygpt": tinygpt_table(), "ladder": ladder_estimates(cap, args.quick)}
+        result["seconds"] = time.perf_counter() - t
+        suffix = "_quick" if args.quick else ""
+    text = markdown(result)
+    print(text)
+    out_dir = ROOT / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"zero_offload{suffix}.md").write_text(text + "\n")
+    (out_dir / f"zero_offload{suffix}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"saved benchmarks/results/zero_offload{suffix}.md and .json")
+
+
+if __name__ == "__main__":
+    main()

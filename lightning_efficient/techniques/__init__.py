@@ -8,4 +8,9 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = []
 
+from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
+
+TECHNIQUES += [EfficientBatchSize, OOMRecovery]
+
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+__all__ += ["EfficientBatchSize", "OOMRecovery"]

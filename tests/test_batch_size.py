@@ -310,13 +310,16 @@ def test_gives_up_at_micro_batch_one(tmp_path) -> None:
 
 def test_ddp_two_processes_target_and_oom(tmp_path) -> None:
     results = {}
-    for mode in ("plain", "oom"):
-        prefix = tmp_path / mode
-        proc = subprocess.run([sys.executable, str(HERE / "_batch_size_ddp.py"), str(prefix), mode],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[mode] = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in (0, 1)]
-        results[mode + "_params"] = torch.load(f"{prefix}.rank0.pt")
+    procs = {  # both runs at once: each is two processes that mostly wait on each other
+        mode: subprocess.Popen([sys.executable, str(HERE / "_batch_size_ddp.py"), str(tmp_path / mode), mode],
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for mode in ("plain", "oom")
+    }
+    for mode, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+        results[mode] = [json.loads(Path(f"{tmp_path / mode}.rank{r}.json").read_text()) for r in (0, 1)]
+        results[mode + "_params"] = torch.load(f"{tmp_path / mode}.rank0.pt")
     for r in results["plain"] + results["oom"]:
         # micro-batch x accumulation x world size == target, on both processes
         assert r["world_size"] == 2 and r["micro"] * r["accumulate_grad_batches"] * 2 == 16

@@ -93,6 +93,33 @@ REFERENCE = Case(
 #: One entry per technique of the package. Techniques register themselves here.
 CASES: list[Case] = []
 
+# -- batch size (issue 6): the plain run's batch (4) fits, so the maths is the plain run's
+from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
+
+CASES.append(
+    Case(
+        EfficientBatchSize,
+        init_args={"budget": "1GiB", "max_batch_size": 4},
+        bad_args=[({"target_batch_size": 0}, "target_batch_size"), ({"margin": 0.9}, "margin"),
+                  ({"mode": "fastest"}, "mode"), ({"multiple_of": "eight"}, "multiple_of")],
+        fuzz={
+            "target_batch_size": st.one_of(st.integers(max_value=0), st.floats(), st.text(), st.booleans()),
+            "margin": st.one_of(st.floats().filter(lambda m: not 0 <= m < 0.9), st.text()),
+        },
+        stateful=True,
+        state_changes=False,
+    )
+)
+CASES.append(
+    Case(
+        OOMRecovery,
+        bad_args=[({"loss_weighting": "mean"}, "loss_weighting")],
+        fuzz={"loss_weighting": st.text(max_size=8).filter(lambda s: s not in ("samples", "tokens"))},
+        stateful=True,
+        state_changes=False,
+    )
+)
+
 ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
 

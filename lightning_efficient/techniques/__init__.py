@@ -14,3 +14,8 @@ TECHNIQUES += [EfficientBatchSize, OOMRecovery]
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
 __all__ += ["EfficientBatchSize", "OOMRecovery"]
+
+# the instrument's tracking callback (lightning_efficient.measure.memory)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+TECHNIQUES.append(MemoryBreakdown)

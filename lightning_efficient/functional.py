@@ -17,6 +17,19 @@ from lightning_efficient.techniques.batch_size import (
 )
 
 __all__ = ["find_repeated_blocks", "select_modules", "parse_bytes", "format_bytes"]
+from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
+    apply_activation_checkpointing,
+    blocks_for_budget,
+    checkpointed_blocks,
+    remove_activation_checkpointing,
+)
+
+__all__ += [
+    "apply_activation_checkpointing",
+    "remove_activation_checkpointing",
+    "checkpointed_blocks",
+    "blocks_for_budget",
+]
 __all__ += [
     "round_batch_size",
     "accumulation_for",

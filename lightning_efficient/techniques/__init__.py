@@ -8,6 +8,10 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = []
 
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
+
+TECHNIQUES.append(ActivationCheckpointing)
+
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
 
 TECHNIQUES += [EfficientBatchSize, OOMRecovery]
@@ -19,3 +23,4 @@ __all__ += ["EfficientBatchSize", "OOMRecovery"]
 from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
 
 TECHNIQUES.append(MemoryBreakdown)
+__all__ += ["ActivationCheckpointing"]

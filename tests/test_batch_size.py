@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_choose_micro_batch_prefers_exact() -> None:
 def test_largest_fitting_batch_with_the_estimate() -> None:
     model = tiny_model()
     batch = lambda n: (torch.zeros(n, 32, dtype=torch.long),) * 2  # noqa: E731
-    peak = lambda n: estimate_memory(model, batch(n)).peak_bytes  # noqa: E731
+    peak = functools.lru_cache(lambda n: estimate_memory(model, batch(n)).peak_bytes)
     budget = peak(24)
     n, seen = largest_fitting_batch(peak, budget, max_batch_size=64)
     assert n >= 24 and peak(n) <= budget < peak(n + 1)
@@ -170,7 +171,7 @@ def test_callback_sizes_for_the_longest_sample(tmp_path) -> None:
     budget = estimate_memory(tiny_model(), pad_collate([Varlen([8])[0]] * 16)).peak_bytes
     picks = {}
     for name, lengths in (("short", short), ("long", long_)):
-        cb = EfficientBatchSize(budget=int(budget / 0.9) + 1, multiple_of=1, max_batch_size=31)
+        cb = EfficientBatchSize(budget=int(budget / 0.9) + 16, multiple_of=1, max_batch_size=24)
         fit(tmp_path / name, [cb], model=gpt(cls=MaskedGPT), data=VarlenData(lengths), max_steps=1)
         picks[name] = cb.micro_batch_size
     assert picks["short"] >= 16 and picks["long"] < picks["short"] / 2, picks
@@ -377,11 +378,11 @@ def test_inexact_target_warns(tmp_path) -> None:
 
 
 def test_throughput_mode_times_the_candidates(tmp_path) -> None:
-    cb = EfficientBatchSize(mode="throughput", budget="1GiB", max_batch_size=8)
+    cb = EfficientBatchSize(mode="throughput", budget="1GiB", max_batch_size=4)
     trainer, _, _ = fit(tmp_path, [cb], max_steps=1)
     rates = cb._figures["candidates"]
-    assert all(f"{m}:" in rates for m in (1, 2, 4, 8))
-    assert cb.micro_batch_size in (1, 2, 4, 8) and cb._figures["samples_per_s"] > 0
+    assert all(f"{m}:" in rates for m in (1, 2, 4))
+    assert cb.micro_batch_size in (1, 2, 4) and cb._figures["samples_per_s"] > 0
 
 
 def test_resume_keeps_the_chosen_sizes(tmp_path) -> None:
@@ -439,3 +440,12 @@ def test_datamodule_without_batch_size(tmp_path) -> None:
 def test_model_too_large_for_the_budget(tmp_path) -> None:
     with pytest.raises(OutOfMemoryRecoveryError, match="even a micro-batch of 1 needs"):
         fit(tmp_path, [EfficientBatchSize(budget="100KiB")], max_steps=1)
+
+
+def test_conflicts_are_refused(tmp_path) -> None:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler changes it"):
+        fit(tmp_path, [EfficientBatchSize(target_batch_size=8), GradientAccumulationScheduler({0: 2})], max_steps=1)
+    with pytest.raises(ValueError, match="OOM recovery is on twice"):
+        fit(tmp_path, [EfficientBatchSize(budget="1GiB"), OOMRecovery()], max_steps=1)

@@ -510,6 +510,7 @@ class OOMRecovery(Technique):
         self._recovery_enabled = True
         self._armed: weakref.ref | None = None
         self._skip_zero_grad = False
+        self._accumulated = 0
         self._current: tuple[Any, int] | None = None
 
     # -- state ---------------------------------------------------------------------------------
@@ -606,6 +607,7 @@ class OOMRecovery(Technique):
         params = [p for p in module.parameters() if p.requires_grad]
 
         def backward(t: torch.Tensor) -> None:
+            self._accumulated += 1
             if scaler is not None:
                 t = scaler.scale(t)
             if not ddp:
@@ -621,6 +623,7 @@ class OOMRecovery(Technique):
         return backward
 
     def _split_step(self, trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs, *, backward_last):
+        self._accumulated = 0  # micro-batches of this attempt whose gradient is already added
         if self._first_of_window(trainer, batch_idx):
             orig_zero_grad(trainer.current_epoch, batch_idx, trainer.optimizers[0])
             self._skip_zero_grad = not backward_last
@@ -637,6 +640,7 @@ class OOMRecovery(Technique):
 
     def _run_step(self, trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs) -> Any:
         while True:
+            self._accumulated = 0
             try:
                 if self.splits == 1:
                     return orig_step(batch, batch_idx, *args, **kwargs)
@@ -649,7 +653,7 @@ class OOMRecovery(Technique):
                 message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
             # outside the except block: the traceback (and the activations it holds) is released
             self._skip_zero_grad = False
-            if self.splits > 1 and not self._first_of_window(trainer, batch_idx):
+            if self._accumulated and not self._first_of_window(trainer, batch_idx):
                 self._check_grads_recoverable(trainer, message, "forward")
             self._grow_split(trainer, batch, message, "forward")
 

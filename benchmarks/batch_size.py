@@ -3,7 +3,7 @@
 Part 1, TinyGPT (the demo model: 4 blocks, width 128, sequence 128) on this CPU, AdamW fp32:
 for each candidate micro-batch (powers of two), the peak memory of two real steps tracked by
 the instrument (``measure_step``), the instrument's estimate of it, and samples/s (forward +
-backward + optimizer step, timed with the instrument's ``time_fn``). Marked: the micro-batch
+backward + optimizer step, median of 5 timed with the instrument's ``time_fn``). Marked: the micro-batch
 ``mode="max_fit"`` chooses under ``--budget`` (estimate, margin 0.1) and the one
 ``mode="throughput"`` keeps (the fastest that fits).
 
@@ -83,8 +83,8 @@ def samples_per_s(n: int, seq: int, model_kwargs: dict) -> tuple[float, float]:
             opt.zero_grad(set_to_none=True)
 
         cpu0 = time.process_time()
-        seconds = time_fn(step, warmup=1, repeats=3)
-        cpu = (time.process_time() - cpu0) / 4  # per call: 1 warmup + 3 timed
+        seconds = time_fn(step, warmup=1, repeats=5)
+        cpu = (time.process_time() - cpu0) / 6  # per call: 1 warmup + 5 timed
     return n / seconds, n / cpu
 
 

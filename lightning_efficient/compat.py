@@ -68,3 +68,34 @@ def _preload_with_workers(trainer: Any, techniques: Sequence[Any]) -> "str | Non
             "the others."
         )
     return None
+
+
+@rule
+def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+    """EfficientBatchSize sets accumulate_grad_batches; nothing else may change it."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
+
+    sizers = [t for t in techniques if isinstance(t, EfficientBatchSize) and t.target_batch_size is not None]
+    problems = []
+    if sizers and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        problems.append(
+            "EfficientBatchSize(target_batch_size=...) sets accumulate_grad_batches to keep the "
+            "effective batch, and GradientAccumulationScheduler changes it per epoch. Remove one of them."
+        )
+    if sizers and getattr(trainer.strategy, "handles_gradient_accumulation", False):
+        problems.append(
+            f"EfficientBatchSize(target_batch_size=...) cannot set the accumulation of "
+            f"{type(trainer.strategy).__name__}, which handles gradient accumulation itself (e.g. "
+            "DeepSpeed's gradient_accumulation_steps). Set the accumulation in the strategy's config "
+            "and leave target_batch_size=None."
+        )
+    recoveries = [t for t in techniques if isinstance(t, OOMRecovery) and t._recovery_enabled]
+    if len(recoveries) > 1:
+        problems.append(
+            "OOM recovery is on twice (" + ", ".join(type(t).__name__ for t in recoveries) + "): "
+            "EfficientBatchSize recovers from OOM already; remove OOMRecovery or pass "
+            "EfficientBatchSize(oom_recovery=False)."
+        )
+    return " ".join(problems) or None

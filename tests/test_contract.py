@@ -209,6 +209,30 @@ CASES.append(
         atol=1e-5,
         # on one process keep the loader's own sampler (a distributed strategy would wrap it)
         trainer_kwargs={"use_distributed_sampler": False},
+# -- batch size (issue 6): the plain run's batch (4) fits, so the maths is the plain run's
+from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
+
+CASES.append(
+    Case(
+        EfficientBatchSize,
+        init_args={"budget": "1GiB", "max_batch_size": 4},
+        bad_args=[({"target_batch_size": 0}, "target_batch_size"), ({"margin": 0.9}, "margin"),
+                  ({"mode": "fastest"}, "mode"), ({"multiple_of": "eight"}, "multiple_of")],
+        fuzz={
+            "target_batch_size": st.one_of(st.integers(max_value=0), st.floats(), st.text(), st.booleans()),
+            "margin": st.one_of(st.floats().filter(lambda m: not 0 <= m < 0.9), st.text()),
+        },
+        stateful=True,
+        state_changes=False,
+    )
+)
+CASES.append(
+    Case(
+        OOMRecovery,
+        bad_args=[({"loss_weighting": "mean"}, "loss_weighting")],
+        fuzz={"loss_weighting": st.text(max_size=8).filter(lambda s: s not in ("samples", "tokens"))},
+        stateful=True,
+        state_changes=False,
     )
 )
 

@@ -6,6 +6,7 @@
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.techniques._base import NoEffectWarning, Technique
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
@@ -18,21 +19,14 @@ from lightning_efficient.techniques.zero_offload import ZeROOffload
 TECHNIQUES: list[type] = [
     MemoryBreakdown,
     ActivationCheckpointing,
+    EfficientBatchSize,
+    OOMRecovery,
     DataLoaderTuning,
     DevicePreload,
     InputStallMonitor,
     ZeROOffload,
 ]
 
-__all__ = [
-    "Technique",
-    "NoEffectWarning",
-    "TECHNIQUES",
-    "MemoryBreakdown",
-    "ActivationCheckpointing",
-    "DataLoaderTuning",
-    "DevicePreload",
-    "InputStallMonitor",
-    "LengthBucketSampler",
-    "ZeROOffload",
+__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES", "LengthBucketSampler"] + [
+    c.__name__ for c in TECHNIQUES
 ]

@@ -209,6 +209,9 @@ CASES.append(
         atol=1e-5,
         # on one process keep the loader's own sampler (a distributed strategy would wrap it)
         trainer_kwargs={"use_distributed_sampler": False},
+    )
+)
+
 # -- batch size (issue 6): the plain run's batch (4) fits, so the maths is the plain run's
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
 

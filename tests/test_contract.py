@@ -93,6 +93,30 @@ REFERENCE = Case(
 #: One entry per technique of the package. Techniques register themselves here.
 CASES: list[Case] = []
 
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
+
+CASES.append(
+    Case(
+        ActivationCheckpointing,
+        init_args={"policy": "auto", "every_n": 1},
+        bad_args=[
+            ({"every_n": 0}, "every_n"),
+            ({"policy": 3}, "policy"),
+            ({"policy": "re:(unclosed"}, "policy"),
+            ({"budget": "twelve gigs"}, "budget"),
+            ({"selective": "yes"}, "selective"),
+        ],
+        fuzz={
+            "every_n": st.integers(max_value=0) | st.floats() | st.text(max_size=4),
+            "policy": st.integers() | st.floats() | st.just("") | st.just("re:[") | st.just([]),
+            "budget": st.integers(max_value=0) | st.booleans() | st.sampled_from(["lots", "-1GiB", "12 parsecs"]),
+            "offload_activations": st.integers() | st.text(max_size=4),
+        },
+        same_maths=True,
+        id="ActivationCheckpointing",
+    )
+)
+
 ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
 

@@ -8,4 +8,9 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = []
 
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
+
+TECHNIQUES.append(ActivationCheckpointing)
+
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+__all__ += ["ActivationCheckpointing"]

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["structure_key", "find_repeated_blocks", "select_modules", "candidate_block_names"]
+__all__ = ["structure_key", "find_repeated_blocks", "select_modules", "candidate_block_names", "check_policy"]
 
 
 def structure_key(module: nn.Module, _memo: dict[int, Any] | None = None) -> Any:
@@ -124,3 +124,28 @@ def _match(model: nn.Module, p: Any, argument: str) -> list[tuple[str, nn.Module
     if by_class:
         return by_class
     return [(n, m) for n, m in named if fnmatch.fnmatchcase(n, p)]
+
+
+def check_policy(policy: Any, *, argument: str = "policy") -> Any:
+    """Check a block policy's form without a model (for constructors): ``"auto"``, a module
+    class, a non-empty name/glob string, a valid ``"re:<regex>"``, or a non-empty list of these.
+    Raises ``TypeError``/``ValueError`` naming ``argument``; returns ``policy``."""
+    policies = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+    if not policies:
+        raise ValueError(f"`{argument}` must name at least one block kind; got an empty {type(policy).__name__}.")
+    for p in policies:
+        if isinstance(p, type) and issubclass(p, nn.Module):
+            continue
+        if not isinstance(p, str):
+            raise TypeError(
+                f"`{argument}` entries must be 'auto', a module class, a class name, a name glob or "
+                f"'re:<regex>'; got {p!r} ({type(p).__name__})."
+            )
+        if not p.strip():
+            raise ValueError(f"`{argument}` entries must be non-empty strings; got {p!r}.")
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as err:
+                raise ValueError(f"`{argument}`={p!r} is not a valid regular expression: {err}.") from err
+    return policy

@@ -1,0 +1,492 @@
+"""Activation checkpointing for any model, with no opt-in from the model.
+
+Blocks are chosen by ``techniques._blocks.select_modules`` (``"auto"``: the repeated blocks,
+or a class, class name, name glob or ``"re:<regex>"``). A chosen block is wrapped *in place*:
+its instance ``forward`` is shadowed by a callable that runs the original forward under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with the RNG state preserved. No
+module is replaced or renamed, so ``state_dict`` keys never change, and
+``remove_activation_checkpointing`` restores the model exactly.
+
+Modes:
+
+- full: a checkpointed block keeps only its inputs; its activations are recomputed in backward.
+- ``selective=True``: a checkpointed block keeps the outputs of matmuls and attention and
+  recomputes only the cheap ops (norms, activations, dropout, adds), through
+  ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+- ``offload_activations=True``: the blocks that are *not* checkpointed keep their saved
+  activations in pinned host memory (copied on a side CUDA stream, brought back in backward)
+  through ``torch.autograd.graph.saved_tensors_hooks``. CPU tensors are left where they are.
+- budget: ``blocks_for_budget`` uses the memory estimate to find the fewest blocks to
+  checkpoint that bring the estimated peak under a budget.
+
+``ActivationCheckpointing`` is the Lightning callback: it decides when to apply these.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+from lightning_efficient._validate import check_bool, check_int, format_bytes, parse_bytes
+from lightning_efficient.techniques._base import Technique
+from lightning_efficient.techniques._blocks import check_policy, select_modules
+
+__all__ = [
+    "ActivationCheckpointing",
+    "apply_activation_checkpointing",
+    "remove_activation_checkpointing",
+    "checkpointed_blocks",
+    "blocks_for_budget",
+    "BudgetChoice",
+    "SELECTIVE_SAVE_OPS",
+]
+
+_ATTR = "_le_activation_checkpointing"  # per-block settings; forward is shadowed while present
+
+
+def _selective_save_ops() -> list[Any]:
+    aten = torch.ops.aten
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    ]
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+#: The ops whose outputs ``selective=True`` keeps (matmuls and attention); all others recompute.
+SELECTIVE_SAVE_OPS: list[Any] = _selective_save_ops()
+
+
+def _selective_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(SELECTIVE_SAVE_OPS)
+
+
+# -- host offload of saved activations ---------------------------------------------------------
+_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+class _OnHost:
+    """A saved activation copied to pinned host memory (the copy runs on a side stream)."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, device: torch.device, host: torch.Tensor) -> None:
+        self.device, self.host = device, host
+
+
+def _pack_to_host(t: torch.Tensor) -> Any:
+    # parameters and CPU tensors stay; only device activations move (pinned, async, side stream)
+    if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.numel() == 0:
+        return t
+    stream = _side_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)  # the allocator keeps t until the copy is done
+    return _OnHost(t.device, host)
+
+
+def _unpack_from_host(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _OnHost):
+        torch.cuda.current_stream(packed.device).wait_stream(_side_stream(packed.device))
+        return packed.host.to(packed.device, non_blocking=True)
+    return packed
+
+
+# -- the in-place wrapper -------------------------------------------------------------------------
+class _CheckpointedForward:
+    """Shadows ``module.forward``; deep-copies and pickles with its module (a plain function
+    closure would keep pointing at the original module after ``copy.deepcopy``)."""
+
+    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.inner = inner  # the instance forward that was there before us, if any
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mode = getattr(self.module, _ATTR)["mode"]
+        if mode == "offload":
+            with torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host):
+                return self._forward(*args, **kwargs)
+        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to save
+            return self._forward(*args, **kwargs)
+        context_fn = _selective_context if mode == "selective" else noop_context_fn
+        return checkpoint(
+            self._forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs
+        )
+
+
+def _wrap(block: nn.Module, mode: str) -> None:
+    if hasattr(block, _ATTR):
+        getattr(block, _ATTR)["mode"] = mode
+        return
+    inner = block.__dict__.get("forward")
+    object.__setattr__(block, _ATTR, {"mode": mode})
+    object.__setattr__(block, "forward", _CheckpointedForward(block, inner))
+
+
+def _unwrap(block: nn.Module) -> None:
+    wrapper = block.__dict__.get("forward")
+    if isinstance(wrapper, _CheckpointedForward):
+        if wrapper.inner is not None:
+            object.__setattr__(block, "forward", wrapper.inner)
+        else:
+            del block.__dict__["forward"]
+    block.__dict__.pop(_ATTR, None)
+
+
+def checkpointed_blocks(module: nn.Module) -> dict[str, str]:
+    """The wrapped blocks of ``module``: name -> ``"full"``, ``"selective"`` or ``"offload"``."""
+    return {n: getattr(m, _ATTR)["mode"] for n, m in module.named_modules() if hasattr(m, _ATTR)}
+
+
+def remove_activation_checkpointing(module: nn.Module) -> list[str]:
+    """Undo ``apply_activation_checkpointing`` on every block of ``module``; returns the names of
+    the blocks that were checkpointed (not those that were only offloading)."""
+    names = []
+    for name, m in module.named_modules():
+        if hasattr(m, _ATTR):
+            if getattr(m, _ATTR)["mode"] != "offload":
+                names.append(name)
+            _unwrap(m)
+    return names
+
+
+def _choose(
+    module: nn.Module, policy: Any, every_n: int, num_blocks: int | None
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """(blocks to checkpoint, the other selected blocks) in forward order."""
+    blocks = select_modules(module, policy, argument="policy")
+    chosen = [b for i, b in enumerate(blocks) if i % every_n == 0]
+    if num_blocks is not None:
+        chosen = chosen[:num_blocks]
+    ids = {id(m) for _, m in chosen}
+    return chosen, [b for b in blocks if id(b[1]) not in ids]
+
+
+def apply_activation_checkpointing(
+    module: nn.Module,
+    policy: Any = "auto",
+    *,
+    every_n: int = 1,
+    selective: bool = False,
+    offload_activations: bool = False,
+    num_blocks: int | None = None,
+) -> list[str]:
+    """Checkpoint blocks of ``module`` in place; returns the names of the checkpointed blocks.
+
+    Args:
+        module: Any ``nn.Module`` (a LightningModule, a HF model, ...). It is not replaced and
+            its ``state_dict`` keys do not change.
+        policy: Which blocks: ``"auto"`` (the repeated blocks), a module class, a class name,
+            a name glob (``"transformer.h.*"``), ``"re:<regex>"``, or a list of these. A policy
+            that matches nothing raises a ``ValueError`` listing candidate blocks.
+        every_n: Checkpoint every n-th of the selected blocks (the 1st, the (n+1)-th, ...).
+        selective: Keep matmul and attention outputs and recompute only the cheap ops.
+        offload_activations: Keep the saved activations of the selected blocks that are *not*
+            checkpointed in pinned host memory (CUDA tensors only; CPU tensors stay).
+        num_blocks: Checkpoint only the first ``num_blocks`` of them (used by the budget mode).
+
+    Applying again replaces the previous settings (idempotent for the same arguments);
+    ``remove_activation_checkpointing`` undoes it.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
+    check_policy(policy, argument="policy")
+    check_int("every_n", every_n, minimum=1)
+    check_bool("selective", selective)
+    check_bool("offload_activations", offload_activations)
+    check_int("num_blocks", num_blocks, minimum=0, allow_none=True)
+    chosen, others = _choose(module, policy, every_n, num_blocks)
+    remove_activation_checkpointing(module)
+    for _, block in chosen:
+        _wrap(block, "selective" if selective else "full")
+    if offload_activations:
+        for _, block in others:
+            _wrap(block, "offload")
+    return [n for n, _ in chosen]
+
+
+# -- budget mode ----------------------------------------------------------------------------------
+@dataclass
+class BudgetChoice:
+    """What ``blocks_for_budget`` found: checkpoint the first ``num_blocks`` of ``total`` blocks.
+
+    ``peaks`` maps every number of blocks that was estimated to its estimated peak bytes.
+    """
+
+    num_blocks: int
+    total: int
+    budget_bytes: int
+    peak_bytes: int
+    plain_peak_bytes: int
+    activation_bytes: int = 0
+    plain_activation_bytes: int = 0
+    peaks: dict[int, int] = field(default_factory=dict)
+
+
+def blocks_for_budget(
+    model: nn.Module,
+    batch: Any,
+    budget: int | str,
+    policy: Any = "auto",
+    *,
+    every_n: int = 1,
+    selective: bool = False,
+    **estimate_kwargs: Any,
+) -> BudgetChoice:
+    """The fewest blocks to checkpoint so that the estimated peak memory is at most ``budget``.
+
+    Runs the instrument's ``estimate_memory(model, batch, **estimate_kwargs)`` (fake tensors, no
+    allocation) for a binary search over the number of checkpointed blocks: about
+    ``2 + log2(blocks)`` estimates. Raises ``ValueError`` giving the smallest achievable peak if
+    even checkpointing every candidate block does not fit.
+    """
+    from lightning_efficient.measure.estimate import estimate_memory
+
+    budget_bytes = parse_bytes("budget", budget)
+    check_int("every_n", every_n, minimum=1)
+    chosen, _ = _choose(model, policy, every_n, None)
+    total = len(chosen)
+    before = checkpointed_blocks(model)
+    cache: dict[int, Any] = {}
+
+    def estimate(k: int) -> Any:
+        if k not in cache:
+            try:
+                if k:
+                    apply_activation_checkpointing(model, policy, every_n=every_n, selective=selective, num_blocks=k)
+                else:
+                    remove_activation_checkpointing(model)
+                cache[k] = estimate_memory(model, batch, **estimate_kwargs)
+            finally:
+                _restore(model, before)
+        return cache[k]
+
+    plain, full = estimate(0), estimate(total)
+    peaks = lambda: {k: e.peak_bytes for k, e in sorted(cache.items())}  # noqa: E731
+    if full.peak_bytes > budget_bytes:
+        raise ValueError(
+            f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
+            f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
+            f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
+            f"{' selectively' if selective else ''} (without: {format_bytes(plain.peak_bytes)}). "
+            "Raise the budget or add a technique that saves other memory (optimizer state, "
+            "parameters, a smaller batch)."
+        )
+    lo, hi = 0, total  # invariant: peak(hi) <= budget; answer in [lo, hi]
+    if plain.peak_bytes <= budget_bytes:
+        hi = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if estimate(mid).peak_bytes <= budget_bytes:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = estimate(hi)
+    return BudgetChoice(
+        num_blocks=hi,
+        total=total,
+        budget_bytes=budget_bytes,
+        peak_bytes=best.peak_bytes,
+        plain_peak_bytes=plain.peak_bytes,
+        activation_bytes=_activations(best),
+        plain_activation_bytes=_activations(plain),
+        peaks=peaks(),
+    )
+
+
+def _activations(est: Any) -> int:
+    """Activation bytes of an estimate: at its peak, or the phase peak if recorded."""
+    return int(est.by_category.get("activations", 0))
+
+
+def _restore(module: nn.Module, state: dict[str, str]) -> None:
+    remove_activation_checkpointing(module)
+    mods = dict(module.named_modules())
+    for name, mode in state.items():
+        _wrap(mods[name], mode)
+
+
+# -- the callback ---------------------------------------------------------------------------------
+class ActivationCheckpointing(Technique):
+    """Activation checkpointing for an unmodified LightningModule: fewer activations kept for
+    backward, recomputed instead (same maths, including dropout).
+
+    Args:
+        policy: Which blocks to checkpoint: ``"auto"`` (the model's repeated blocks, e.g.
+            transformer layers), a class name (``"GPT2Block"``), a module class, a name glob
+            (``"model.layers.*"``), ``"re:<regex>"`` over qualified names, or a list of these.
+        every_n: Checkpoint every n-th selected block (1 = all of them).
+        selective: Keep matmul/attention outputs and recompute only cheap ops (less memory
+            saved, less recompute time).
+        offload_activations: Move the saved activations of the selected blocks that are not
+            checkpointed to pinned host memory (CUDA only; on CPU it changes nothing).
+        budget: A peak-memory budget (bytes or a string like ``"12GiB"``). When set, the memory
+            estimate picks the fewest blocks to checkpoint (every ``every_n``-th, from the first)
+            that bring the estimated peak under it; fit fails if even all of them cannot.
+
+    The blocks are wrapped in place when fit starts (``on_fit_start``, so layers built in
+    ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with a
+    budget, at the first training batch (the estimate needs a batch). They are unwrapped at
+    teardown. ``state_dict`` keys never change.
+    """
+
+    def __init__(
+        self,
+        policy: Union[str, list[str], type] = "auto",
+        every_n: int = 1,
+        selective: bool = False,
+        offload_activations: bool = False,
+        budget: Union[int, str, None] = None,
+    ) -> None:
+        super().__init__()
+        check_policy(policy, argument="policy")
+        self.policy = list(policy) if isinstance(policy, tuple) else policy
+        self.every_n = check_int("every_n", every_n, minimum=1)
+        self.selective = check_bool("selective", selective)
+        self.offload_activations = check_bool("offload_activations", offload_activations)
+        parse_bytes("budget", budget, allow_none=True)
+        self.budget = budget
+        self.wrapped: list[str] = []
+        self.choice: BudgetChoice | None = None
+        self._pending = False
+
+    # -- the estimate -------------------------------------------------------------------------
+    def configure_estimate(self, plan: Any) -> None:
+        """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed."""
+        model = plan.model
+        before = checkpointed_blocks(model)
+        num_blocks = None
+        if self.budget is not None:
+            num_blocks = self.choice.num_blocks if self.choice is not None else None
+        names = self._apply(model, num_blocks)
+        plan.on_exit(functools.partial(_restore, model, before))
+        if hasattr(plan, "notes"):
+            plan.notes.append(self._describe(names, model))
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.budget is not None:
+            self._pending = True  # the estimate needs a batch: decide at the first training batch
+            self._select(pl_module)  # fail now if the policy matches nothing
+            return
+        self._apply_and_report(trainer, pl_module, None)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        self.choice = blocks_for_budget(
+            pl_module,
+            batch,
+            self.budget,
+            self.policy,
+            every_n=self.every_n,
+            selective=self.selective,
+            **_estimate_kwargs(trainer),
+        )
+        self._apply_and_report(trainer, pl_module, self.choice.num_blocks)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.wrapped:
+            remove_activation_checkpointing(pl_module)
+            self.wrapped = []
+        self._pending = False
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return _choose(model, self.policy, self.every_n, None)[0]
+
+    def _apply(self, model: nn.Module, num_blocks: int | None) -> list[str]:
+        return apply_activation_checkpointing(
+            model,
+            self.policy,
+            every_n=self.every_n,
+            selective=self.selective,
+            offload_activations=self.offload_activations,
+            num_blocks=num_blocks,
+        )
+
+    def _describe(self, names: Sequence[str], model: nn.Module) -> str:
+        total = len(select_modules(model, self.policy))
+        kind = "selective" if self.selective else "full"
+        what = f"{kind} checkpointing of {len(names)}/{total} blocks"
+        if names:
+            cls = type(dict(model.named_modules())[names[0]]).__name__
+            what += f" ({cls}: {_span(names)})"
+        offloaded = sum(1 for m in checkpointed_blocks(model).values() if m == "offload")
+        if offloaded:
+            what += f"; saved activations of {offloaded} other blocks offloaded to host"
+        return what
+
+    def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
+        self.wrapped = self._apply(pl_module, num_blocks)
+        change = self._describe(self.wrapped, pl_module)
+        figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
+        if self.choice is not None:
+            c = self.choice
+            change += f", fewest under budget {format_bytes(c.budget_bytes)}"
+            figures.update(
+                blocks_total=c.total,
+                budget_bytes=c.budget_bytes,
+                peak_before_bytes=c.plain_peak_bytes,
+                peak_after_bytes=c.peak_bytes,
+                activations_before_bytes=c.plain_activation_bytes,
+                activations_after_bytes=c.activation_bytes,
+            )
+        self.report(trainer, change, **figures)
+        self.note(change)
+        if self.offload_activations:
+            device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+            if getattr(device, "type", None) != "cuda":
+                self.note(
+                    "offload_activations=True changes nothing on a CPU device: activations are "
+                    "already in host memory."
+                )
+        if num_blocks == 0:
+            self.note("the plain run already fits the budget; no block is checkpointed.")
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _estimate_kwargs(trainer: Any) -> dict[str, Any]:
+    """The estimate settings of the running fit: precision, optimizer, accumulation."""
+    kwargs: dict[str, Any] = {"precision": str(getattr(trainer, "precision", "32-true"))}
+    optimizers = getattr(trainer, "optimizers", None) or []
+    if optimizers:
+        opt = optimizers[0]
+        cls, defaults = type(opt), dict(opt.defaults)
+        kwargs["optimizer"] = lambda groups: cls(groups, **defaults)
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    if getattr(device, "type", None) == "cuda":
+        kwargs["cuda_rounding"] = True
+    return kwargs

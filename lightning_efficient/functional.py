@@ -17,3 +17,20 @@ __all__ += [
     "checkpointed_blocks",
     "blocks_for_budget",
 ]
+from lightning_efficient.techniques.compile import compile_modules, compiled_modules, uncompile_modules  # noqa: E402
+from lightning_efficient.techniques.precision import (  # noqa: E402
+    best_precision,
+    convert_to_float8,
+    restore_matmul_precision,
+    set_matmul_precision,
+)
+
+__all__ += [
+    "best_precision",
+    "set_matmul_precision",
+    "restore_matmul_precision",
+    "convert_to_float8",
+    "compile_modules",
+    "uncompile_modules",
+    "compiled_modules",
+]

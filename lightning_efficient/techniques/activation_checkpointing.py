@@ -31,7 +31,7 @@ from typing import Any, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_efficient._validate import check_bool, check_int, format_bytes, parse_bytes
 from lightning_efficient.techniques._base import Technique
@@ -136,10 +136,9 @@ class _CheckpointedForward:
                 return self._forward(*args, **kwargs)
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to save
             return self._forward(*args, **kwargs)
-        context_fn = _selective_context if mode == "selective" else noop_context_fn
-        return checkpoint(
-            self._forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs
-        )
+        # context_fn only when selective: torch.compile cannot trace an explicit noop_context_fn
+        extra = {"context_fn": _selective_context} if mode == "selective" else {}
+        return checkpoint(self._forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 def _wrap(block: nn.Module, mode: str) -> None:

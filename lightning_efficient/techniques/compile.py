@@ -28,7 +28,7 @@ from torch import nn
 from lightning_efficient._validate import check_bool, check_choice, check_int
 from lightning_efficient.measure.timing import StepTimer
 from lightning_efficient.techniques._base import Technique
-from lightning_efficient.techniques._blocks import find_repeated_blocks, select_modules
+from lightning_efficient.techniques._blocks import check_policy, find_repeated_blocks, select_modules
 
 __all__ = [
     "compile_modules",
@@ -203,6 +203,20 @@ def recompile_reasons(limit: int = 3) -> list[str]:
     return reasons[-limit:]
 
 
+def _describe_error(err: BaseException) -> str:
+    """``Type: first line`` of a compile error, followed by its root cause's."""
+
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+    out = line(err)
+    cause = getattr(err, "inner_exception", None) or err.__cause__
+    if cause is not None and cause is not err and line(cause) not in out:
+        out += f" {line(cause)}"
+    return out
+
+
 def _cause_and_fix(reasons: list[str]) -> str:
     text = " ".join(reasons).lower()
     if "size" in text or "stride" in text or "shape" in text or not reasons:
@@ -271,11 +285,7 @@ class TorchCompile(Technique):
         self.dynamic = dynamic
         self.regional = check_bool("regional", regional)
         self.strict = check_bool("strict", strict)
-        if not (isinstance(blocks, str) and blocks) and not (
-            isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) and b for b in blocks)
-        ):
-            raise TypeError(f"`blocks` must be 'auto', a class name, a name glob or 're:<regex>' (or a list of them); got {blocks!r}.")
-        self.blocks = blocks
+        self.blocks = check_policy(blocks, argument="blocks")
         self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)
         self._names: list[str] = []
         self._model: nn.Module | None = None
@@ -286,6 +296,7 @@ class TorchCompile(Technique):
         self._step_compiles: list[bool] = []
         self._compiles_before = 0
         self._trainer: Any = None
+        self._warned_recompiles = False
 
     # -- compile and fall back ---------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -293,6 +304,7 @@ class TorchCompile(Technique):
         self._watch = CompileWatch(on_recompile=self._check_recompiles).install()
         self._model = pl_module
         self._fell_back = None
+        self._warned_recompiles = False
         self._names = compile_modules(
             pl_module,
             mode=self.mode,
@@ -315,15 +327,15 @@ class TorchCompile(Technique):
             raise err
         if self._model is not None:
             uncompile_modules(self._model)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        self._fell_back = f"{type(err).__name__}: {first}"
+        self._fell_back = _describe_error(err)
         self.warn(
             f"torch.compile failed ({self._fell_back}); training continues in eager mode. "
             "Pass strict=True to raise instead."
         )
 
     def _check_recompiles(self, watch: CompileWatch) -> None:
-        if watch.recompiles > self.recompile_warning:
+        if watch.recompiles > self.recompile_warning and not self._warned_recompiles:
+            self._warned_recompiles = True
             self.warn(
                 f"{watch.recompiles} recompilations during fit (more than recompile_warning="
                 f"{self.recompile_warning}); each one costs a full compile. {_cause_and_fix(recompile_reasons())}"

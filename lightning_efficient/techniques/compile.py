@@ -36,6 +36,7 @@ __all__ = [
     "compiled_modules",
     "valid_backends",
     "valid_modes",
+    "recompile_reasons",
     "CompileWatch",
     "TorchCompile",
 ]
@@ -295,12 +296,10 @@ class TorchCompile(Technique):
         self._step = 0
         self._step_compiles: list[bool] = []
         self._compiles_before = 0
-        self._trainer: Any = None
         self._warned_recompiles = False
 
     # -- compile and fall back ---------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._trainer = trainer
         self._watch = CompileWatch(on_recompile=self._check_recompiles).install()
         self._model = pl_module
         self._fell_back = None
@@ -325,8 +324,9 @@ class TorchCompile(Technique):
     def _fall_back(self, err: BaseException) -> None:
         if self.strict:
             raise err
-        if self._model is not None:
-            uncompile_modules(self._model)
+        if self._model is not None:  # back to eager: the modules this callback compiled
+            for name in self._names:
+                self._model.get_submodule(name)._compiled_call_impl = None
         self._fell_back = _describe_error(err)
         self.warn(
             f"torch.compile failed ({self._fell_back}); training continues in eager mode. "

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -60,6 +61,9 @@ class StorageTracker(TorchDispatchMode):
     Args:
         rounding: Optional ``rounding(nbytes) -> nbytes`` applied to each allocation (e.g.
             ``estimate.cuda_round`` for the CUDA caching allocator's block sizes).
+        fake: ``True`` counts only fake tensors, ``False`` only real ones, ``None`` both. With
+            two trackers active (an estimate made during a measured step of a fit), each one
+            then counts only its own tensors.
 
     New storages start as ``"temporaries"``; ``label(tensors, category)`` raises their category
     (order: temporaries < activations < gradients < optimizer_state < parameters);
@@ -67,9 +71,10 @@ class StorageTracker(TorchDispatchMode):
     autograd keeps for backward). ``phase`` names the current phase for the log.
     """
 
-    def __init__(self, rounding: Callable[[int], int] | None = None) -> None:
+    def __init__(self, rounding: Callable[[int], int] | None = None, fake: bool | None = None) -> None:
         super().__init__()
         self.rounding = rounding
+        self.fake = fake
         self.phase = "forward"
         self._live: dict[int, _Storage] = {}
         self._refs: dict[int, Any] = {}
@@ -77,6 +82,8 @@ class StorageTracker(TorchDispatchMode):
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _storage(self, t: torch.Tensor, category: str) -> _Storage | None:
+        if self.fake is not None and isinstance(t, FakeTensor) != self.fake:
+            return None
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError, TypeError):  # sparse, nested, odd subclasses
@@ -277,8 +284,10 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
                     with silenced_logging(model), _autocast(plan.precision):
                         if plan.loss_fn is not None:
                             out = plan.loss_fn(model, batch)
-                        else:
+                        elif _takes_batch_idx(model.training_step):
                             out = model.training_step(batch, 0)
+                        else:
+                            out = model.training_step(batch)
                     loss = _loss_of(out)
                     del out
                     tracker.end_forward()
@@ -300,6 +309,18 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
     finally:
         for h in handles:
             h.remove()
+
+
+def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        return True
+    if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -338,7 +359,7 @@ def measure_step(
         accumulate_grad_batches=accumulate_grad_batches,
         loss_fn=loss_fn,
     )
-    tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None)
+    tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=False)
     try:
         for cb in callbacks:
             hook = getattr(cb, "configure_estimate", None)

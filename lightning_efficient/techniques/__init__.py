@@ -20,3 +20,8 @@ TECHNIQUES += [MatmulPrecision, Float8Training, TorchCompile]
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
 __all__ += ["ActivationCheckpointing"]
 __all__ += ["MatmulPrecision", "Float8Training", "TorchCompile"]
+
+# the instrument's tracking callback (lightning_efficient.measure.memory)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+TECHNIQUES.append(MemoryBreakdown)

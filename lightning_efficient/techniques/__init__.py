@@ -12,16 +12,16 @@ from lightning_efficient.techniques.activation_checkpointing import ActivationCh
 
 TECHNIQUES.append(ActivationCheckpointing)
 
-from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision  # noqa: E402
-from lightning_efficient.techniques.compile import TorchCompile  # noqa: E402
-
-TECHNIQUES += [MatmulPrecision, Float8Training, TorchCompile]
-
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
-__all__ += ["ActivationCheckpointing"]
-__all__ += ["MatmulPrecision", "Float8Training", "TorchCompile"]
 
 # the instrument's tracking callback (lightning_efficient.measure.memory)
 from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
 
 TECHNIQUES.append(MemoryBreakdown)
+__all__ += ["ActivationCheckpointing"]
+
+from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision  # noqa: E402
+from lightning_efficient.techniques.compile import TorchCompile  # noqa: E402
+
+TECHNIQUES += [MatmulPrecision, Float8Training, TorchCompile]
+__all__ += ["MatmulPrecision", "Float8Training", "TorchCompile"]

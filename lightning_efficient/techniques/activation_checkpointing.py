@@ -25,6 +25,7 @@ Modes:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -97,7 +98,7 @@ class _OnHost:
 
 def _pack_to_host(t: torch.Tensor) -> Any:
     # parameters and CPU tensors stay; only device activations move (pinned, async, side stream)
-    if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.numel() == 0:
+    if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.layout != torch.strided or t.numel() == 0:
         return t
     stream = _side_stream(t.device)
     stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -130,7 +131,11 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = getattr(self.module, _ATTR)["mode"]
+        state = self.module.__dict__.get(_ATTR)
+        if state is None or state["wrapper"] is not self:
+            # removed (or replaced) while another wrapper (e.g. a compiled forward) held on to us
+            return self._forward(*args, **kwargs)
+        mode = state["mode"]
         if mode == "offload":
             with torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host):
                 return self._forward(*args, **kwargs)
@@ -142,17 +147,22 @@ class _CheckpointedForward:
 
 
 def _wrap(block: nn.Module, mode: str) -> None:
-    if hasattr(block, _ATTR):
-        getattr(block, _ATTR)["mode"] = mode
+    state = block.__dict__.get(_ATTR)
+    if state is not None:
+        state["mode"] = mode
         return
     inner = block.__dict__.get("forward")
-    object.__setattr__(block, _ATTR, {"mode": mode})
-    object.__setattr__(block, "forward", _CheckpointedForward(block, inner))
+    if isinstance(inner, _CheckpointedForward) and inner.module is block:
+        wrapper = inner  # ours, left in place after a removal: reuse it rather than nest
+    else:
+        wrapper = _CheckpointedForward(block, inner)
+        object.__setattr__(block, "forward", wrapper)
+    object.__setattr__(block, _ATTR, {"mode": mode, "wrapper": wrapper})
 
 
 def _unwrap(block: nn.Module) -> None:
     wrapper = block.__dict__.get("forward")
-    if isinstance(wrapper, _CheckpointedForward):
+    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
         if wrapper.inner is not None:
             object.__setattr__(block, "forward", wrapper.inner)
         else:
@@ -162,7 +172,7 @@ def _unwrap(block: nn.Module) -> None:
 
 def checkpointed_blocks(module: nn.Module) -> dict[str, str]:
     """The wrapped blocks of ``module``: name -> ``"full"``, ``"selective"`` or ``"offload"``."""
-    return {n: getattr(m, _ATTR)["mode"] for n, m in module.named_modules() if hasattr(m, _ATTR)}
+    return {n: m.__dict__[_ATTR]["mode"] for n, m in module.named_modules() if _ATTR in m.__dict__}
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:
@@ -170,8 +180,8 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
     the blocks that were checkpointed (not those that were only offloading)."""
     names = []
     for name, m in module.named_modules():
-        if hasattr(m, _ATTR):
-            if getattr(m, _ATTR)["mode"] != "offload":
+        if _ATTR in m.__dict__:
+            if m.__dict__[_ATTR]["mode"] != "offload":
                 names.append(name)
             _unwrap(m)
     return names
@@ -264,7 +274,7 @@ def blocks_for_budget(
 
     Runs the instrument's ``estimate_memory(model, batch, **estimate_kwargs)`` (fake tensors, no
     allocation) for a binary search over the number of checkpointed blocks: about
-    ``2 + log2(blocks)`` estimates. Raises ``ValueError`` giving the smallest achievable peak if
+    ``2 + log2(blocks)`` estimates (one if the plain run fits). Raises ``ValueError`` giving the smallest achievable peak if
     even checkpointing every candidate block does not fit.
     """
     from lightning_efficient.measure.estimate import estimate_memory
@@ -288,20 +298,22 @@ def blocks_for_budget(
                 _restore(model, before)
         return cache[k]
 
-    plain, full = estimate(0), estimate(total)
-    peaks = lambda: {k: e.peak_bytes for k, e in sorted(cache.items())}  # noqa: E731
-    if full.peak_bytes > budget_bytes:
-        raise ValueError(
-            f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
-            f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
-            f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
-            f"{' selectively' if selective else ''} (without: {format_bytes(plain.peak_bytes)}). "
-            "Raise the budget or add a technique that saves other memory (optimizer state, "
-            "parameters, a smaller batch)."
-        )
-    lo, hi = 0, total  # invariant: peak(hi) <= budget; answer in [lo, hi]
-    if plain.peak_bytes <= budget_bytes:
-        hi = 0
+    plain = estimate(0)
+    lo, hi = 0, 0  # invariant: peak(hi) <= budget; the answer is in [lo, hi]
+    if plain.peak_bytes > budget_bytes:
+        full = estimate(total)
+        if full.peak_bytes > budget_bytes:
+            hint = " Without `selective` more is recomputed and less kept." if selective else ""
+            hint += " With every_n=1 every block is checkpointed." if every_n > 1 else ""
+            raise ValueError(
+                f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
+                f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
+                f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
+                f"{' selectively' if selective else ''} (without: {format_bytes(plain.peak_bytes)}).{hint} "
+                "Raise the budget or add a technique that saves other memory (optimizer state, "
+                "parameters, a smaller batch)."
+            )
+        lo, hi = 1, total
     while lo < hi:
         mid = (lo + hi) // 2
         if estimate(mid).peak_bytes <= budget_bytes:
@@ -317,7 +329,7 @@ def blocks_for_budget(
         plain_peak_bytes=plain.peak_bytes,
         activation_bytes=_activations(best),
         plain_activation_bytes=_activations(plain),
-        peaks=peaks(),
+        peaks={k: e.peak_bytes for k, e in sorted(cache.items())},
     )
 
 
@@ -376,22 +388,52 @@ class ActivationCheckpointing(Technique):
         self.wrapped: list[str] = []
         self.choice: BudgetChoice | None = None
         self._pending = False
+        self._active = False
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
-        """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed."""
+        """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed.
+
+        With a budget, the budget search runs first on the plan's model and batch (nested
+        estimates), so the estimate shows the blocks a fit would checkpoint."""
         model = plan.model
         before = checkpointed_blocks(model)
         num_blocks = None
         if self.budget is not None:
-            num_blocks = self.choice.num_blocks if self.choice is not None else None
-        names = self._apply(model, num_blocks)
+            choice = blocks_for_budget(
+                model,
+                plan.batch,
+                self.budget,
+                self.policy,
+                every_n=self.every_n,
+                selective=self.selective,
+                optimizer=plan.optimizer,
+                precision=plan.precision,
+                accumulate_grad_batches=plan.accumulate_grad_batches,
+                loss_fn=plan.loss_fn,
+            )
+            num_blocks = choice.num_blocks
+        # offload is not run on fake tensors (no streams, no pinned memory): counted on device
+        names = self._apply(model, num_blocks, offload=False)
         plan.on_exit(functools.partial(_restore, model, before))
-        if hasattr(plan, "notes"):
-            plan.notes.append(self._describe(names, model))
+        plan.note(f"{self.name}: {self._describe(names, model)}")
+        if self.offload_activations:
+            others = len(_choose(model, self.policy, self.every_n, num_blocks)[1])
+            plan.note(
+                f"{self.name}: offload_activations is not modelled by the estimate; the saved "
+                f"activations of the {others} blocks that would offload are counted on the device "
+                "(an upper bound)."
+            )
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        own = [n for n, m in pl_module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if own:
+            self.warn(
+                f"the model's own gradient checkpointing is on ({_span(own)}); with this callback "
+                "the blocks would be recomputed twice. Turn one off (e.g. "
+                "`model.gradient_checkpointing_disable()` for a transformers model)."
+            )
         if self.budget is not None:
             self._pending = True  # the estimate needs a batch: decide at the first training batch
             self._select(pl_module)  # fail now if the policy matches nothing
@@ -414,22 +456,22 @@ class ActivationCheckpointing(Technique):
         self._apply_and_report(trainer, pl_module, self.choice.num_blocks)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self.wrapped:
+        if self._active:  # leave the model as it was given (``self.wrapped`` keeps the record)
             remove_activation_checkpointing(pl_module)
-            self.wrapped = []
+            self._active = False
         self._pending = False
 
     # -- helpers ----------------------------------------------------------------------------
     def _select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return _choose(model, self.policy, self.every_n, None)[0]
 
-    def _apply(self, model: nn.Module, num_blocks: int | None) -> list[str]:
+    def _apply(self, model: nn.Module, num_blocks: int | None, offload: bool = True) -> list[str]:
         return apply_activation_checkpointing(
             model,
             self.policy,
             every_n=self.every_n,
             selective=self.selective,
-            offload_activations=self.offload_activations,
+            offload_activations=self.offload_activations and offload,
             num_blocks=num_blocks,
         )
 
@@ -447,11 +489,17 @@ class ActivationCheckpointing(Technique):
 
     def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
         self.wrapped = self._apply(pl_module, num_blocks)
+        self._active = True
         change = self._describe(self.wrapped, pl_module)
         figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
         if self.choice is not None:
             c = self.choice
-            change += f", fewest under budget {format_bytes(c.budget_bytes)}"
+            if c.num_blocks == 0:
+                change = f"no block checkpointed: the plain peak {format_bytes(c.plain_peak_bytes)} fits"
+            change += (
+                f" (budget {format_bytes(c.budget_bytes)}, estimated peak "
+                f"{format_bytes(c.plain_peak_bytes)} -> {format_bytes(c.peak_bytes)})"
+            )
             figures.update(
                 blocks_total=c.total,
                 budget_bytes=c.budget_bytes,
@@ -479,11 +527,16 @@ def _span(names: Sequence[str]) -> str:
 
 def _estimate_kwargs(trainer: Any) -> dict[str, Any]:
     """The estimate settings of the running fit: precision, optimizer, accumulation."""
-    kwargs: dict[str, Any] = {"precision": str(getattr(trainer, "precision", "32-true"))}
+    kwargs: dict[str, Any] = {
+        "precision": str(getattr(trainer, "precision", "32-true")),
+        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+    }
     optimizers = getattr(trainer, "optimizers", None) or []
     if optimizers:
         opt = optimizers[0]
-        cls, defaults = type(opt), dict(opt.defaults)
+        cls = type(opt)
+        accepted = inspect.signature(cls).parameters
+        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
         kwargs["optimizer"] = lambda groups: cls(groups, **defaults)
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     if getattr(device, "type", None) == "cuda":

@@ -1,0 +1,455 @@
+"""ActivationCheckpointing: block choice, equivalence (dropout included), memory via the instrument."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pickle
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import fit, tiny_model
+from lightning_efficient.demos.tinygpt import Block
+from lightning_efficient.functional import (
+    apply_activation_checkpointing,
+    blocks_for_budget,
+    checkpointed_blocks,
+    remove_activation_checkpointing,
+)
+from lightning_efficient.measure.report import report_for
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
+FOUR = [f"blocks.{i}" for i in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads; on a loaded 2-core machine they lose a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gpt(n_layer: int = 4, dropout: float = 0.0, seq_len: int = 32, n_embd: int = 32) -> pl.LightningModule:
+    torch.manual_seed(0)
+    return tiny_model(n_layer=n_layer, dropout=dropout, seq_len=seq_len, n_embd=n_embd)
+
+
+def batch_for(seq_len: int = 32, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (batch, seq_len + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def loss_and_grads(model: nn.Module, batch, seed: int = 7) -> tuple[float, dict[str, torch.Tensor]]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    x, y = batch
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class ForwardCounter:
+    """Counts forward calls of a module: a checkpointed block's layers run again in backward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.calls = 0
+        self.handle = module.register_forward_hook(lambda *_: self._count())
+
+    def _count(self) -> None:
+        self.calls += 1
+
+
+def calls_per_step(model: nn.Module, sub: nn.Module, batch) -> int:
+    counter = ForwardCounter(sub)
+    loss_and_grads(model, batch)
+    counter.handle.remove()
+    return counter.calls
+
+
+# -- choosing the blocks -------------------------------------------------------------------
+def test_auto_finds_tinygpt_blocks_and_recomputes_them() -> None:
+    model, batch = gpt(), batch_for()
+    assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 1
+    assert apply_activation_checkpointing(model) == FOUR
+    assert checkpointed_blocks(model) == {n: "full" for n in FOUR}
+    assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 2  # forward + recompute
+    assert calls_per_step(model, model.head, batch) == 1  # outside the blocks: not recomputed
+
+
+@pytest.mark.parametrize(
+    "policy,expected",
+    [
+        (Block, FOUR),
+        ("Block", FOUR),
+        ("blocks.*", FOUR),  # the glob also matches sub-modules; the outermost are kept
+        (r"re:blocks\.[13]", ["blocks.1", "blocks.3"]),
+        (["blocks.0", r"re:blocks\.3"], ["blocks.0", "blocks.3"]),
+        ("CausalSelfAttention", [f"blocks.{i}.attn" for i in range(4)]),
+    ],
+    ids=["class", "class-name", "glob", "regex", "list", "other-class"],
+)
+def test_policy_forms(policy, expected) -> None:
+    model = gpt()
+    assert apply_activation_checkpointing(model, policy) == expected
+    assert sorted(checkpointed_blocks(model)) == sorted(expected)
+
+
+@pytest.mark.parametrize("every_n,expected", [(2, ["blocks.0", "blocks.2"]), (3, ["blocks.0", "blocks.3"]), (5, ["blocks.0"])])
+def test_every_n(every_n: int, expected: list[str]) -> None:
+    model, batch = gpt(), batch_for()
+    assert apply_activation_checkpointing(model, every_n=every_n) == expected
+    assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 1
+    assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 2
+
+
+HF_MODELS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False), "transformer.h", "GPT2Block"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, vocab_size=64, use_cache=False, attention_dropout=0.1), "model.layers", "LlamaDecoderLayer"),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, vocab_size=64), "bert.encoder.layer", "BertLayer"),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_auto_on_transformers_models(name: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls, cfg, prefix, block_cls = HF_MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg)).train()
+    assert not model.is_gradient_checkpointing  # the model's own flag stays off
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step() -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)  # dropout is active (GPT-2 and BERT 0.1, Llama attention 0.1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    keys = list(model.state_dict())
+    plain_loss, plain_grads = step()
+    names = apply_activation_checkpointing(model)
+    assert names == [f"{prefix}.{i}" for i in range(3)]
+    assert {type(model.get_submodule(n)).__name__ for n in names} == {block_cls}
+    counter = ForwardCounter(model.get_submodule(names[1]).get_submodule(_first_leaf(model.get_submodule(names[1]))))
+    loss, grads = step()
+    assert counter.calls == 2  # really recomputed
+    assert loss == plain_loss
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=0, atol=0, msg=n)
+    assert list(model.state_dict()) == keys and not model.is_gradient_checkpointing
+
+
+def test_warns_when_the_model_checkpoints_itself(tmp_path) -> None:
+    model = gpt(n_layer=2)
+    model.blocks[0].gradient_checkpointing = True  # what transformers' layers carry when enabled
+    with pytest.warns(UserWarning, match="own gradient checkpointing is on \\(blocks.0\\)"):
+        fit(tmp_path, [ActivationCheckpointing()], model=model, max_steps=1, limit_val_batches=0)
+
+
+def _first_leaf(block: nn.Module) -> str:
+    return next(n for n, m in block.named_modules() if n and not list(m.children()) and list(m.parameters()))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def test_unmatched_pattern_names_it_and_lists_candidates() -> None:
+    model = gpt()
+    for policy in ("TransformerLayer", "layers.*", "re:h\\.[0-9]+"):
+        with pytest.raises(ValueError) as info:
+            apply_activation_checkpointing(model, policy)
+        msg = str(info.value)
+        assert repr(policy) in msg and "Block" in msg and "blocks.0" in msg
+    assert checkpointed_blocks(model) == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,arg",
+    [
+        (dict(policy=3), TypeError, "policy"),
+        (dict(policy="re:(x"), ValueError, "policy"),
+        (dict(policy=[]), ValueError, "policy"),
+        (dict(every_n=0), ValueError, "every_n"),
+        (dict(every_n="2"), TypeError, "every_n"),
+        (dict(selective=1), TypeError, "selective"),
+        (dict(offload_activations="no"), TypeError, "offload_activations"),
+    ],
+)
+def test_bad_arguments(kwargs, error, arg) -> None:
+    with pytest.raises(error, match=f"`{arg}`"):
+        apply_activation_checkpointing(gpt(n_layer=2), **kwargs)
+    with pytest.raises(error, match=f"`{arg}`"):
+        ActivationCheckpointing(**kwargs)
+
+
+def test_callback_unmatched_pattern_fails_when_fit_starts(tmp_path) -> None:
+    with pytest.raises(ValueError, match="'decoder.layers.\\*'.*Candidate block classes: Block"):
+        fit(tmp_path, [ActivationCheckpointing(policy="decoder.layers.*")], max_steps=1)
+
+
+# -- in place, removable, idempotent, copyable -------------------------------------------------
+def test_in_place_idempotent_removable_and_copyable() -> None:
+    model, batch = gpt(), batch_for()
+    keys, ids = list(model.state_dict()), [id(b) for b in model.blocks]
+    apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model)  # again: not nested (would recompute twice)
+    assert calls_per_step(model, model.blocks[2].attn.qkv, batch) == 2
+    assert list(model.state_dict()) == keys and [id(b) for b in model.blocks] == ids
+    assert apply_activation_checkpointing(model, every_n=2) == ["blocks.0", "blocks.2"]  # replaces
+    assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.2": "full"}
+    apply_activation_checkpointing(model)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert checkpointed_blocks(clone) == checkpointed_blocks(model)
+        assert clone.blocks[1].forward.module is clone.blocks[1]  # bound to the copy, not to model
+        assert calls_per_step(clone, clone.blocks[1].attn.qkv, batch) == 2
+        assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 2
+    assert remove_activation_checkpointing(model) == FOUR
+    assert checkpointed_blocks(model) == {} and all("forward" not in b.__dict__ for b in model.blocks)
+    assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 1
+
+
+def test_layered_with_another_forward_wrapper() -> None:
+    """Another technique may shadow ``forward`` on top of ours (a compiled forward) or below."""
+    model, batch = gpt(), batch_for()
+    block = model.blocks[1]
+    below = block.forward  # the class forward, bound
+    object.__setattr__(block, "forward", lambda *a, **k: below(*a, **k))  # a foreign wrapper, below
+    foreign = block.forward
+    apply_activation_checkpointing(model)
+    assert block.forward.inner is foreign and calls_per_step(model, block.attn.qkv, batch) == 2
+    remove_activation_checkpointing(model)
+    assert block.forward is foreign  # the foreign wrapper is restored, not dropped
+    apply_activation_checkpointing(model)
+    ours = block.forward
+    object.__setattr__(block, "forward", lambda *a, **k: ours(*a, **k))  # foreign, on top of ours
+    assert calls_per_step(model, block.attn.qkv, batch) == 2
+    remove_activation_checkpointing(model)  # ours is under the foreign one: it passes through
+    assert checkpointed_blocks(model) == {} and calls_per_step(model, block.attn.qkv, batch) == 1
+    apply_activation_checkpointing(model)  # the stale one stays a pass-through: no double recompute
+    assert calls_per_step(model, block.attn.qkv, batch) == 2
+
+
+# -- same maths --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(selective=True), dict(every_n=2, offload_activations=True)],
+    ids=["full", "selective", "every2-offload"],
+)
+def test_same_loss_and_gradients_with_dropout(kwargs) -> None:
+    model, batch = gpt(dropout=0.2), batch_for()
+    plain_loss, plain_grads = loss_and_grads(model, batch)
+    other_seed_loss, _ = loss_and_grads(model, batch, seed=8)
+    assert other_seed_loss != plain_loss  # dropout is live: the test can fail
+    apply_activation_checkpointing(model, **kwargs)
+    loss, grads = loss_and_grads(model, batch)
+    assert loss == plain_loss
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=0, atol=0, msg=n)
+
+
+def test_fit_with_dropout_matches_plain_run(tmp_path) -> None:
+    kw = dict(max_steps=3, limit_val_batches=0)
+    _, plain_model, plain = fit(tmp_path / "p", model=gpt(n_layer=2, dropout=0.1), **kw)
+    cb = ActivationCheckpointing(selective=True)
+    trainer, model, tech = fit(tmp_path / "t", [cb], model=gpt(n_layer=2, dropout=0.1), **kw)
+    assert tech.losses == plain.losses
+    for (n, a), b in zip(plain_model.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+    assert cb.wrapped == ["blocks.0", "blocks.1"]
+    entry = report_for(trainer)["ActivationCheckpointing"]
+    assert entry.figures["blocks_wrapped"] == 2 and "selective checkpointing of 2/2 blocks" in entry.change
+    assert checkpointed_blocks(model) == {}  # unwrapped at teardown
+
+
+def test_bf16_mixed_same_losses(tmp_path) -> None:
+    kw = dict(max_steps=2, limit_val_batches=0, precision="bf16-mixed")
+    _, _, plain = fit(tmp_path / "p", model=gpt(n_layer=2), **kw)
+    _, _, tech = fit(tmp_path / "t", [ActivationCheckpointing()], model=gpt(n_layer=2), **kw)
+    assert tech.losses == plain.losses
+
+
+class LateLayers(pl.LightningModule):
+    """Builds its layers in ``configure_model`` (after callback ``setup``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: nn.ModuleList | None = None
+        self.calls = 0
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+            self.layers[0][0].register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+
+
+def test_layers_built_in_configure_model_are_checkpointed(tmp_path) -> None:
+    model = LateLayers()
+    cb = ActivationCheckpointing()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model)
+    assert cb.wrapped == ["layers.0", "layers.1", "layers.2"]
+    assert checkpointed_blocks(model) == {}  # unwrapped at teardown
+    assert model.calls == 4  # 2 steps x (forward + recompute)
+    assert "checkpointing of 3/3 blocks" in report_for(trainer)["ActivationCheckpointing"].change
+
+
+def test_offload_on_cpu_is_a_noop_with_one_note(tmp_path, caplog) -> None:
+    cb = ActivationCheckpointing(every_n=2, offload_activations=True)
+    with caplog.at_level("INFO"):
+        trainer, _, tech = fit(tmp_path, [cb], model=gpt(n_layer=2), max_steps=2, limit_val_batches=0)
+    notes = [r.getMessage() for r in caplog.records if "offload_activations" in r.getMessage()]
+    assert len(notes) == 1 and "CPU" in notes[0]
+    change = report_for(trainer)["ActivationCheckpointing"].change
+    assert "1/2 blocks" in change and "saved activations of 1 other blocks offloaded" in change
+    model = gpt(n_layer=2)
+    apply_activation_checkpointing(model, every_n=2, offload_activations=True)
+    assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.1": "offload"}
+    est = _estimate(gpt(n_layer=2), batch_for(), callbacks=[ActivationCheckpointing(every_n=2, offload_activations=True)])
+    assert any("not modelled by the estimate" in n for n in est.notes)
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_moves_activations_to_host_and_keeps_maths() -> None:
+    model, batch = gpt(dropout=0.0, n_layer=4).cuda(), tuple(t.cuda() for t in batch_for())
+    plain_loss, plain_grads = loss_and_grads(model, batch)
+    torch.cuda.synchronize()
+    apply_activation_checkpointing(model, policy=r"re:blocks\.0", offload_activations=True)
+    loss, grads = loss_and_grads(model, batch)
+    assert abs(loss - plain_loss) < 1e-5
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(grads[n], g, msg=n)
+
+
+# -- memory, via the instrument ---------------------------------------------------------------
+def _estimate(model, batch, **kw):
+    from lightning_efficient.measure.estimate import estimate_memory
+
+    return estimate_memory(model, batch, **kw)
+
+
+def test_auto_halves_activation_memory_and_estimate_matches_tracking() -> None:
+    from lightning_efficient.measure.track import measure_step
+
+    model, batch = gpt(n_layer=4, seq_len=64, n_embd=64), batch_for(seq_len=64, batch=8)
+    plain = _estimate(model, batch)
+    est = _estimate(model, batch, callbacks=[ActivationCheckpointing()])
+    assert checkpointed_blocks(model) == {}  # the estimate undid its change
+    a_plain, a_ckpt = plain.by_category["activations"], est.by_category["activations"]
+    assert a_ckpt <= 0.5 * a_plain, (a_plain, a_ckpt)
+    assert est.peak_bytes < plain.peak_bytes
+    assert any("checkpointing of 4/4 blocks" in n for n in est.notes)
+    real = measure_step(gpt(n_layer=4, seq_len=64, n_embd=64), batch, "adamw", callbacks=[ActivationCheckpointing()])
+    real_plain = measure_step(gpt(n_layer=4, seq_len=64, n_embd=64), batch, "adamw")
+    for e, r in ((est, real), (plain, real_plain)):
+        assert abs(e.peak_bytes - r.peak_bytes) <= 0.02 * r.peak_bytes, (e, r)
+        assert abs(e.by_category["activations"] - r.by_category["activations"]) <= 0.02 * r.peak_bytes
+
+
+def test_bf16_mixed_estimate_saves_too() -> None:
+    model, batch = gpt(n_layer=4), batch_for()
+    plain = _estimate(model, batch, precision="bf16-mixed")
+    est = _estimate(model, batch, precision="bf16-mixed", callbacks=[ActivationCheckpointing()])
+    assert est.by_category["activations"] <= 0.5 * plain.by_category["activations"]
+
+
+def test_budget_picks_fewest_blocks() -> None:
+    model, batch = gpt(n_layer=4), batch_for()
+    peaks = {}
+    for k in range(5):
+        if k:
+            apply_activation_checkpointing(model, num_blocks=k)
+        peaks[k] = _estimate(model, batch).peak_bytes
+        remove_activation_checkpointing(model)
+    assert peaks[4] < peaks[2] < peaks[0]
+    budget = (peaks[1] + peaks[2]) // 2  # 2 blocks fit, 1 does not
+    choice = blocks_for_budget(model, batch, budget)
+    assert choice.num_blocks == 2 and choice.total == 4
+    assert choice.peak_bytes == peaks[2] <= budget < peaks[1] and choice.plain_peak_bytes == peaks[0]
+    assert sorted(choice.peaks) == [0, 1, 2, 4]  # a binary search, not a sweep
+    assert checkpointed_blocks(model) == {}
+    fits = blocks_for_budget(model, batch, peaks[0])
+    assert fits.num_blocks == 0 and list(fits.peaks) == [0]  # the plain run fits: one estimate
+    # the callback's estimate runs the same search and shows its result
+    est = _estimate(model, batch, callbacks=[ActivationCheckpointing(budget=budget)])
+    assert est.peak_bytes == peaks[2] and any("2/4 blocks" in n for n in est.notes)
+    with pytest.raises(ValueError, match="smallest achievable peak") as info:
+        blocks_for_budget(model, batch, peaks[4] - 1)
+    assert str(peaks[4]) in str(info.value) and "`budget`" in str(info.value)
+
+
+def test_budget_callback_in_fit(tmp_path) -> None:
+    model, batch = gpt(n_layer=4), batch_for()
+    full = _estimate(model, batch, callbacks=[ActivationCheckpointing()]).peak_bytes
+    plain = _estimate(model, batch).peak_bytes
+    cb = ActivationCheckpointing(budget=(full + plain) // 2)
+    trainer, _, tech = fit(tmp_path, [cb], model=gpt(n_layer=4), max_steps=2, limit_val_batches=0)
+    assert 0 < cb.choice.num_blocks < 4 and cb.choice.peak_bytes <= cb.budget
+    figures = report_for(trainer)["ActivationCheckpointing"].figures
+    assert figures["blocks_wrapped"] == cb.choice.num_blocks
+    assert figures["peak_after_bytes"] < figures["peak_before_bytes"]
+    with pytest.raises(ValueError, match="smallest achievable peak"):
+        fit(tmp_path / "x", [ActivationCheckpointing(budget=full // 2)], model=gpt(n_layer=4), max_steps=1)
+
+
+# -- with TorchCompile (branch `speed`), in both orders -------------------------------------------
+def _torch_compile_cls():
+    try:
+        return importlib.import_module("lightning_efficient.techniques.compile").TorchCompile
+    except (ImportError, AttributeError):
+        return None
+
+
+class _Seen(pl.Callback):
+    """Records, during training, which blocks are checkpointed."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.blocks = checkpointed_blocks(pl_module)
+
+
+@pytest.mark.skipif(_torch_compile_cls() is None, reason="TorchCompile (branch `speed`) not merged yet")
+@pytest.mark.parametrize("order", ["checkpoint-first", "compile-first"])
+def test_with_torch_compile_both_orders(order: str, tmp_path) -> None:
+    TorchCompile = _torch_compile_cls()
+    seen = _Seen()
+    cbs = [ActivationCheckpointing(), TorchCompile(backend="aot_eager")]  # aot_eager: no C++ build
+    if order == "compile-first":
+        cbs.reverse()
+    kw = dict(max_steps=2, limit_val_batches=0)
+    _, _, plain = fit(tmp_path / "p", model=gpt(n_layer=2), **kw)
+    _, model, tech = fit(tmp_path / "t", [*cbs, seen], model=gpt(n_layer=2), **kw)
+    torch.testing.assert_close(torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5)
+    assert seen.blocks == {"blocks.0": "full", "blocks.1": "full"}
+    assert set(model.state_dict()) == set(gpt(n_layer=2).state_dict())
+
+
+def test_method_card_examples_run() -> None:
+    """The card's Python examples are code, not prose: they run here."""
+    import re
+    from pathlib import Path
+
+    card = (Path(__file__).parents[1] / "docs" / "activation_checkpointing.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert len(blocks) >= 2
+    for code in blocks:
+        exec(compile(code, "docs/activation_checkpointing.md", "exec"), {})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -62,6 +62,14 @@ class EfficientCLI(LightningCLI):
         )
         for hook in _PARSER_HOOKS:
             hook(parser)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        for fn in _CONFIG_HOOKS:
+            try:
+                fn(config)
+            except CONFIG_ERRORS as err:
+                _fail(f"invalid configuration: {err}")
 
     def instantiate_classes(self) -> None:
         try:
@@ -116,6 +124,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lightning-efficient extra commands:\n{extra}\n")
     EfficientCLI(args=None if argv is None else args)
     return 0
+
+
+#: Functions ``hook(config)`` run on the parsed config before any class is built.
+_CONFIG_HOOKS: list[Callable[[Any], None]] = []
+
+
+def _precision_accepts_auto(parser: Any) -> None:
+    """``trainer.precision`` also takes ``"auto"``; ``_resolve_precision`` checks the value."""
+    action = parser._option_string_actions.get("--trainer.precision")
+    if action is not None and hasattr(action, "_typehint"):
+        action._typehint = Optional[Union[int, str]]
+        action.help = (
+            "'auto' (best for the device: bf16-mixed on Ampere+ GPUs and bf16 CPUs, 16-mixed on "
+            "older GPUs, else 32-true) or a Lightning precision such as 'bf16-mixed'. (default: None)"
+        )
+
+
+def _resolve_precision(config: Any) -> None:
+    from lightning_efficient.techniques.precision import resolve_precision
+
+    trainer = config.get("trainer")
+    if trainer is not None and trainer.get("precision") is not None:
+        trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
+
+
+_PARSER_HOOKS.append(_precision_accepts_auto)
+_CONFIG_HOOKS.append(_resolve_precision)
 
 
 if __name__ == "__main__":  # pragma: no cover

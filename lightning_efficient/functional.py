@@ -26,6 +26,17 @@ from lightning_efficient.techniques.batch_size import (
     split_batch,
     worst_case_batch,
 )
+from lightning_efficient.techniques.precision import (
+    best_precision,
+    convert_to_float8,
+    restore_matmul_precision,
+    set_matmul_precision,
+)
+from lightning_efficient.techniques.compile import (
+    compile_modules,
+    compiled_modules,
+    uncompile_modules,
+)
 from lightning_efficient.techniques.dataloading import (
     LengthBucketSampler,
     auto_num_workers,
@@ -65,6 +76,13 @@ __all__ = [
     "round_batch_size",
     "split_batch",
     "worst_case_batch",
+    "best_precision",
+    "convert_to_float8",
+    "restore_matmul_precision",
+    "set_matmul_precision",
+    "compile_modules",
+    "compiled_modules",
+    "uncompile_modules",
     "LengthBucketSampler",
     "auto_num_workers",
     "padding_stats",

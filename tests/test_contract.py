@@ -239,6 +239,53 @@ CASES.append(
     )
 )
 
+from lightning_efficient.techniques.compile import TorchCompile, valid_backends, valid_modes  # noqa: E402
+from lightning_efficient.techniques.precision import FP8_RECIPES, MATMUL_LEVELS, Float8Training, MatmulPrecision  # noqa: E402
+
+CASES.append(
+    Case(
+        MatmulPrecision,
+        init_args={"level": "high"},
+        bad_args=[({"level": "tf32"}, "level"), ({"level": 32}, "level")],
+        fuzz={"level": st.text(max_size=8).filter(lambda s: s not in MATMUL_LEVELS) | st.integers() | st.booleans()},
+        id="MatmulPrecision",
+    )
+)
+CASES.append(
+    Case(
+        Float8Training,
+        init_args={"recipe": "tensorwise"},
+        bad_args=[({"recipe": "delayed"}, "recipe"), ({"exclude": "head"}, "exclude")],
+        fuzz={
+            "recipe": st.text(max_size=8).filter(lambda s: s not in FP8_RECIPES) | st.integers(),
+            "exclude": st.text(max_size=4) | st.integers() | st.lists(st.integers(), min_size=1, max_size=2),
+        },
+        id="Float8Training",
+    )
+)
+CASES.append(
+    Case(
+        TorchCompile,
+        init_args={"backend": "aot_eager"},  # real Dynamo + AOTAutograd; inductor in test_compile.py
+        bad_args=[
+            ({"mode": "fastest"}, "mode"),
+            ({"backend": "tensorrtx"}, "backend"),
+            ({"mode": "max-autotune", "backend": "aot_eager"}, "mode"),
+            ({"fullgraph": "yes"}, "fullgraph"),
+            ({"dynamic": 1}, "dynamic"),
+            ({"recompile_warning": 0}, "recompile_warning"),
+            ({"blocks": 3}, "blocks"),
+        ],
+        fuzz={
+            "mode": st.text(max_size=8).filter(lambda s: s not in valid_modes()) | st.integers(),
+            "backend": st.text(max_size=8).filter(lambda s: s not in valid_backends()) | st.integers(),
+            "recompile_warning": st.integers(max_value=0) | st.floats() | st.text(max_size=3),
+            "regional": st.integers() | st.text(max_size=3),
+        },
+        id="TorchCompile",
+    )
+)
+
 ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
 

@@ -1,0 +1,396 @@
+"""torch.compile, in place and per block, with compile time measured apart from step time.
+
+- ``compile_modules(model, ...)`` compiles in place with ``nn.Module.compile`` (state_dict keys
+  never change: no ``_orig_mod.``). Regional (the default) compiles each repeated block found by
+  ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
+  compiled graph, so compile time is about one block's, not the whole model's.
+  Whole-model compilation compiles the module's ``forward`` (for a LightningModule:
+  ``training_step`` itself stays eager, so ``self.log`` in it keeps working).
+- A compile failure on a forward falls back to eager for every module compiled together, with
+  one warning, unless ``strict=True``.
+- ``CompileWatch`` counts Dynamo compilations and recompilations and sums their wall time through
+  ``torch._dynamo.callback`` (``on_compile_start``/``on_compile_end``).
+- ``TorchCompile`` (callback) compiles at fit start, reports compile time, first-step time and
+  steady-state step time apart, and warns once when recompilations pass a threshold, naming the
+  cause (usually changing shapes) and the fix (pad or bucket lengths).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_efficient._validate import check_bool, check_choice, check_int
+from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.techniques._base import Technique
+from lightning_efficient.techniques._blocks import check_policy, find_repeated_blocks, select_modules
+
+__all__ = [
+    "compile_modules",
+    "uncompile_modules",
+    "compiled_modules",
+    "valid_backends",
+    "valid_modes",
+    "recompile_reasons",
+    "CompileWatch",
+    "TorchCompile",
+]
+
+
+def valid_backends() -> list[str]:
+    """Every Dynamo backend name registered in this process (``torch._dynamo.list_backends``)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def valid_modes() -> list[str]:
+    """Inductor's compile modes (``torch._inductor.list_mode_options``)."""
+    import torch._inductor
+
+    return list(torch._inductor.list_mode_options())
+
+
+def _check_backend(backend: Any) -> Any:
+    if callable(backend) and not isinstance(backend, str):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(f"`backend` must be a backend name or a callable backend; got {backend!r} ({type(backend).__name__}).")
+    return check_choice("backend", backend, valid_backends())
+
+
+def _is_compile_error(err: BaseException) -> bool:
+    import torch._dynamo.exc as exc
+
+    return isinstance(err, exc.TorchDynamoException)
+
+
+class _FallbackCall:
+    """Stands in for a module's ``_compiled_call_impl``: calls the compiled function and, when
+    compilation fails, hands the error to ``on_error`` (which switches the modules back to eager
+    or re-raises) and runs this call eagerly."""
+
+    def __init__(self, module: nn.Module, compiled: Callable[..., Any], on_error: Callable[[BaseException], None]) -> None:
+        self.module, self.compiled, self.on_error = module, compiled, on_error
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as err:
+            if not _is_compile_error(err):
+                raise
+            self.on_error(err)  # raises when strict
+            return self.module._call_impl(*args, **kwargs)
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """Names of the submodules of ``model`` (``""``: itself) compiled in place."""
+    return [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def uncompile_modules(model: nn.Module) -> list[str]:
+    """Undo ``compile_modules``: every in-place compiled submodule runs eagerly again."""
+    names = compiled_modules(model)
+    for name in names:
+        model.get_submodule(name)._compiled_call_impl = None
+    return names
+
+
+def compile_modules(
+    model: nn.Module,
+    *,
+    mode: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    regional: bool = True,
+    backend: str | Callable[..., Any] = "inductor",
+    blocks: Any = "auto",
+    on_error: Callable[[BaseException], None] | None = None,
+) -> list[str]:
+    """Compile ``model`` in place and return the names compiled (``""`` is the model itself).
+
+    Regional: every block ``select_modules(model, blocks)`` picks; with ``blocks="auto"`` and no
+    repeated blocks, the whole model. ``on_error(err)`` is called when a forward fails to compile
+    (default: re-raise); after it returns, that forward runs eagerly.
+    """
+    targets: list[tuple[str, nn.Module]]
+    if not regional or (blocks == "auto" and not find_repeated_blocks(model)):
+        targets = [("", model)]
+    else:
+        targets = select_modules(model, blocks, argument="blocks")
+    kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+    if mode is not None:
+        kwargs["mode"] = mode
+
+    def reraise(err: BaseException) -> None:
+        raise err
+
+    for _, module in targets:
+        module.compile(**kwargs)
+        module._compiled_call_impl = _FallbackCall(module, module._compiled_call_impl, on_error or reraise)
+    return [name for name, _ in targets]
+
+
+class CompileWatch:
+    """Counts Dynamo compilations and recompilations and sums their wall time while installed.
+
+    Uses ``torch._dynamo.callback``'s start/end compile callbacks. A compile id ``"f/n"`` with
+    ``n > 0`` is the n-th recompilation of frame ``f``. ``on_recompile(watch)`` runs after each
+    recompilation.
+    """
+
+    def __init__(self, on_recompile: Callable[["CompileWatch"], None] | None = None) -> None:
+        self.compiles = 0  # Dynamo frame compilations (graphs captured)
+        self.recompiles = 0
+        self.events = 0  # every compile event, deferred backward compiles included
+        self.seconds = 0.0
+        self.on_recompile = on_recompile
+        self._started: float | None = None
+        self._installed = False
+
+    def _start(self, args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, args: Any) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+        self.events += 1
+        if "DYNAMO" not in str(getattr(args, "callback_trigger", "DYNAMO")):
+            return  # a deferred backward (or autotuning) compile of a graph already counted
+        self.compiles += 1
+        parts = str(getattr(args, "compile_id", "")).strip("[]").split("/")
+        if len(parts) >= 2 and parts[-1].isdigit() and int(parts[-1]) > 0:
+            self.recompiles += 1
+            if self.on_recompile is not None:
+                self.on_recompile(self)
+
+    def install(self) -> "CompileWatch":
+        from torch._dynamo.callback import callback_handler
+
+        if not self._installed:
+            callback_handler.register_start_callback(self._start)
+            callback_handler.register_end_callback(self._end)
+            self._installed = True
+        return self
+
+    def remove(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        if self._installed:
+            callback_handler.remove_start_callback(self._start)
+            callback_handler.remove_end_callback(self._end)
+            self._installed = False
+
+    def __enter__(self) -> "CompileWatch":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def recompile_reasons(limit: int = 3) -> list[str]:
+    """The latest guard failures Dynamo recorded (why it recompiled), newest last."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover - older/newer torch
+        return []
+    reasons = [str(r) for failures in guard_failures.values() for r in failures]
+    return reasons[-limit:]
+
+
+def _describe_error(err: BaseException) -> str:
+    """``Type: first line`` of a compile error, followed by its root cause's."""
+
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+    out = line(err)
+    cause = getattr(err, "inner_exception", None) or err.__cause__
+    if cause is not None and cause is not err and line(cause) not in out:
+        out += f" {line(cause)}"
+    return out
+
+
+def _cause_and_fix(reasons: list[str]) -> str:
+    text = " ".join(reasons).lower()
+    if "size" in text or "stride" in text or "shape" in text or not reasons:
+        cause = "input shapes change between steps (dynamic shapes, e.g. variable sequence lengths or a smaller last batch)"
+        fix = (
+            "pad or bucket sequence lengths to a few fixed sizes (and drop_last=True), or pass "
+            "dynamic=True so one graph covers every size"
+        )
+    else:
+        cause = "a guard on a Python value or module attribute keeps failing"
+        fix = "make that value constant during training, or move it out of the compiled module"
+    last = f" Last reason: {reasons[-1]}." if reasons else ""
+    return f"Cause: {cause}.{last} Fix: {fix}."
+
+
+_TIMED_STEPS = 64  # steps timed one by one; the steady state is their median without compiles
+
+
+class TorchCompile(Technique):
+    """Compile the model with ``torch.compile`` at fit start, in place and (by default) per block.
+
+    State_dict keys never change. Compile time is reported apart from steady-state step time
+    (``compile_s``, ``first_step_s``, ``steady_step_s``, ``recompiles``). A forward that fails to
+    compile falls back to eager with one warning, unless ``strict=True``.
+
+    Args:
+        mode: Inductor mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ...);
+            ``None`` for the default. Only with the inductor backend.
+        fullgraph: Fail on graph breaks instead of splitting the graph.
+        dynamic: ``True`` compiles shape-generic graphs up front, ``False`` never, ``None`` (the
+            default) after the first shape change.
+        regional: Compile each repeated block (transformer layer) instead of the whole model:
+            much shorter compile time for nearly the same speed.
+        backend: A Dynamo backend name (``torch._dynamo.list_backends()``) or a backend callable.
+        strict: Re-raise compile errors instead of falling back to eager.
+        blocks: Which blocks a regional compile compiles: ``"auto"`` (repeated blocks), a class
+            name, a module class, a name glob or ``"re:<regex>"`` (as ``ActivationCheckpointing``).
+        recompile_warning: Warn once when more recompilations than this happen during fit.
+    """
+
+    def __init__(
+        self,
+        mode: str | None = None,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        regional: bool = True,
+        backend: str | Callable[..., Any] = "inductor",
+        strict: bool = False,
+        blocks: str | list[str] = "auto",
+        recompile_warning: int = 4,
+    ) -> None:
+        super().__init__()
+        self.backend = _check_backend(backend)
+        if mode is not None:
+            self.mode = check_choice("mode", mode, valid_modes())
+            if self.backend != "inductor":
+                raise ValueError(
+                    f"`mode`={mode!r} applies to the 'inductor' backend only; got backend={self.backend!r}. "
+                    "Use backend='inductor' or mode=None."
+                )
+        else:
+            self.mode = None
+        self.fullgraph = check_bool("fullgraph", fullgraph)
+        if dynamic is not None:
+            check_bool("dynamic", dynamic)
+        self.dynamic = dynamic
+        self.regional = check_bool("regional", regional)
+        self.strict = check_bool("strict", strict)
+        self.blocks = check_policy(blocks, argument="blocks")
+        self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)
+        self._names: list[str] = []
+        self._model: nn.Module | None = None
+        self._watch: CompileWatch | None = None
+        self._fell_back: str | None = None
+        self._timer: Any = None
+        self._step = 0
+        self._step_compiles: list[bool] = []
+        self._compiles_before = 0
+        self._warned_recompiles = False
+
+    # -- compile and fall back ---------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._watch = CompileWatch(on_recompile=self._check_recompiles).install()
+        self._model = pl_module
+        self._fell_back = None
+        self._warned_recompiles = False
+        self._names = compile_modules(
+            pl_module,
+            mode=self.mode,
+            fullgraph=self.fullgraph,
+            dynamic=self.dynamic,
+            regional=self.regional,
+            backend=self.backend,
+            blocks=self.blocks,
+            on_error=self._fall_back,
+        )
+        if self.regional and self._names == [""]:
+            self.note("no repeated blocks found; compiling the whole model instead.")
+        self._timer = StepTimer(trainer.strategy.root_device)
+        self._step = 0
+        self._step_compiles = []
+        self._report(trainer)
+
+    def _fall_back(self, err: BaseException) -> None:
+        if self.strict:
+            raise err
+        if self._model is not None:  # back to eager: the modules this callback compiled
+            for name in self._names:
+                self._model.get_submodule(name)._compiled_call_impl = None
+        self._fell_back = _describe_error(err)
+        self.warn(
+            f"torch.compile failed ({self._fell_back}); training continues in eager mode. "
+            "Pass strict=True to raise instead."
+        )
+
+    def _check_recompiles(self, watch: CompileWatch) -> None:
+        if watch.recompiles > self.recompile_warning and not self._warned_recompiles:
+            self._warned_recompiles = True
+            self.warn(
+                f"{watch.recompiles} recompilations during fit (more than recompile_warning="
+                f"{self.recompile_warning}); each one costs a full compile. {_cause_and_fix(recompile_reasons())}"
+            )
+
+    # -- timing: compile apart from steady state -------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._timer is not None and self._step < _TIMED_STEPS:
+            self._compiles_before = self._watch.events if self._watch else 0
+            self._timer.start(f"step{self._step}")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._timer is not None and self._step < _TIMED_STEPS:
+            self._timer.stop(f"step{self._step}")
+            self._step_compiles.append((self._watch.events if self._watch else 0) > self._compiles_before)
+            self._step += 1
+
+    def timings(self) -> dict[str, Any]:
+        """Compile time, first-step time and steady-state (compile-free) step time so far."""
+        out: dict[str, Any] = {}
+        if self._watch is not None:
+            out.update(compile_s=self._watch.seconds, compiles=self._watch.compiles, recompiles=self._watch.recompiles)
+        if self._timer is not None and self._step:
+            totals = self._timer.totals()
+            steps = [totals.get(f"step{i}", 0.0) for i in range(self._step)]
+            out["first_step_s"] = steps[0]
+            steady = [s for s, compiled in zip(steps, self._step_compiles) if not compiled]
+            if steady:
+                out["steady_step_s"] = statistics.median(steady)
+        return out
+
+    def _report(self, trainer: Any) -> None:
+        if self._fell_back:
+            change = f"compile failed, fell back to eager ({self._fell_back})"
+        elif self._names == [""]:
+            change = f"compiled the whole model ({self._backend_name()})"
+        else:
+            change = f"compiled {len(self._names)} blocks in place ({self._backend_name()})"
+        self.report(trainer, change, compiled_modules=0 if self._fell_back else len(self._names), **self.timings())
+
+    def _backend_name(self) -> str:
+        name = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
+        return f"{name}, mode={self.mode}" if self.mode else name
+
+    def _finish(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._report(trainer)
+        self._finish()
+        super().on_fit_end(trainer, pl_module)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._finish()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._finish()

@@ -1,0 +1,260 @@
+"""Numeric precision: pick the best mixed precision for a device, TF32 matmuls, FP8 training.
+
+- ``best_precision(device)`` returns the Lightning precision string to use on a device:
+  ``"bf16-mixed"`` where bf16 is supported (CUDA compute capability 8.0+, or a CPU with bf16),
+  ``"16-mixed"`` on older CUDA devices, ``"32-true"`` otherwise. The CLI accepts
+  ``trainer.precision: auto`` and resolves it through this function.
+- ``check_precision(value)`` validates a precision value against the ones Lightning knows.
+- ``set_matmul_precision(level)`` sets float32 matmul precision and cuDNN's TF32 flag and
+  returns the previous settings; ``restore_matmul_precision(previous)`` puts them back. The
+  ``MatmulPrecision`` callback does this around a fit (restores on exception too).
+- ``convert_to_float8(model)`` swaps ``nn.Linear`` layers for torchao's ``Float8Linear`` (state_dict
+  keys unchanged); the ``Float8Training`` callback does so at fit start on devices with FP8 tensor
+  cores (compute capability 8.9+) and says clearly that it did nothing elsewhere.
+
+``Float8Training`` is a callback of its own, not an option of ``MatmulPrecision``: TF32 is a
+process-wide flag that is set and restored around a fit, FP8 is model surgery (module classes
+change, for good) that must happen before the optimizer is built and before compilation; the two
+have different devices, lifecycles and failure modes, and combine freely.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, get_args
+
+import torch
+from torch import nn
+
+from lightning_efficient._validate import check_choice, missing_extra
+from lightning_efficient.techniques._base import Technique
+
+__all__ = [
+    "best_precision",
+    "check_precision",
+    "resolve_precision",
+    "valid_precisions",
+    "has_tf32",
+    "supports_fp8",
+    "set_matmul_precision",
+    "restore_matmul_precision",
+    "convert_to_float8",
+    "MatmulPrecision",
+    "Float8Training",
+    "MATMUL_LEVELS",
+    "FP8_RECIPES",
+]
+
+MATMUL_LEVELS = ("highest", "high", "medium")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _device(device: Any = None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
+        return False
+
+
+def best_precision(device: torch.device | str | int | None = None) -> str:
+    """The Lightning precision string that trains fastest without losing accuracy on ``device``
+    (default: the first CUDA device if there is one, else the CPU).
+
+    ``"bf16-mixed"`` on CUDA compute capability 8.0+ (Ampere and newer) and on CPUs with bf16
+    support (AVX512-BF16/AMX or oneDNN's bf16 path); ``"16-mixed"`` on older CUDA devices;
+    ``"32-true"`` elsewhere.
+    """
+    dev = _device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return "32-true"
+        return "bf16-mixed" if torch.cuda.get_device_capability(dev) >= (8, 0) else "16-mixed"
+    if dev.type == "cpu":
+        return "bf16-mixed" if _cpu_has_bf16() else "32-true"
+    return "32-true"
+
+
+def valid_precisions() -> tuple[Any, ...]:
+    """Every precision value Lightning's Trainer accepts (strings and ints)."""
+    from lightning.fabric.connector import _PRECISION_INPUT
+
+    values: list[Any] = []
+    for literal in get_args(_PRECISION_INPUT):
+        values.extend(get_args(literal))
+    return tuple(values)
+
+
+def check_precision(value: Any, *, name: str = "precision", allow_auto: bool = True) -> Any:
+    """Return ``value`` if Lightning knows it (or it is ``"auto"``); else a ``ValueError`` that
+    lists every valid value."""
+    choices = (("auto",) if allow_auto else ()) + valid_precisions()
+    return check_choice(name, value, choices)
+
+
+def resolve_precision(value: Any, accelerator: Any = None) -> Any:
+    """``"auto"`` -> ``best_precision`` for the accelerator (``"cpu"`` -> the CPU, else the
+    default device); other values are checked and returned unchanged. ``None`` stays ``None``."""
+    if value is None:
+        return None
+    check_precision(value, name="trainer.precision")
+    if value != "auto":
+        return value
+    acc = str(accelerator or "auto")
+    return best_precision("cpu" if acc == "cpu" else None)
+
+
+# -- TF32 --------------------------------------------------------------------------------------
+def has_tf32(device: torch.device | str | int | None = None) -> bool:
+    """True where float32 matmuls can run on TF32 tensor cores (CUDA compute capability 8.0+)."""
+    dev = _device(device)
+    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def set_matmul_precision(level: str) -> dict[str, Any]:
+    """Set ``torch.set_float32_matmul_precision(level)`` and cuDNN's TF32 flag (on unless
+    ``level == "highest"``); return the previous settings for ``restore_matmul_precision``."""
+    check_choice("level", level, MATMUL_LEVELS)
+    previous = {
+        "matmul": torch.get_float32_matmul_precision(),
+        "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+    torch.set_float32_matmul_precision(level)
+    torch.backends.cudnn.allow_tf32 = level != "highest"
+    return previous
+
+
+def restore_matmul_precision(previous: dict[str, Any]) -> None:
+    torch.set_float32_matmul_precision(previous["matmul"])
+    torch.backends.cudnn.allow_tf32 = previous["cudnn_tf32"]
+
+
+class MatmulPrecision(Technique):
+    """Run float32 matmuls and convolutions on TF32 tensor cores during fit.
+
+    At fit start it calls ``torch.set_float32_matmul_precision(level)`` and sets
+    ``torch.backends.cudnn.allow_tf32``; at the end of fit (and on an exception) it restores both.
+    On a device without TF32 (a CPU, CUDA before Ampere) it changes nothing and says so once.
+
+    Args:
+        level: ``"high"`` (TF32, ~10 mantissa bits, the usual choice), ``"medium"`` (bf16-based
+            where the backend has it) or ``"highest"`` (full fp32, TF32 off).
+    """
+
+    def __init__(self, level: str = "high") -> None:
+        super().__init__()
+        self.level = check_choice("level", level, MATMUL_LEVELS)
+        self._previous: dict[str, Any] | None = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        device = trainer.strategy.root_device
+        if not has_tf32(device):
+            self.no_effect(f"{device.type} device has no TF32 tensor cores; float32 matmul precision left as is.")
+            self.report(trainer, f"no effect: no TF32 on {device}")
+            return
+        self._previous = set_matmul_precision(self.level)
+        self.report(
+            trainer,
+            f"float32 matmul precision {self._previous['matmul']!r} -> {self.level!r}, "
+            f"cuDNN TF32 {'on' if self.level != 'highest' else 'off'}",
+        )
+
+    def _restore(self) -> None:
+        if self._previous is not None:
+            restore_matmul_precision(self._previous)
+            self._previous = None
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._restore()
+        super().on_fit_end(trainer, pl_module)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._restore()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restore()
+
+
+# -- FP8 ---------------------------------------------------------------------------------------
+def supports_fp8(device: torch.device | str | int | None = None) -> bool:
+    """True on CUDA devices with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, newer)."""
+    dev = _device(device)
+    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+def _fp8_eligible(module: nn.Module) -> bool:
+    # torchao's float8 matmul needs both dimensions divisible by 16
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_float8(
+    model: nn.Module, *, recipe: str = "tensorwise", exclude: list[str] | tuple[str, ...] = ()
+) -> list[str]:
+    """Swap ``model``'s ``nn.Linear`` layers for torchao ``Float8Linear`` in place; return the
+    names converted. Layers whose name matches a glob in ``exclude`` and layers whose dimensions
+    are not multiples of 16 stay as they are. Parameters (and so state_dict keys and optimizer
+    references) are kept; the matmuls run in float8 with dynamic scaling (``recipe``)."""
+    check_choice("recipe", recipe, FP8_RECIPES)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise missing_extra("torchao", "fp8", "FP8 training") from err
+    converted: list[str] = []
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        ok = _fp8_eligible(module) and not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+    return converted
+
+
+class Float8Training(Technique):
+    """Train the model's linear layers in FP8 (torchao float8) on devices that have FP8 tensor
+    cores (CUDA compute capability 8.9+). Needs ``pip install 'lightning-efficient[fp8]'``.
+
+    The layers are converted in ``setup`` (before the optimizer is built and before
+    ``TorchCompile`` compiles in ``on_fit_start``). On other devices nothing changes and the
+    callback says so once. Use with ``precision="bf16-mixed"``.
+
+    Args:
+        recipe: torchao scaling recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"`` (more accurate).
+        exclude: name globs of linear layers to keep in high precision (e.g. ``["head"]``);
+            layers whose dimensions are not multiples of 16 are always kept.
+    """
+
+    def __init__(self, recipe: str = "tensorwise", exclude: list[str] | None = None) -> None:
+        super().__init__()
+        self.recipe = check_choice("recipe", recipe, FP8_RECIPES)
+        if exclude is not None and (
+            not isinstance(exclude, (list, tuple)) or not all(isinstance(g, str) for g in exclude)
+        ):
+            raise TypeError(f"`exclude` must be a list of name globs or None; got {exclude!r} ({type(exclude).__name__}).")
+        self.exclude = list(exclude or [])
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        device = trainer.strategy.root_device
+        if not supports_fp8(device):
+            self.no_effect(
+                f"FP8 needs a CUDA device with compute capability 8.9 or newer (Ada, Hopper); "
+                f"this run is on {device}, so the model trains without FP8."
+            )
+            self.report(trainer, f"no effect: no FP8 tensor cores on {device}")
+            return
+        names = convert_to_float8(pl_module, recipe=self.recipe, exclude=self.exclude)
+        if not names:
+            self.no_effect("no nn.Linear layer with dimensions divisible by 16 to convert to FP8.")
+        self.report(trainer, f"{len(names)} linear layers to FP8 ({self.recipe})", converted_layers=len(names))

@@ -1,0 +1,211 @@
+"""TorchCompile: in place, regional by default, equal losses, fallback, recompile guard.
+
+Most tests use the ``aot_eager`` backend (Dynamo + AOTAutograd, the same graphs inductor gets,
+without code generation, which takes minutes on 2 shared cores); one test runs real inductor.
+Tolerances: aot_eager runs the same kernels in the same order, so losses are equal to 1e-6;
+inductor fuses and reorders float32 reductions: rtol 1e-4, atol 1e-5.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch.utils.data import DataLoader
+
+from helpers import fit, tiny_model
+from lightning_efficient.measure.report import report_for
+from lightning_efficient.techniques._blocks import find_repeated_blocks
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing, checkpointed_blocks
+from lightning_efficient.techniques.compile import (
+    CompileWatch,
+    TorchCompile,
+    compile_modules,
+    compiled_modules,
+    uncompile_modules,
+    valid_backends,
+)
+
+EXACT = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _close(a: list[float], b: list[float], **tol) -> None:
+    assert len(a) == len(b) > 0
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **(tol or EXACT))
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory):
+    _, _, rec = fit(tmp_path_factory.mktemp("eager"), max_steps=4)
+    return rec.losses
+
+
+# -- the pure functions ------------------------------------------------------------------------
+def test_regional_compiles_the_repeated_blocks_in_place() -> None:
+    model = tiny_model(n_layer=3)
+    keys = list(model.state_dict())
+    x = torch.randint(0, 256, (2, 16))
+    expected = model(x)
+    names = compile_modules(model, backend="aot_eager")
+    assert names == [n for n, _ in find_repeated_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert compiled_modules(model) == names
+    assert list(model.state_dict()) == keys  # no _orig_mod.
+    with CompileWatch() as watch:
+        torch.testing.assert_close(model(x), expected, **EXACT)
+    # identical blocks share one graph: one compilation for three blocks
+    assert watch.compiles == 1 and watch.seconds > 0
+    assert uncompile_modules(model) == names and compiled_modules(model) == []
+
+
+def test_whole_model_when_not_regional_or_no_blocks() -> None:
+    assert compile_modules(tiny_model(), regional=False, backend="aot_eager") == [""]
+    flat = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert compile_modules(flat, backend="aot_eager") == [""]
+
+
+# -- equivalence -------------------------------------------------------------------------------
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
+def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
+    tc = TorchCompile(backend="aot_eager", regional=regional)
+    trainer, model, rec = fit(tmp_path, [tc], max_steps=4)
+    _close(rec.losses, eager_losses)
+    assert compiled_modules(model) == (["blocks.0", "blocks.1"] if regional else [""])
+    figures = report_for(trainer)["TorchCompile"].figures
+    assert figures["compiled_modules"] == (2 if regional else 1)
+    # compile time is reported apart from the steady state
+    assert figures["compile_s"] > 0 and figures["compiles"] >= 1
+    assert figures["first_step_s"] > figures["steady_step_s"] > 0
+
+
+def test_real_inductor_matches_eager(tmp_path, eager_losses) -> None:
+    tc = TorchCompile(backend="inductor", regional=True)
+    trainer, _, rec = fit(tmp_path, [tc], max_steps=4, limit_val_batches=0)
+    _close(rec.losses, eager_losses, rtol=1e-4, atol=1e-5)
+    assert report_for(trainer)["TorchCompile"].figures["compile_s"] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_every_precision(precision, tmp_path) -> None:
+    _, _, eager = fit(tmp_path / "eager", max_steps=3, precision=precision)
+    _, _, comp = fit(tmp_path / "comp", [TorchCompile(backend="aot_eager")], max_steps=3, precision=precision)
+    # bf16: autocast/bf16 kernels are the same under aot_eager; allow bf16 rounding of the graph
+    _close(comp.losses, eager.losses, rtol=1e-2, atol=1e-2)
+
+
+def test_self_log_in_training_step_keeps_working(tmp_path) -> None:
+    trainer, _, rec = fit(tmp_path, [TorchCompile(backend="aot_eager", regional=False)], max_steps=3)
+    assert "train_loss" in trainer.callback_metrics
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(rec.losses[-1], rel=1e-6)
+
+
+class _Probe(pl.Callback):
+    """Records which blocks are checkpointed and compiled while training runs."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.seen = (set(checkpointed_blocks(pl_module)), compiled_modules(pl_module))
+
+
+@pytest.mark.parametrize("order", ["checkpointing-first", "compile-first"])
+def test_with_activation_checkpointing_both_orders(order, tmp_path, eager_losses) -> None:
+    ac, tc, probe = ActivationCheckpointing(), TorchCompile(backend="aot_eager"), _Probe()
+    callbacks = [ac, tc] if order == "checkpointing-first" else [tc, ac]
+    plain_keys = set(tiny_model().state_dict())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*torch.compile failed.*")  # no silent fallback
+        trainer, model, rec = fit(tmp_path, [*callbacks, probe], max_steps=4)
+    _close(rec.losses, eager_losses)
+    assert probe.seen == ({"blocks.0", "blocks.1"}, ["blocks.0", "blocks.1"])
+    assert set(model.state_dict()) == plain_keys
+
+
+# -- failure and recompiles --------------------------------------------------------------------
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_compile_failure_falls_back_to_eager_once(tmp_path, eager_losses) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, model, rec = fit(tmp_path, [TorchCompile(backend=_failing_backend)], max_steps=4)
+    fell_back = [w for w in caught if "fell back" in str(w.message) or "eager mode" in str(w.message)]
+    assert len(fell_back) == 1, [str(w.message) for w in caught]
+    assert "cannot compile anything" in str(fell_back[0].message) and "strict=True" in str(fell_back[0].message)
+    assert compiled_modules(model) == []
+    _close(rec.losses, eager_losses)
+    assert "fell back to eager" in report_for(trainer)["TorchCompile"].change
+
+
+def test_compile_failure_raises_when_strict(tmp_path) -> None:
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="cannot compile anything"):
+        fit(tmp_path, [TorchCompile(backend=_failing_backend, strict=True)], max_steps=2)
+
+
+class _VariableLengths(pl.LightningDataModule):
+    """Batches whose sequence length changes every step (8, 12, 16, ...)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.batches = [torch.randint(0, 256, (2, n + 1), generator=g) for n in lengths]
+
+    def train_dataloader(self):
+        return DataLoader([(b[:, :-1], b[:, 1:]) for b in self.batches], batch_size=None)
+
+
+def test_recompile_guard_warns_once_naming_cause_and_fix(tmp_path) -> None:
+    lengths = [8, 12, 16, 20, 24, 28]
+    tc = TorchCompile(backend="eager", dynamic=False, recompile_warning=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _, _ = fit(tmp_path, [tc], data=_VariableLengths(lengths), max_steps=len(lengths), limit_val_batches=0)
+    guard = [str(w.message) for w in caught if "recompilations" in str(w.message)]
+    assert len(guard) == 1, guard
+    assert "dynamic shapes" in guard[0] and "pad or bucket" in guard[0]
+    assert report_for(trainer)["TorchCompile"].figures["recompiles"] >= len(lengths) - 1
+
+
+def test_no_recompile_warning_for_fixed_shapes(tmp_path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, [TorchCompile(backend="eager", recompile_warning=2)], max_steps=4, val_check_interval=2)
+    assert not [w for w in caught if "recompilations" in str(w.message)]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def test_unknown_mode_lists_valid_modes() -> None:
+    with pytest.raises(ValueError, match="`mode`.*max-autotune"):
+        TorchCompile(mode="fastest")
+
+
+def test_unknown_backend_lists_backends() -> None:
+    with pytest.raises(ValueError, match="`backend`.*aot_eager.*inductor"):
+        TorchCompile(backend="tensorrtx")
+    assert "inductor" in valid_backends()
+
+
+def test_mode_needs_inductor() -> None:
+    with pytest.raises(ValueError, match="`mode`.*inductor"):
+        TorchCompile(mode="max-autotune", backend="aot_eager")
+
+
+# -- the method card's examples run ------------------------------------------------------------
+def test_card_examples_run() -> None:
+    import re
+    from pathlib import Path
+
+    card = (Path(__file__).parents[1] / "docs" / "compile.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert len(blocks) >= 2
+    for code in blocks:
+        exec(compile(code, "docs/compile.md", "exec"), {})

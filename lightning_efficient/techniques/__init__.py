@@ -9,3 +9,8 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 TECHNIQUES: list[type] = []
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
+
+from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E402
+
+TECHNIQUES.append(OptimizerSwap)
+__all__ += ["OptimizerSwap"]

@@ -337,11 +337,13 @@ class InBackwardOptimizer(Optimizer):
 
     def __init__(self, param_groups: Sequence[dict[str, Any]], factory: Callable[[list[dict]], Optimizer]) -> None:
         super().__init__([dict(g) for g in param_groups], {})
-        self._inner: dict[int, tuple[Optimizer, dict[str, Any]]] = {}
-        for group in self.param_groups:
+        # parameter -> (its optimizer, the index of its group); by index, because
+        # load_state_dict replaces the group dicts
+        self._inner: dict[int, tuple[Optimizer, int]] = {}
+        for index, group in enumerate(self.param_groups):
             options = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
-                self._inner[id(p)] = (factory([{**options, "params": [p]}]), group)
+                self._inner[id(p)] = (factory([{**options, "params": [p]}]), index)
         self._handles: list[Any] = []
 
     @property
@@ -369,8 +371,8 @@ class InBackwardOptimizer(Optimizer):
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
-        opt, group = self._inner[id(p)]
-        inner_group = opt.param_groups[0]
+        opt, index = self._inner[id(p)]
+        group, inner_group = self.param_groups[index], opt.param_groups[0]
         for key, value in group.items():
             if key != "params":
                 inner_group[key] = value

@@ -111,3 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+def _estimate(argv: Sequence[str]) -> int:
+    from lightning_efficient.measure.command import estimate_command
+
+    return estimate_command(argv)
+
+
+EXTRA_COMMANDS["estimate"] = (
+    "print the memory estimate of a config's model (--config X.yaml [--precision P] [--batch-size N])",
+    _estimate,
+)

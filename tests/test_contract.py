@@ -93,6 +93,32 @@ REFERENCE = Case(
 #: One entry per technique of the package. Techniques register themselves here.
 CASES: list[Case] = []
 
+# the instrument's tracking callback (issue 3)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+CASES.append(
+    Case(
+        MemoryBreakdown,
+        init_args={"sample_steps": [1]},
+        bad_args=[
+            ({"sample_steps": [-1]}, "sample_steps"),
+            ({"sample_steps": "1"}, "sample_steps"),
+            ({"sample_steps": []}, "sample_steps"),
+            ({"print_table": "yes"}, "print_table"),
+        ],
+        fuzz={
+            "sample_steps": st.one_of(
+                st.integers(max_value=-1).map(lambda i: [i]),
+                st.text(),
+                st.lists(st.floats(), min_size=1),
+                st.just([]),
+                st.integers(),
+            ),
+            "log_metrics": st.one_of(st.integers(), st.text(), st.none()),
+        },
+    )
+)
+
 from lightning_efficient.techniques.optimizers import NAMES as _OPTIMIZER_NAMES  # noqa: E402
 from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E402
 

@@ -17,4 +17,9 @@ __all__ = [
     "time_fn",
     "StorageTracker",
     "measure_step",
+    "MemoryBreakdown",
 ]
+
+# last: MemoryBreakdown is a Technique, and the techniques package imports from measure
+import lightning_efficient.techniques  # noqa: E402,F401
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402

@@ -10,6 +10,11 @@ TECHNIQUES: list[type] = []
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES"]
 
+# the instrument's tracking callback (lightning_efficient.measure.memory)
+from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+
+TECHNIQUES.append(MemoryBreakdown)
+
 from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E402
 
 TECHNIQUES.append(OptimizerSwap)

@@ -1,0 +1,102 @@
+"""``lightning-efficient estimate --config X.yaml [--precision P] [--batch-size N]``.
+
+Builds the model, datamodule and trainer callbacks of a LightningCLI config (without fitting),
+takes one batch of the training dataloader and prints the memory estimate's breakdown table.
+Other options are passed to the config parser (e.g. ``--model.init_args.n_layer=12``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
+
+__all__ = ["estimate_command"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-efficient estimate",
+        description="Print the memory of training steps of a config's model on one batch, "
+        "estimated on fake tensors (no GPU, no allocation).",
+    )
+    p.add_argument("--config", required=True, action="append", help="LightningCLI yaml (repeatable)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the config's trainer.precision")
+    p.add_argument("--batch-size", type=int, default=None, help="override the datamodule's batch_size")
+    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | a class path (default: adamw)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default: 2)")
+    p.add_argument("--cuda-rounding", action="store_true", help="round allocations as the CUDA allocator does")
+    p.add_argument("--markdown", action="store_true", help="print Markdown instead of a rich table")
+    return p
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def estimate_command(argv: Sequence[str]) -> int:
+    args, rest = _parser().parse_known_args(list(argv))
+    if args.batch_size is not None and args.batch_size < 1:
+        return _error(f"--batch-size must be an integer >= 1; got {args.batch_size}.")
+    from lightning_efficient.cli import EfficientCLI
+
+    cli_args: list[str] = []
+    for cfg in args.config:
+        cli_args += ["--config", cfg]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        cli = EfficientCLI(args=cli_args + list(rest), run=False)
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    if args.batch_size is not None:
+        if not hasattr(data, "batch_size"):
+            return _error(f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute.")
+        data.batch_size = args.batch_size
+    precision = args.precision or _trainer_precision(trainer)
+    batch = _one_batch(data)
+    hook = getattr(model, "configure_model", None)
+    if callable(hook):
+        hook()
+    try:
+        est = estimate_memory(
+            model,
+            batch,
+            optimizer=args.optimizer,
+            precision=precision,
+            callbacks=list(trainer.callbacks),
+            steps=args.steps,
+            cuda_rounding=args.cuda_rounding,
+        )
+    except (EstimateError, ValueError, TypeError) as err:
+        return _error(str(err))
+    title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {args.optimizer}"
+    if args.markdown:
+        print(f"{title}\n\n{est.to_markdown()}")
+    else:
+        from rich.console import Console
+
+        Console().print(est.table(title=title))
+    return 0
+
+
+def _trainer_precision(trainer: Any) -> str:
+    value = str(getattr(trainer, "precision", "32-true"))
+    return value if value in PRECISIONS else "32-true"
+
+
+def _one_batch(data: Any) -> Any:
+    data.prepare_data()
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def _batch_shape(batch: Any) -> str:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    shapes = [tuple(t.shape) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return "x".join(map(str, shapes[0])) if shapes else "?"

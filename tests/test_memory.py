@@ -1,0 +1,84 @@
+"""MemoryBreakdown: real steps measured during fit, on sampled steps only."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from helpers import fit, tiny_model
+from lightning_efficient import MemoryBreakdown, estimate_memory
+from lightning_efficient.measure import CATEGORIES, StorageTracker
+from lightning_efficient.measure.report import report_for
+
+
+class ModeSpy(Callback):
+    """Records, per step, whether a storage tracker was active during the training step."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, bool] = {}
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.active[trainer.global_step] = isinstance(_get_current_dispatch_mode(), StorageTracker)
+
+
+def test_measures_sampled_step_logs_and_prints(tmp_path, capsys) -> None:
+    spy = ModeSpy()
+    breakdown = MemoryBreakdown()
+    logger = CSVLogger(tmp_path, name="mem")
+    trainer, model, _ = fit(tmp_path, [breakdown, spy], max_steps=3, logger=logger, limit_val_batches=0)
+    # only step 1 ran under the tracker
+    assert spy.active == {0: False, 1: True, 2: False}
+    assert list(breakdown.measurements) == [1]
+    got = breakdown.measurement
+    assert sum(got.by_category.values()) == got.peak_bytes
+    n_params = sum(p.numel() for p in model.parameters()) * 4
+    assert got.by_category["parameters"] >= n_params
+    assert got.by_category["optimizer_state"] == pytest.approx(2 * n_params, rel=0.01)
+    # the estimate of the same step (same batch shape, the module's optimizer type) agrees
+    x = torch.zeros(4, 32, dtype=torch.long)
+    est = estimate_memory(tiny_model(), (x, x), optimizer=lambda g: torch.optim.AdamW(g))
+    assert abs(est.peak_bytes - got.peak_bytes) <= 0.05 * got.peak_bytes, (str(est), str(got))
+    # logger metrics, the table at the end of fit, the report row
+    logger.save()
+    rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+    logged = [r for r in rows if r.get("memory/peak_bytes")]
+    assert len(logged) == 1 and float(logged[0]["memory/peak_bytes"]) == got.peak_bytes
+    assert all(f"memory/{c}_bytes" in rows[0] for c in CATEGORIES)
+    out = capsys.readouterr().out
+    assert out.count("MemoryBreakdown: step 1") == 1 and "activations" in out
+    row = report_for(trainer)["MemoryBreakdown"]
+    assert row.figures["peak_bytes"] == got.peak_bytes and "step 1" in row.change
+
+
+def test_several_steps_and_accumulation(tmp_path) -> None:
+    breakdown = MemoryBreakdown(sample_steps=[0, 2], print_table=False)
+    fit(tmp_path, [breakdown], max_steps=3, accumulate_grad_batches=2, limit_val_batches=0)
+    first, third = breakdown.measurements[0], breakdown.measurements[2]
+    # step 0 has no optimizer state before its optimizer step; both micro-batches were measured
+    assert first.phase_peaks["forward"] < third.phase_peaks["forward"]
+    assert third.by_category["optimizer_state"] > 0 and third.by_category["gradients"] > 0
+
+
+def test_no_sampled_step_says_so(tmp_path) -> None:
+    with pytest.warns(UserWarning, match="no sampled step ran"):
+        fit(tmp_path, [MemoryBreakdown(sample_steps=[10])], max_steps=2, limit_val_batches=0)
+
+
+@pytest.mark.parametrize("bad,arg", [({"sample_steps": [1.5]}, "sample_steps"), ({"log_metrics": 1}, "log_metrics")])
+def test_bad_arguments(bad, arg) -> None:
+    with pytest.raises((TypeError, ValueError), match=arg):
+        MemoryBreakdown(**bad)
+
+
+@pytest.mark.gpu
+def test_cuda_allocator_breakdown(tmp_path) -> None:
+    breakdown = MemoryBreakdown(print_table=False)
+    fit(tmp_path, [breakdown], max_steps=2, accelerator="gpu", limit_val_batches=0)
+    got = breakdown.measurement
+    assert got.peak_bytes == torch.cuda.max_memory_allocated() or got.peak_bytes > 0
+    assert got.by_category["optimizer_state"] > 0 and got.by_category["parameters"] > 0

@@ -95,3 +95,17 @@ def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> "str | No
     if not problems:
         return None
     return f"{who} cannot be combined with " + "; and with ".join(problems) + "."
+
+
+@rule
+def _optimizer_swap_under_deepspeed(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+    """DeepSpeed wraps the optimizer in its engine during strategy.setup; a later swap is ignored."""
+    swaps = [t for t in techniques if type(t).__name__ == "OptimizerSwap"]
+    strategy = type(getattr(trainer, "strategy", None)).__name__
+    if swaps and "DeepSpeed" in strategy:
+        return (
+            f"OptimizerSwap under {strategy}: DeepSpeed builds its engine around the module's optimizer "
+            "before callbacks can swap it, so the swap would not take effect. Configure the optimizer in "
+            "the module (or DeepSpeed's config) instead, or use a non-DeepSpeed strategy"
+        )
+    return None

@@ -81,6 +81,8 @@ NAMES: dict[str, str] = {
 EIGHT_BIT_NAMES = ("adamw8bit", "adam8bit", "paged_adamw8bit", "lion8bit")
 _DEFAULT_MIN_8BIT_SIZE = 4096
 _BNB_PREFIX = "bitsandbytes."
+#: constructor arguments that are not param-group keys (bitsandbytes' 8-bit options)
+_CTOR_ONLY = frozenset({"min_8bit_size", "optim_bits", "args", "is_paged", "percentile_clipping", "block_wise"})
 
 
 # -- which optimizer ------------------------------------------------------------------------
@@ -194,7 +196,7 @@ def _build(name: str, param_groups: Sequence[dict[str, Any]], *, source: Optimiz
     ctor: dict[str, Any] = {}
     accepted = accepted_options(cls) or set()
     # options that are constructor arguments but not param-group keys (bitsandbytes' 8-bit args)
-    ctor_only = {"min_8bit_size", "optim_bits", "args", "is_paged", "percentile_clipping", "block_wise"} & accepted
+    ctor_only = _CTOR_ONLY & accepted
     if name in EIGHT_BIT_NAMES:
         ctor["min_8bit_size"] = overrides.get("min_8bit_size", _DEFAULT_MIN_8BIT_SIZE)
     for key in ctor_only & set(overrides):
@@ -498,16 +500,19 @@ class OptimizerSwap(Technique):
         keep = self._keep_32bit(model)
         if not self.optimizer_in_backward:
             return _build(self.optimizer_name, old.param_groups, source=old, keep_32bit=keep, overrides=self.overrides)
+        cls = optimizer_class(self.optimizer_name)
+        ctor_only = _CTOR_ONLY & (accepted_options(cls) or set())
         dropped: set[str] = set()
         groups = []
         for group in old.param_groups:
-            carried, gone = _carry_group(group, self.optimizer_name, optimizer_class(self.optimizer_name), type(old),
+            carried, gone = _carry_group(group, self.optimizer_name, cls, type(old),
                                          set(old.defaults) | (accepted_options(type(old)) or set()))
             dropped |= gone
-            _apply_overrides(carried, self.overrides, set())
+            _apply_overrides(carried, self.overrides, ctor_only)
             carried["params"] = list(group["params"])
             groups.append(carried)
-        ctor_overrides = {k: v for k, v in self.overrides.items() if k != "lr"}
+        # group options are in the groups now; the per-parameter optimizers get the rest
+        ctor_overrides = {k: v for k, v in self.overrides.items() if k in ctor_only}
         factory = lambda g: _build(self.optimizer_name, g, keep_32bit=keep, overrides=ctor_overrides)[0]  # noqa: E731
         return attach_optimizer_in_backward(model, factory, groups), dropped
 

@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds, steps = (3, 60) if args.quick else (7, 150)
     print("memory and step time ...", file=sys.stderr)
     mem = memory_and_time(cfg, batch_size, rounds)
+    for row in mem:
+        print(f"  {row['optimizer']}: peak {row['peak_ratio']:.3f}, state {row['optimizer_state_ratio']:.3f}, "
+              f"time {row['step_time_ratio']:.2f}", file=sys.stderr)
     print("convergence ...", file=sys.stderr)
     conv = convergence(conv_cfg, steps, conv_batch)
     env = environment()

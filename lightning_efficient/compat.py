@@ -99,3 +99,57 @@ def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> "str | 
             "EfficientBatchSize(oom_recovery=False)."
         )
     return " ".join(problems) or None
+
+
+@rule
+def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+    """Stepping each parameter from its gradient hook (OptimizerSwap(optimizer_in_backward=True))
+    needs every gradient to be final when it arrives and to be used alone."""
+    users = [t for t in techniques if getattr(t, "optimizer_in_backward", False) is True]
+    if not users:
+        return None
+    who = f"{type(users[0]).__name__}(optimizer_in_backward=True)"
+    problems = []
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1) or 1
+    if accumulate > 1:
+        problems.append(
+            f"accumulate_grad_batches={accumulate}: gradients cannot be accumulated over micro-batches "
+            "because each one is used and freed as soon as backward produces it. Use "
+            "accumulate_grad_batches=1 (a larger batch, e.g. with activation checkpointing) or "
+            "optimizer_in_backward=False"
+        )
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip:
+        problems.append(
+            f"gradient_clip_val={clip}: clipping needs all gradients at once (their total norm), but they "
+            "never all exist. Remove gradient_clip_val or set optimizer_in_backward=False"
+        )
+    precision = str(getattr(trainer, "precision", ""))
+    if precision.startswith("16"):
+        problems.append(
+            f"precision={precision!r}: the fp16 grad scaler must unscale all gradients before the step. "
+            "Use precision='bf16-mixed' or optimizer_in_backward=False"
+        )
+    world = getattr(trainer, "world_size", 1) or 1
+    if world > 1:
+        problems.append(
+            f"world_size={world}: each parameter would be stepped with its local gradient before DDP "
+            "averages it across processes. Use optimizer_in_backward=False for multi-process training"
+        )
+    if not problems:
+        return None
+    return f"{who} cannot be combined with " + "; and with ".join(problems) + "."
+
+
+@rule
+def _optimizer_swap_under_deepspeed(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+    """DeepSpeed wraps the optimizer in its engine during strategy.setup; a later swap is ignored."""
+    swaps = [t for t in techniques if type(t).__name__ == "OptimizerSwap"]
+    strategy = type(getattr(trainer, "strategy", None)).__name__
+    if swaps and "DeepSpeed" in strategy:
+        return (
+            f"OptimizerSwap under {strategy}: DeepSpeed builds its engine around the module's optimizer "
+            "before callbacks can swap it, so the swap would not take effect. Configure the optimizer in "
+            "the module (or DeepSpeed's config) instead, or use a non-DeepSpeed strategy"
+        )
+    return None

@@ -14,6 +14,14 @@ from lightning_efficient.techniques.activation_checkpointing import (
     checkpointed_blocks,
     remove_activation_checkpointing,
 )
+from lightning_efficient.techniques.optimizers import (
+    attach_optimizer_in_backward,
+    build_optimizer,
+    embedding_parameters,
+    optimizer_state_bytes,
+    repoint_scheduler,
+    swap_optimizer,
+)
 from lightning_efficient.techniques.batch_size import (
     accumulation_for,
     choose_micro_batch,
@@ -66,6 +74,12 @@ __all__ = [
     "blocks_for_budget",
     "checkpointed_blocks",
     "remove_activation_checkpointing",
+    "attach_optimizer_in_backward",
+    "build_optimizer",
+    "embedding_parameters",
+    "optimizer_state_bytes",
+    "repoint_scheduler",
+    "swap_optimizer",
     "accumulation_for",
     "choose_micro_batch",
     "chunk_weights",

@@ -286,6 +286,43 @@ CASES.append(
     )
 )
 
+from lightning_efficient.techniques.optimizers import NAMES as _OPTIMIZER_NAMES  # noqa: E402
+from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E402
+
+_OPTIMIZER_SWAP_BAD = [
+    ({"name": "adamw9bit"}, "name"),
+    ({"name": "adamw8bit", "overrides": {"momentum": 0.9}}, "overrides"),
+    ({"name": "adamw8bit", "on_mismatch": "ignore"}, "on_mismatch"),
+    ({"name": "adamw8bit", "optimizer_in_backward": "yes"}, "optimizer_in_backward"),
+]
+_OPTIMIZER_SWAP_FUZZ = {
+    "name": st.text(max_size=12).filter(lambda s: s not in _OPTIMIZER_NAMES and "." not in s),
+    "on_mismatch": st.text(max_size=8).filter(lambda s: s not in ("error", "reset")),
+    "embeddings_32bit": st.one_of(st.integers(), st.text(max_size=4), st.none()),
+}
+# 8-bit states are lossy: the first loss (same model, same batch) matches; later ones stay close
+# (tests/test_optimizers.py checks 8 steps within 1% of AdamW). Resume is exact (rtol/atol).
+# A plain (AdamW) checkpoint has no 8-bit state to resume: on_mismatch="reset" starts it afresh
+# (the default, "error", stops with the choices; tested in tests/test_optimizers.py).
+CASES.append(Case(
+    OptimizerSwap,
+    init_args={"name": "adamw8bit", "on_mismatch": "reset"},
+    bad_args=_OPTIMIZER_SWAP_BAD,
+    fuzz=_OPTIMIZER_SWAP_FUZZ,
+    stateful=True,
+    same_maths=False,
+    id="OptimizerSwap-adamw8bit",
+))
+# fused AdamW on CUDA, foreach AdamW on CPU: the same maths as the module's own AdamW
+CASES.append(Case(
+    OptimizerSwap,
+    init_args={"name": "adamw_fused"},
+    bad_args=_OPTIMIZER_SWAP_BAD,
+    stateful=True,
+    same_maths=True,
+    id="OptimizerSwap-adamw_fused",
+))
+
 ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
 

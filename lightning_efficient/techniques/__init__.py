@@ -8,6 +8,7 @@ from lightning_efficient.techniques._base import NoEffectWarning, Technique
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.compile import TorchCompile
+from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
@@ -21,6 +22,7 @@ from lightning_efficient.techniques.zero_offload import ZeROOffload
 TECHNIQUES: list[type] = [
     MemoryBreakdown,
     ActivationCheckpointing,
+    OptimizerSwap,
     MatmulPrecision,
     Float8Training,
     TorchCompile,

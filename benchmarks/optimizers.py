@@ -1,0 +1,226 @@
+"""OptimizerSwap: peak memory, optimizer-state bytes and step time per optimizer, as ratios
+against fp32 AdamW, and convergence on the demo.
+
+Everything is measured in the same run on this machine:
+
+- Memory: one real TinyGPT (demo config: 4 layers, width 128, seq 128) training step of two
+  steps on the CPU under the instrument's storage tracker (``measure_step``), with the optimizer
+  swapped by ``OptimizerSwap.configure_estimate``. bitsandbytes cannot run under the fake-tensor
+  estimate (it builds its quantisation map with ``.tolist()``), so real tensors are used for all.
+- Step time: median of a full real step (forward, backward, optimizer step) per optimizer, the
+  optimizers interleaved over rounds so that machine load hits them alike (``time_fn``).
+- Convergence: a Lightning fit of the demo (a 2-layer TinyGPT + TextDataModule, the module's own AdamW with
+  warmup + cosine, swapped by ``OptimizerSwap``) for a fixed number of steps, then the validation
+  loss over the whole validation split. Adafactor is run with the carried lr (a relative step
+  size for Adafactor) and with its own default ``lr=1e-2``.
+
+    python benchmarks/optimizers.py            # default (about 3 minutes on 2 idle cores)
+    python benchmarks/optimizers.py --quick    # fewer timing rounds and training steps
+
+Prints a table and saves benchmarks/results/optimizers{,_quick}.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_efficient._validate import format_bytes  # noqa: E402
+from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
+from lightning_efficient.functional import attach_optimizer_in_backward, build_optimizer, embedding_parameters  # noqa: E402
+from lightning_efficient.measure.timing import time_fn  # noqa: E402
+from lightning_efficient.measure.track import measure_step  # noqa: E402
+from lightning_efficient.techniques.optimizers import EIGHT_BIT_NAMES, OptimizerSwap  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BASELINE = "torch.optim.AdamW"
+#: row label -> (OptimizerSwap name, optimizer_in_backward)
+ROWS: dict[str, tuple[str, bool]] = {
+    "AdamW (baseline)": (BASELINE, False),
+    "adamw_fused": ("adamw_fused", False),
+    "adamw8bit": ("adamw8bit", False),
+    "adam8bit": ("adam8bit", False),
+    "paged_adamw8bit": ("paged_adamw8bit", False),
+    "paged_adamw32bit": ("paged_adamw32bit", False),
+    "lion8bit": ("lion8bit", False),
+    "adafactor": ("adafactor", False),
+    "AdamW + in-backward": (BASELINE, True),
+    "adamw8bit + in-backward": ("adamw8bit", True),
+}
+
+
+def _batch(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, 256, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    return data[:, :-1], data[:, 1:]
+
+
+def _fresh(cfg: dict[str, Any]) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(**cfg)
+
+
+def memory_and_time(cfg: dict[str, Any], batch_size: int, rounds: int) -> list[dict[str, Any]]:
+    batch = _batch(batch_size, cfg["seq_len"])
+    rows = []
+    for label, (name, in_backward) in ROWS.items():
+        m = measure_step(_fresh(cfg), batch, BASELINE, callbacks=[OptimizerSwap(name, optimizer_in_backward=in_backward)])
+        rows.append({"optimizer": label, "name": name, "optimizer_in_backward": in_backward,
+                     "peak_bytes": m.peak_bytes, "optimizer_state_bytes": m.by_category["optimizer_state"],
+                     "gradients_at_peak_bytes": m.by_category["gradients"]})
+
+    steps = {}
+    for label, (name, in_backward) in ROWS.items():
+        model = _fresh(cfg)
+        keep = embedding_parameters(model) if name in EIGHT_BIT_NAMES else []
+        if in_backward:
+            opt = attach_optimizer_in_backward(model, lambda g, n=name, k=keep: build_optimizer(n, g, keep_32bit=k))
+        else:
+            opt = build_optimizer(name, model.parameters(), keep_32bit=keep)
+        x, y = batch
+
+        def step(model=model, opt=opt, x=x, y=y) -> None:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # states built
+        steps[label] = step
+    times: dict[str, list[float]] = {label: [] for label in ROWS}
+    for _ in range(rounds):
+        for label, fn in steps.items():
+            times[label].append(time_fn(fn, warmup=0, repeats=1))
+    base = rows[0]
+    base_time = statistics.median(times[rows[0]["optimizer"]])
+    for row in rows:
+        row["step_s"] = statistics.median(times[row["optimizer"]])
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        row["optimizer_state_ratio"] = row["optimizer_state_bytes"] / base["optimizer_state_bytes"]
+        row["step_time_ratio"] = row["step_s"] / base_time
+    return rows
+
+
+def convergence(cfg: dict[str, Any], steps: int, batch_size: int) -> list[dict[str, Any]]:
+    import lightning.pytorch as pl
+
+    runs = {
+        "AdamW (module's own)": [],
+        "adamw8bit": [OptimizerSwap("adamw8bit")],
+        "adafactor (carried lr)": [OptimizerSwap("adafactor")],
+        "adafactor lr=1e-2": [OptimizerSwap("adafactor", lr=1e-2)],
+    }
+    out = []
+    for label, callbacks in runs.items():
+        pl.seed_everything(0, verbose=False)
+        model = TinyGPT(**cfg)
+        data = TextDataModule(batch_size=batch_size, seq_len=cfg["seq_len"])
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(model, datamodule=data)
+        val = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+        loss = float(val.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
+        out.append({"run": label, "steps": steps, "val_loss": loss})
+        print(f"  {label}: val_loss {loss:.4f}", file=sys.stderr)
+    base = out[0]["val_loss"]
+    for row in out:
+        row["val_loss_ratio"] = row["val_loss"] / base
+    return out
+
+
+def environment() -> dict[str, Any]:
+    import bitsandbytes
+    import lightning
+
+    return {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+        "device": "cpu (no GPU): paged optimizers fall back to plain buffers; adamw_fused runs foreach AdamW",
+    }
+
+
+def to_markdown(env: dict[str, Any], cfg: dict[str, Any], batch_size: int, mem: list[dict], conv: list[dict],
+                conv_cfg: dict[str, Any], conv_batch: int, command: str) -> str:
+    lines = [
+        "# OptimizerSwap benchmark",
+        "",
+        f"Command: `{command}`  ",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()),
+        "",
+        f"## Memory and step time (TinyGPT {cfg}, batch {batch_size}, fp32, real CPU step under the instrument's tracker)",
+        "",
+        "| Optimizer | Peak | Peak ratio | Optimizer state | State ratio | Gradients at peak | Step time | Time ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in mem:
+        lines.append(
+            f"| {r['optimizer']} | {format_bytes(r['peak_bytes'])} | {r['peak_ratio']:.3f} | "
+            f"{format_bytes(r['optimizer_state_bytes'])} | {r['optimizer_state_ratio']:.3f} | "
+            f"{format_bytes(r['gradients_at_peak_bytes'])} | {r['step_s'] * 1e3:.1f} ms | {r['step_time_ratio']:.2f} |"
+        )
+    steps = conv[0]["steps"]
+    lines += [
+        "",
+        f"## Convergence (demo: TinyGPT {conv_cfg} + TextDataModule, {steps} steps, batch {conv_batch}, seed 0)",
+        "",
+        "| Run | Validation loss | Ratio vs AdamW |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r['run']} | {r['val_loss']:.4f} | {r['val_loss_ratio']:.4f} |" for r in conv]
+    eight = next(r for r in conv if r["run"] == "adamw8bit")
+    within = abs(eight["val_loss_ratio"] - 1) <= 0.02
+    lines += ["", f"adamw8bit validation loss within 2% of AdamW: {'yes' if within else 'NO'} "
+              f"({(eight['val_loss_ratio'] - 1) * 100:+.2f}%)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timing rounds and training steps")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(Paged optimizers|does not have many workers|litlogger).*")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    cfg = dict(n_layer=4, n_embd=128, n_head=4, seq_len=128, dropout=0.0)  # the demo model
+    conv_cfg = dict(n_layer=2, n_embd=64, n_head=4, seq_len=64, dropout=0.0, warmup_steps=10)
+    batch_size, conv_batch = 2, 16
+    rounds, steps = (3, 60) if args.quick else (7, 150)
+    print("memory and step time ...", file=sys.stderr)
+    mem = memory_and_time(cfg, batch_size, rounds)
+    for row in mem:
+        print(f"  {row['optimizer']}: peak {row['peak_ratio']:.3f}, state {row['optimizer_state_ratio']:.3f}, "
+              f"time {row['step_time_ratio']:.2f}", file=sys.stderr)
+    print("convergence ...", file=sys.stderr)
+    conv = convergence(conv_cfg, steps, conv_batch)
+    env = environment()
+    command = "python benchmarks/optimizers.py" + (" --quick" if args.quick else "")
+    md = to_markdown(env, cfg, batch_size, mem, conv, conv_cfg, conv_batch, command)
+    print(md)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = "optimizers_quick" if args.quick else "optimizers"
+    (RESULTS / f"{stem}.md").write_text(md + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"environment": env, "config": cfg, "batch_size": batch_size,
+                                                      "convergence_config": conv_cfg, "convergence_batch_size": conv_batch,
+                                                      "memory_and_time": mem, "convergence": conv, "command": command}, indent=2))
+    print(f"\nsaved {RESULTS / stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

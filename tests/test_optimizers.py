@@ -1,0 +1,391 @@
+"""OptimizerSwap and the optimizer functions: carried hyperparameters, schedulers, every name on
+CPU (real bitsandbytes), 8-bit state bytes via the instrument, optimizer-in-backward, resume."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from helpers import SaveAt, fit, params_of, tiny_model
+from lightning_efficient.functional import (
+    attach_optimizer_in_backward,
+    build_optimizer,
+    embedding_parameters,
+    repoint_scheduler,
+    swap_optimizer,
+)
+from lightning_efficient.measure.track import measure_step
+from lightning_efficient.techniques.optimizers import EIGHT_BIT_NAMES, NAMES, InBackwardOptimizer, OptimizerSwap
+
+
+def _module_optimizer(model=None):
+    model = model or tiny_model()
+    config = model.configure_optimizers()
+    return model, config["optimizer"], config["lr_scheduler"]["scheduler"]
+
+
+def _step(model, optimizer, n=1):
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(n):
+        loss = model.training_step((x, x), 0) if False else nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class LrRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.lrs.append([g["lr"] for opt in trainer.optimizers for g in opt.param_groups])
+
+
+# -- hyperparameters carried --------------------------------------------------------------
+def test_param_groups_and_hyperparameters_carried() -> None:
+    model, old, _ = _module_optimizer()
+    new = swap_optimizer(old, "adamw8bit")
+    assert type(new).__name__ == "AdamW8bit"
+    assert len(new.param_groups) == 2
+    for g_old, g_new in zip(old.param_groups, new.param_groups):
+        assert [id(p) for p in g_old["params"]] == [id(p) for p in g_new["params"]]
+        for key in ("lr", "initial_lr", "betas", "eps", "weight_decay"):
+            assert g_new[key] == g_old[key], key
+        assert "foreach" not in g_new and "fused" not in g_new  # torch-only options dropped
+    assert [g["weight_decay"] for g in new.param_groups] == [0.1, 0.0]
+    assert new.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_adafactor_carries_lr_and_weight_decay_not_betas_or_eps() -> None:
+    model, old, _ = _module_optimizer()
+    new = swap_optimizer(old, "adafactor")
+    assert isinstance(new, torch.optim.Adafactor)
+    assert [g["weight_decay"] for g in new.param_groups] == [0.1, 0.0]
+    assert [g["lr"] for g in new.param_groups] == [g["lr"] for g in old.param_groups]
+    assert all(g["eps"] == (None, 1e-3) and "betas" not in g for g in new.param_groups)
+
+
+def test_lr_override_keeps_the_schedule_factor() -> None:
+    model, old, sched = _module_optimizer()
+    factor = old.param_groups[0]["lr"] / old.param_groups[0]["initial_lr"]
+    assert factor < 1  # warmup: the test can fail
+    new = swap_optimizer(old, "adafactor", lr=1e-2)
+    repoint_scheduler(sched, new)
+    assert new.param_groups[0]["initial_lr"] == 1e-2
+    assert new.param_groups[0]["lr"] == pytest.approx(1e-2 * factor)
+    _step(model, new)
+    sched.step()
+    assert new.param_groups[0]["lr"] == pytest.approx(1e-2 * sched.lr_lambdas[0](1))
+
+
+def test_lr_schedule_values_equal_the_plain_run(tmp_path) -> None:
+    plain, swapped = LrRecorder(), LrRecorder()
+    fit(tmp_path / "plain", [plain], max_steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "lr_scheduler.step() before optimizer.step()"
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|Paged|weights_only|litlogger).*")
+        trainer, _, _ = fit(tmp_path / "swap", [OptimizerSwap("adamw8bit"), swapped], max_steps=6)
+    assert len(set(map(tuple, plain.lrs))) > 2  # the schedule moves
+    assert swapped.lrs == plain.lrs
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0]
+
+
+class PlateauGPT(type(tiny_model())):
+    """A module whose scheduler is a Lightning config with interval, frequency and monitor."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2, "monitor": "train_loss"}}
+
+
+def test_lightning_scheduler_config_kept(tmp_path) -> None:
+    from helpers import TINY_MODEL
+
+    plain, swapped = LrRecorder(), LrRecorder()
+    fit(tmp_path / "p", [plain], model=PlateauGPT(**TINY_MODEL), max_steps=8)
+    trainer, _, _ = fit(tmp_path / "s", [OptimizerSwap("lion8bit"), swapped], model=PlateauGPT(**TINY_MODEL), max_steps=8)
+    config = trainer.lr_scheduler_configs[0]
+    assert (config.interval, config.frequency, config.monitor) == ("step", 2, "train_loss")
+    assert config.scheduler.optimizer is trainer.optimizers[0]
+    assert type(trainer.optimizers[0]).__name__ == "Lion8bit"
+    assert swapped.lrs[-1][0] < swapped.lrs[0][0]  # the plateau scheduler did reduce the new optimizer's lr
+    assert len(swapped.lrs) == len(plain.lrs)
+
+
+class TwoOptimizerGPT(type(tiny_model())):
+    """Manual optimization with two optimizers (blocks vs the rest), each with a StepLR."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss, _ = self._loss(batch)
+        opts, scheds = self.optimizers(), self.lr_schedulers()
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt, sched in zip(opts, scheds):
+            opt.step()
+            sched.step()
+        return loss
+
+    def configure_optimizers(self):
+        blocks = list(self.blocks.parameters())
+        ids = {id(p) for p in blocks}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        a = torch.optim.AdamW(blocks, lr=1e-3, weight_decay=0.05)
+        b = torch.optim.SGD(rest, lr=1e-2, momentum=0.9)
+        return [a, b], [torch.optim.lr_scheduler.StepLR(a, 2, 0.5), torch.optim.lr_scheduler.StepLR(b, 3, 0.1)]
+
+
+def test_multiple_optimizers_swapped(tmp_path) -> None:
+    from helpers import TINY_MODEL
+
+    plain, swapped = LrRecorder(), LrRecorder()
+    fit(tmp_path / "p", [plain], model=TwoOptimizerGPT(**TINY_MODEL), max_steps=6)
+    trainer, model, rec = fit(tmp_path / "s", [OptimizerSwap("adam8bit"), swapped], model=TwoOptimizerGPT(**TINY_MODEL), max_steps=6)
+    assert [type(o).__name__ for o in trainer.optimizers] == ["Adam8bit", "Adam8bit"]
+    assert [type(o.optimizer).__name__ for o in model.optimizers()] == ["Adam8bit", "Adam8bit"]
+    assert trainer.optimizers[0].param_groups[0]["weight_decay"] == 0.05
+    assert [c.scheduler.optimizer for c in trainer.lr_scheduler_configs] == trainer.optimizers
+    assert swapped.lrs == plain.lrs and len(set(map(tuple, plain.lrs))) > 2
+    assert all(o.state for o in trainer.optimizers)  # both stepped
+
+
+# -- every name on CPU --------------------------------------------------------------------
+@pytest.mark.parametrize("name", [*NAMES, "torch.optim.SGD"])
+def test_every_name_builds_and_steps(name: str) -> None:
+    torch.manual_seed(0)
+    model = tiny_model()
+    before = params_of(model)
+    opt = build_optimizer(name, model.parameters(), keep_32bit=embedding_parameters(model))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        _step(model, opt, 2)
+    moved = [k for k, v in params_of(model).items() if not torch.equal(v, before[k])]
+    assert len(moved) == len(before) - 0  # every parameter (incl. the tied head) was updated
+    if name in EIGHT_BIT_NAMES:
+        # 8-bit exactly for the large non-embedding matrices; 32-bit for small tensors and embeddings
+        emb = {id(p) for p in embedding_parameters(model)}
+        pairs = {(p.numel() >= 4096 and id(p) not in emb, opt.state[p]["state1"].dtype) for p in model.parameters()}
+        assert pairs == {(True, torch.uint8), (False, torch.float32)}
+
+
+def test_small_tensors_and_embeddings_keep_32bit_states() -> None:
+    from bitsandbytes.optim import GlobalOptimManager
+
+    global_configs = dict(GlobalOptimManager.get_instance().pid2config)
+    model = tiny_model()
+    for embeddings_32bit in (True, False):
+        opt = build_optimizer("adamw8bit", model.parameters(), keep_32bit=embedding_parameters(model) if embeddings_32bit else ())
+        _step(model, opt)
+        emb = opt.state[model.tok_emb.weight]["state1"].dtype
+        assert emb == (torch.float32 if embeddings_32bit else torch.uint8)
+        assert opt.state[model.blocks[0].mlp[0].weight]["state1"].dtype == torch.uint8  # 4096 elements
+        assert opt.state[model.blocks[0].ln1.weight]["state1"].dtype == torch.float32  # 32 < 4096
+    assert GlobalOptimManager.get_instance().pid2config == global_configs  # the override stays scoped
+
+
+def test_adamw_fused_uses_foreach_on_cpu_with_a_note(tmp_path, caplog) -> None:
+    with caplog.at_level("INFO"):
+        trainer, _, _ = fit(tmp_path, [OptimizerSwap("adamw_fused")], max_steps=2)
+    groups = trainer.optimizers[0].param_groups
+    assert all(g["foreach"] is True and not g["fused"] for g in groups)
+    assert sum("foreach=True" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- measured by the instrument ------------------------------------------------------------
+def _demo_batch():
+    x = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    return (x, x)
+
+
+def test_adamw8bit_state_bytes_at_most_30_percent_of_adamw() -> None:
+    from lightning_efficient.demos import TinyGPT
+
+    torch.manual_seed(0)
+    plain = measure_step(TinyGPT(), _demo_batch())
+    pure = measure_step(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw8bit", embeddings_32bit=False)])
+    default = measure_step(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw8bit")])
+    fp32 = plain.by_category["optimizer_state"]
+    assert fp32 >= 8 * sum(p.numel() for p in TinyGPT().parameters())  # two fp32 moments
+    assert pure.by_category["optimizer_state"] <= 0.30 * fp32
+    # 32-bit embedding states cost 6 more bytes per element (2 x 4 instead of 2 x 1), no more
+    emb = sum(p.numel() for p in embedding_parameters(TinyGPT()))
+    extra = default.by_category["optimizer_state"] - pure.by_category["optimizer_state"]
+    assert extra == 6 * emb - 2 * 4 * emb // 256  # (minus the 8-bit blocks' absmax, 2 x 4 B per 256)
+    assert default.by_category["optimizer_state"] <= 0.31 * fp32
+    assert default.peak_bytes < plain.peak_bytes
+
+
+def test_optimizer_in_backward_removes_gradients_from_the_peak() -> None:
+    from lightning_efficient.demos import TinyGPT
+
+    torch.manual_seed(0)
+    plain = measure_step(TinyGPT(), _demo_batch(), "torch.optim.AdamW")
+    inb = measure_step(TinyGPT(), _demo_batch(), "torch.optim.AdamW", callbacks=[OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True)])
+    largest = max(p.numel() * p.element_size() for p in TinyGPT().parameters())
+    assert plain.by_category["gradients"] == 4 * sum(p.numel() for p in TinyGPT().parameters())  # all of them
+    # at most the one gradient being stepped is alive at the peak
+    assert inb.by_category["gradients"] <= largest < plain.by_category["gradients"] / 10
+    assert inb.peak_bytes <= plain.peak_bytes - 0.5 * plain.by_category["gradients"]
+
+
+def test_bitsandbytes_cannot_run_under_fake_tensors() -> None:
+    """Why the tests and the benchmark measure 8-bit states with ``measure_step`` (real CPU tensors):
+    bitsandbytes builds its quantisation map with ``.tolist()`` in the optimizer's constructor."""
+    from lightning_efficient.demos import TinyGPT
+    from lightning_efficient.measure.estimate import EstimateError, estimate_memory
+
+    with pytest.raises(EstimateError, match="needs real values"):
+        estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw8bit")])
+    est = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw_fused", optimizer_in_backward=True)])
+    largest = max(p.numel() * p.element_size() for p in TinyGPT().parameters())
+    assert est.by_category["gradients"] <= largest and "OptimizerSwap: optimizer 'adamw_fused', stepped in backward" in est.notes
+
+
+def test_optimizer_in_backward_same_maths_with_scheduler(tmp_path) -> None:
+    plain, inb = LrRecorder(), LrRecorder()
+    _, pm, prec = fit(tmp_path / "p", [plain], max_steps=5)
+    trainer, im, irec = fit(tmp_path / "i", [OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True), inb], max_steps=5)
+    assert isinstance(trainer.optimizers[0], InBackwardOptimizer)
+    assert inb.lrs == plain.lrs and len(set(map(tuple, plain.lrs))) > 2
+    torch.testing.assert_close(torch.tensor(irec.losses), torch.tensor(prec.losses), rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(params_of(pm).items(), params_of(im).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(p.grad is None for p in im.parameters())
+
+
+def test_attach_optimizer_in_backward_without_lightning() -> None:
+    model = tiny_model()
+    opt = attach_optimizer_in_backward(model, lambda groups: torch.optim.SGD(groups, lr=0.1))
+    before = params_of(model)
+    x = torch.randint(0, 256, (2, 32))
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(v, before[k]) for k, v in params_of(model).items())
+    opt.detach()
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
+    ({"gradient_clip_val": 1.0}, "gradient_clip_val=1.0"),
+])
+def test_optimizer_in_backward_refuses_accumulation_and_clipping(tmp_path, kwargs, needle) -> None:
+    with pytest.raises(ValueError, match="optimizer_in_backward=True") as info:
+        fit(tmp_path, [OptimizerSwap("adamw8bit", optimizer_in_backward=True)], max_steps=2, **kwargs)
+    assert needle in str(info.value) and "optimizer_in_backward=False" in str(info.value)
+
+
+# -- resume ---------------------------------------------------------------------------------
+def _resume_pair(tmp_path, make, k=3):
+    ckpt = tmp_path / "k.ckpt"
+    epoch = dict(limit_train_batches=k, max_steps=2 * k)
+    _, full, _ = fit(tmp_path / "full", [make(), SaveAt(k, ckpt)], **epoch)
+    _, resumed, _ = fit(tmp_path / "resumed", [make()], ckpt_path=str(ckpt), **epoch)
+    return full, resumed, ckpt
+
+
+@pytest.mark.parametrize("kwargs", [{"name": "adamw8bit"}, {"name": "paged_adamw8bit", "optimizer_in_backward": True}],
+                         ids=["adamw8bit", "paged_adamw8bit-in-backward"])
+def test_resume_with_swapped_optimizer_is_exact(tmp_path, kwargs) -> None:
+    full, resumed, ckpt = _resume_pair(tmp_path, lambda: OptimizerSwap(**kwargs))
+    for (name, a), b in zip(params_of(full).items(), params_of(resumed).values()):
+        assert torch.equal(a, b), name
+    state = torch.load(ckpt, weights_only=False)
+    assert state["callbacks"]["OptimizerSwap"]["optimizer_states"]  # the 8-bit state is kept
+    assert state["optimizer_states"][0]["state"] == {}  # portable: the module's AdamW can load it
+
+
+def test_keyerror_state1_root_cause_and_fix(tmp_path) -> None:
+    """bitsandbytes initialises a parameter's state only when it is empty; a torch AdamW state
+    (exp_avg, exp_avg_sq, step) loaded into it is not empty and has no 'state1'."""
+    import bitsandbytes as bnb
+
+    model, adamw, _ = _module_optimizer()
+    _step(model, adamw)
+    eight = bnb.optim.AdamW8bit(adamw.param_groups)
+    eight.load_state_dict(adamw.state_dict())
+    with pytest.raises(KeyError, match="state1"):
+        _step(model, eight)
+    # through Lightning: a plain checkpoint resumed with the swap stops with the choices instead
+    trainer, _, _ = fit(tmp_path / "plain", [], max_steps=2)
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError) as info:
+        fit(tmp_path / "r", [OptimizerSwap("adamw8bit")], max_steps=4, ckpt_path=str(tmp_path / "plain.ckpt"))
+    msg = str(info.value)
+    assert "module's own optimizer (torch.optim.adamw.AdamW)" in msg
+    assert "on_mismatch='reset'" in msg and "swap to the matching optimizer" in msg
+
+
+def test_resume_with_another_optimizer_names_the_choices(tmp_path) -> None:
+    trainer, _, _ = fit(tmp_path / "a", [OptimizerSwap("adamw8bit")], max_steps=2)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(ValueError) as info:
+        fit(tmp_path / "b", [OptimizerSwap("lion8bit")], max_steps=4, ckpt_path=str(tmp_path / "a.ckpt"))
+    msg = str(info.value)
+    assert "OptimizerSwap('adamw8bit')" in msg and "OptimizerSwap('lion8bit')" in msg
+    assert "reset the optimizer state" in msg and "resume with OptimizerSwap('adamw8bit')" in msg
+    # the first choice works: model and schedule resume, the optimizer starts afresh
+    trainer, _, _ = fit(tmp_path / "c", [OptimizerSwap("lion8bit", on_mismatch="reset")], max_steps=4, ckpt_path=str(tmp_path / "a.ckpt"))
+    assert trainer.global_step == 4 and type(trainer.optimizers[0]).__name__ == "Lion8bit"
+
+
+def test_adamw8bit_losses_close_to_adamw(tmp_path) -> None:
+    _, _, plain = fit(tmp_path / "p", [], max_steps=8)
+    _, _, eight = fit(tmp_path / "e", [OptimizerSwap("adamw8bit")], max_steps=8)
+    assert plain.losses[0] == eight.losses[0] and plain.losses[-1] < plain.losses[0] - 0.1
+    torch.testing.assert_close(torch.tensor(eight.losses), torch.tensor(plain.losses), rtol=0.01, atol=0.0)
+
+
+# -- bad input and yaml --------------------------------------------------------------------
+def test_unknown_name_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError) as info:
+        OptimizerSwap("adamw4bit")
+    assert all(repr(n) in str(info.value) for n in NAMES) and "`name`" in str(info.value)
+    with pytest.raises(TypeError, match="`name`"):
+        OptimizerSwap("torch.nn.Linear")
+    with pytest.raises(ValueError, match="`name`"):
+        OptimizerSwap("torch.optim.NoSuchOptimizer")
+
+
+def test_bad_overrides_are_named() -> None:
+    with pytest.raises(ValueError) as info:
+        OptimizerSwap("adafactor", betas=(0.9, 0.99), momentum=0.9)
+    assert "'betas', 'momentum'" in str(info.value) and "beta2_decay" in str(info.value)
+    with pytest.raises(ValueError, match="'amsgrad'"):
+        OptimizerSwap("lion8bit", overrides={"amsgrad": True})
+    with pytest.raises(TypeError, match="`overrides`"):
+        OptimizerSwap("adamw8bit", overrides=[("lr", 1.0)])
+    assert OptimizerSwap("adamw8bit", lr=1e-3, overrides={"min_8bit_size": 16}).overrides == {"min_8bit_size": 16, "lr": 1e-3}
+
+
+def test_missing_bitsandbytes_names_the_extra(monkeypatch) -> None:
+    for mod in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'lightning-efficient\[bnb\]'"):
+        OptimizerSwap("adamw8bit")
+    assert OptimizerSwap("adafactor").optimizer_name == "adafactor"
+
+
+def test_yaml_with_overrides(tmp_path) -> None:
+    import yaml
+
+    from lightning_efficient.cli import EfficientCLI
+
+    spec = {"class_path": "OptimizerSwap", "init_args": {"name": "adafactor", "overrides": {"lr": 0.01, "beta2_decay": -0.7}, "optimizer_in_backward": True}}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "logger": False, "callbacks": [spec]}}))
+    cli = EfficientCLI(args=["--config", str(cfg)], run=False)
+    swap = next(cb for cb in cli.trainer.callbacks if isinstance(cb, OptimizerSwap))
+    assert swap.overrides == {"lr": 0.01, "beta2_decay": -0.7} and swap.optimizer_in_backward is True

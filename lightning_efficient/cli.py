@@ -153,10 +153,6 @@ _PARSER_HOOKS.append(_precision_accepts_auto)
 _CONFIG_HOOKS.append(_resolve_precision)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
-
-
 def _estimate(argv: Sequence[str]) -> int:
     from lightning_efficient.measure.command import estimate_command
 
@@ -167,3 +163,19 @@ EXTRA_COMMANDS["estimate"] = (
     "print the memory estimate of a config's model (--config X.yaml [--precision P] [--batch-size N])",
     _estimate,
 )
+
+
+def _plan(argv: Sequence[str]) -> int:
+    from lightning_efficient.planner import plan_command
+
+    return plan_command(argv)
+
+
+EXTRA_COMMANDS["plan"] = (
+    "pick the techniques that fit a memory budget (--config X.yaml --budget 24GiB)",
+    _plan,
+)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The planner: the first stack of the ladder whose estimated peak fits the budget."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.planner import Rung, plan_stack
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    model = TinyGPT(n_layer=4, n_embd=64, n_head=2, seq_len=64, dropout=0.0)
+    x = torch.zeros(8, 64, dtype=torch.long)
+    return model, (x, x)
+
+
+def test_picks_first_rung_that_fits(workload) -> None:
+    model, batch = workload
+    plain = plan_stack(model, batch, "1TiB")
+    assert plain.chosen is plain.tried[0][0] and len(plain.tried) == 1  # stops at the first fit
+    full = plan_stack(model, batch, "1TiB", try_all=True)
+    peaks = [est.peak_bytes for _, est, _ in full.tried if est is not None]
+    assert len(full.tried) >= 4 and len(peaks) >= 3
+    # a budget just under the plain peak: the plan is a later rung, and it really fits
+    budget = full.tried[0][1].peak_bytes - 1
+    result = plan_stack(model, batch, budget)
+    assert result.chosen is not None and result.chosen is not result.tried[0][0]
+    chosen_est = next(est for rung, est, _ in result.tried if rung is result.chosen)
+    assert chosen_est.peak_bytes <= budget
+    for rung, est, problem in result.tried[:-1]:  # every rung before the plan did not fit
+        assert est is None or est.peak_bytes > budget, rung.name
+
+
+def test_nothing_fits_says_so(workload) -> None:
+    model, batch = workload
+    result = plan_stack(model, batch, 1024)
+    assert result.chosen is None and result.to_yaml() == ""
+    assert all(est is None or est.peak_bytes > 1024 for _, est, _ in result.tried)
+
+
+def test_custom_ladder_and_yaml_round_trip(workload, tmp_path) -> None:
+    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.techniques import ActivationCheckpointing
+
+    model, batch = workload
+
+    def ac():
+        cb = ActivationCheckpointing(every_n=2)
+        cb.plan_init_args = {"every_n": 2}
+        return cb
+
+    ladder = [Rung("fp32", "32-true"), Rung("fp32 + half the blocks", "32-true", lambda: [ac()])]
+    plain_peak = plan_stack(model, batch, "1TiB", ladder=ladder[:1], cuda_rounding=False).tried[0][1].peak_bytes
+    result = plan_stack(model, batch, plain_peak - 1, ladder=ladder, cuda_rounding=False)
+    assert result.chosen is ladder[1]
+    cfg = tmp_path / "plan.yaml"
+    cfg.write_text(result.to_yaml())
+    trainer_cfg = yaml.safe_load(cfg.read_text())["trainer"]
+    assert trainer_cfg["precision"] == "32-true"
+    cli = EfficientCLI(args=["--config", str(cfg), "--trainer.accelerator=cpu", "--trainer.logger=false"], run=False)
+    built = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationCheckpointing)]
+    assert len(built) == 1 and built[0].every_n == 2
+
+
+def test_bad_budget_named(workload) -> None:
+    model, batch = workload
+    with pytest.raises(ValueError, match="budget"):
+        plan_stack(model, batch, "lots")
+    with pytest.raises(ValueError, match="precision"):
+        plan_stack(model, batch, "1GiB", precision="fp33")
+
+
+def test_plan_command(tmp_path) -> None:
+    args = [sys.executable, "-m", "lightning_efficient", "plan", "--config", "configs/demo.yaml",
+            "--trainer.accelerator=cpu"]
+    ok = subprocess.run([*args, "--budget", "1GiB"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "<- plan" in ok.stdout and "precision:" in ok.stdout
+    bad = subprocess.run([*args, "--budget", "lots"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr

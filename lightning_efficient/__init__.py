@@ -1,16 +1,31 @@
-"""lightning-efficient: Lightning callbacks and strategies that make training fit and run fast."""
+"""lightning-efficient: Lightning callbacks and strategies that make training fit and run fast.
+
+Every technique is importable from here (``from lightning_efficient import
+ActivationCheckpointing``); the pure functions behind them live in ``lightning_efficient.functional``.
+"""
 
 __version__ = "0.1.0"
 
-from lightning_efficient.measure import EfficiencyReport, report_for  # noqa: E402
-from lightning_efficient.techniques import TECHNIQUES, NoEffectWarning, Technique  # noqa: E402
 from lightning_efficient.measure import (  # noqa: E402
+    EfficiencyReport,
     EstimatePlan,
-    MemoryBreakdown,
     MemoryEstimate,
     StepTimer,
     estimate_memory,
+    report_for,
 )
+from lightning_efficient.techniques import *  # noqa: E402,F401,F403
+from lightning_efficient.techniques import __all__ as _techniques_all  # noqa: E402
+from lightning_efficient.techniques.precision import best_precision  # noqa: E402
 
-__all__ = ["__version__", "TECHNIQUES", "Technique", "NoEffectWarning", "EfficiencyReport", "report_for",
-           "estimate_memory", "MemoryEstimate", "EstimatePlan", "MemoryBreakdown", "StepTimer"]
+__all__ = [
+    "__version__",
+    "EfficiencyReport",
+    "report_for",
+    "estimate_memory",
+    "MemoryEstimate",
+    "EstimatePlan",
+    "StepTimer",
+    "best_precision",
+    *_techniques_all,
+]

@@ -78,22 +78,6 @@ class EfficientCLI(LightningCLI):
             _fail(f"invalid configuration: {err}")
 
 
-#: Functions ``hook(parser)`` that techniques use to add parser options (kept in one list).
-_PARSER_HOOKS: list[Callable[[Any], None]] = []
-
-#: Extra subcommands: name -> (one-line help, function(argv) -> exit code).
-EXTRA_COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {}
-
-
-def _export_zero(argv: Sequence[str]) -> int:
-    from lightning_efficient.techniques.zero_offload import export_zero_command
-
-    return export_zero_command(argv)
-
-
-EXTRA_COMMANDS["export-zero"] = ("consolidate a ZeRO checkpoint dir into a plain state_dict", _export_zero)
-
-
 def classes_epilog() -> str:
     """The package's callbacks and strategies, for ``--help``."""
     from lightning.pytorch.strategies import Strategy
@@ -114,22 +98,7 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in EXTRA_COMMANDS:
-        return EXTRA_COMMANDS[args[0]][1](args[1:])
-    if args and args[0] in ("-h", "--help"):
-        extra = "\n".join(f"  {name:<14}{help_}" for name, (help_, _) in EXTRA_COMMANDS.items())
-        if extra:
-            print(f"lightning-efficient extra commands:\n{extra}\n")
-    EfficientCLI(args=None if argv is None else args)
-    return 0
-
-
-#: Functions ``hook(config)`` run on the parsed config before any class is built.
-_CONFIG_HOOKS: list[Callable[[Any], None]] = []
-
-
+# -- parser and config hooks ---------------------------------------------------------------
 def _precision_accepts_auto(parser: Any) -> None:
     """``trainer.precision`` also takes ``"auto"``; ``_resolve_precision`` checks the value."""
     action = parser._option_string_actions.get("--trainer.precision")
@@ -149,32 +118,46 @@ def _resolve_precision(config: Any) -> None:
         trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
 
 
-_PARSER_HOOKS.append(_precision_accepts_auto)
-_CONFIG_HOOKS.append(_resolve_precision)
+#: Functions ``hook(parser)`` that add or change parser options.
+_PARSER_HOOKS: list[Callable[[Any], None]] = [_precision_accepts_auto]
+
+#: Functions ``hook(config)`` run on the parsed config before any class is built.
+_CONFIG_HOOKS: list[Callable[[Any], None]] = [_resolve_precision]
+
+#: Commands that are not trainer methods: name -> (one-line help, "module:function"). The
+#: function takes the remaining arguments and returns an exit code; it is imported on use.
+EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
+    "estimate": (
+        "print the memory estimate of a config's model (--config X.yaml [--precision P] [--batch-size N])",
+        "lightning_efficient.measure.command:estimate_command",
+    ),
+    "plan": (
+        "pick the techniques that fit a memory budget (--config X.yaml --budget 24GiB)",
+        "lightning_efficient.planner:plan_command",
+    ),
+    "export-zero": (
+        "consolidate a ZeRO checkpoint dir into a plain state_dict (CKPT_DIR OUT)",
+        "lightning_efficient.techniques.zero_offload:export_zero_command",
+    ),
+}
 
 
-def _estimate(argv: Sequence[str]) -> int:
-    from lightning_efficient.measure.command import estimate_command
+def _run_extra(name: str, argv: Sequence[str]) -> int:
+    import importlib
 
-    return estimate_command(argv)
-
-
-EXTRA_COMMANDS["estimate"] = (
-    "print the memory estimate of a config's model (--config X.yaml [--precision P] [--batch-size N])",
-    _estimate,
-)
+    module, _, function = EXTRA_COMMANDS[name][1].partition(":")
+    return getattr(importlib.import_module(module), function)(argv)
 
 
-def _plan(argv: Sequence[str]) -> int:
-    from lightning_efficient.planner import plan_command
-
-    return plan_command(argv)
-
-
-EXTRA_COMMANDS["plan"] = (
-    "pick the techniques that fit a memory budget (--config X.yaml --budget 24GiB)",
-    _plan,
-)
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in EXTRA_COMMANDS:
+        return _run_extra(args[0], args[1:])
+    if args and args[0] in ("-h", "--help"):
+        extra = "\n".join(f"  {name:<14}{help_}" for name, (help_, _) in EXTRA_COMMANDS.items())
+        print(f"lightning-efficient extra commands:\n{extra}\n")
+    EfficientCLI(args=None if argv is None else args)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

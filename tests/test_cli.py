@@ -56,3 +56,20 @@ def test_demo_config_fits_and_perplexity_falls(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last = map(float, re.search(r"validation perplexity: ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     assert first > 200 and last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_builds(config) -> None:
+    """Each shipped config builds its trainer, model and data through the CLI parser."""
+    from lightning_efficient.cli import EfficientCLI
+
+    cli = EfficientCLI(
+        args=["--config", str(ROOT / "configs" / "demo.yaml"), "--config", str(config), "--trainer.accelerator=cpu"],
+        run=False,
+    )
+    assert cli.model is not None and cli.datamodule is not None
+    import yaml
+
+    wanted = [c["class_path"] for c in (yaml.safe_load(config.read_text()).get("trainer") or {}).get("callbacks") or []]
+    built = [type(cb).__name__ for cb in cli.trainer.callbacks]
+    assert all(name.rsplit(".", 1)[-1] in built for name in wanted), (wanted, built)

@@ -197,15 +197,3 @@ def test_unknown_backend_lists_backends() -> None:
 def test_mode_needs_inductor() -> None:
     with pytest.raises(ValueError, match="`mode`.*inductor"):
         TorchCompile(mode="max-autotune", backend="aot_eager")
-
-
-# -- the method card's examples run ------------------------------------------------------------
-def test_card_examples_run() -> None:
-    import re
-    from pathlib import Path
-
-    card = (Path(__file__).parents[1] / "docs" / "compile.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)
-    assert len(blocks) >= 2
-    for code in blocks:
-        exec(compile(code, "docs/compile.md", "exec"), {})

@@ -298,17 +298,6 @@ def test_estimate_renders() -> None:
     assert "optimizer state" in console.export_text()
 
 
-def test_method_card_example_runs(capsys) -> None:
-    import re
-    from pathlib import Path
-
-    card = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
-    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
-    exec(compile(code, "docs/memory.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert out.startswith("peak ") and "activations" in out
-
-
 def test_training_step_without_batch_idx() -> None:
     from helpers import TINY_MODEL
     from lightning_efficient.demos import TinyGPT

@@ -227,15 +227,3 @@ def test_matmul_precision_on_ampere_gpu(tmp_path) -> None:
     seen = _Seen()
     fit(tmp_path, [MatmulPrecision("high"), seen], max_steps=2, accelerator="gpu")
     assert seen.seen == [("high", True)] * 2 and torch.get_float32_matmul_precision() == "highest"
-
-
-# -- the method card's examples run ------------------------------------------------------------
-def test_card_examples_run() -> None:
-    import re
-    from pathlib import Path
-
-    card = (Path(__file__).parents[1] / "docs" / "precision.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", card, flags=re.S)
-    assert len(blocks) >= 2
-    for code in blocks:
-        exec(compile(code, "docs/precision.md", "exec"), {})

@@ -238,11 +238,12 @@ def test_optimizer_in_backward_removes_gradients_from_the_peak() -> None:
     assert inb.peak_bytes <= plain.peak_bytes - 0.5 * plain.by_category["gradients"]
 
 
-@pytest.mark.parametrize("name", ["adamw8bit", "lion8bit", "paged_adamw8bit"])
+@pytest.mark.parametrize("name", ["adamw8bit", "lion8bit", "paged_adamw8bit", "adafactor"])
 def test_8bit_estimate_matches_real_bitsandbytes(name: str) -> None:
     """bitsandbytes reads values (``.tolist()`` building its quantisation maps), so on fake tensors
     the estimate models its state layout (EightBitStateModel); ``measure_step`` runs the REAL
-    bitsandbytes optimizer on real CPU tensors, and the two agree."""
+    bitsandbytes optimizer on real CPU tensors, and the two agree. Adafactor (``.item()`` in its
+    step) likewise, through AdafactorStateModel."""
     from lightning_efficient.demos import TinyGPT
     from lightning_efficient.measure.estimate import estimate_memory
 
@@ -254,7 +255,7 @@ def test_8bit_estimate_matches_real_bitsandbytes(name: str) -> None:
     assert abs(est.peak_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes
     # and the 8-bit states are what the estimate sees: far below AdamW's two fp32 moments
     n = sum(p.numel() for p in TinyGPT().parameters())
-    assert state_est <= (0.16 if name == "lion8bit" else 0.31) * 8 * n
+    assert state_est <= {"lion8bit": 0.16, "adafactor": 0.02}.get(name, 0.31) * 8 * n
 
 
 def test_eight_bit_state_model_layout() -> None:
@@ -294,6 +295,11 @@ def test_estimate_in_backward() -> None:
     eight = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("paged_adamw8bit", optimizer_in_backward=True)])
     assert eight.by_category["gradients"] <= largest
     assert eight.by_category["optimizer_state"] <= 0.31 * est.by_category["optimizer_state"]
+    # Adafactor in backward: the estimate follows the real step (factored states, temporaries)
+    factor = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adafactor", optimizer_in_backward=True)])
+    real = measure_step(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adafactor", optimizer_in_backward=True)])
+    assert factor.by_category["optimizer_state"] == real.by_category["optimizer_state"]
+    assert abs(factor.peak_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes
 
 
 def test_optimizer_in_backward_same_maths_with_scheduler(tmp_path) -> None:

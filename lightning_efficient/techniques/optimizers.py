@@ -65,6 +65,7 @@ __all__ = [
     "InBackwardOptimizer",
     "optimizer_state_bytes",
     "EightBitStateModel",
+    "AdafactorStateModel",
     "OptimizerSwap",
 ]
 
@@ -409,6 +410,58 @@ class EightBitStateModel(Optimizer):
                 state[f"absmax{i}"].copy_(absmax)
 
 
+class AdafactorStateModel(torch.optim.Adafactor):
+    """Estimate-only ``torch.optim.Adafactor`` that runs on fake tensors: its states come from
+    Adafactor's own ``_init_group`` (``step``; factored ``row_var`` / ``col_var`` for tensors of
+    2 or more dims, a full ``variance`` otherwise) and its step allocates what the single-tensor
+    step (torch's choice off CUDA) allocates, but the two scalars Adafactor reads with ``.item()``
+    (the parameter's and the update's RMS) stay tensors. Not for training (the step count is
+    kept in Python). Args as ``torch.optim.Adafactor``.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        counts = self.__dict__.setdefault("_counts", {})
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            rows: list[Any] = []
+            cols: list[Any] = []
+            variances: list[Any] = []
+            steps: list[torch.Tensor] = []
+            self._init_group(group, params, grads, rows, cols, variances, steps)
+            eps1, eps2 = group["eps"]
+            lr, d, wd = group["lr"], group["d"], group["weight_decay"]
+            for param, grad, row_var, col_var, variance, step_t in zip(params, grads, rows, cols, variances, steps):
+                if eps1 is None:
+                    eps1 = torch.finfo(param.dtype).eps
+                step_t += 1
+                counts[id(param)] = n = counts.get(id(param), 0) + 1
+                beta = n ** group["beta2_decay"]
+                rho = min(lr, 1 / n**0.5)
+                alpha = (param.norm(2) / param.numel() ** 0.5).clamp_(min=eps2) * rho
+                if wd != 0:
+                    param.mul_(1 - lr * wd)
+                if grad.dim() > 1:
+                    row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), beta)
+                    col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), beta)
+                    var_estimate = row_var @ col_var
+                    var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+                else:
+                    variance.lerp_(grad * grad, beta)
+                    var_estimate = variance.clone()
+                update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+                update.mul_(grad)
+                denom = (update.norm(2) / (update.numel() ** 0.5 * d)).clamp_(min=1.0)
+                update.mul_(-alpha / denom)
+                param.add_(update)
+        return loss
+
+
 def _estimate_factory(name: str, keep: Sequence[torch.Tensor], overrides: dict[str, Any]
                       ) -> Callable[[list[dict]], Optimizer]:
     """``factory(groups)`` for the estimate plan: on fake tensors, the bitsandbytes names build an
@@ -417,6 +470,9 @@ def _estimate_factory(name: str, keep: Sequence[torch.Tensor], overrides: dict[s
 
     def factory(groups: list[dict]) -> Optimizer:
         fake = any(isinstance(p, FakeTensor) for g in groups for p in g["params"])
+        if fake and name == "adafactor":
+            carried = build_optimizer(name, groups, **overrides).param_groups  # as the fit carries them
+            return AdafactorStateModel(carried)
         if not (fake and name in _BNB_LAYOUT):
             return build_optimizer(name, groups, keep_32bit=keep, **overrides)
         cls = optimizer_class(name)

@@ -5,8 +5,8 @@ Everything is measured in the same run on this machine:
 
 - Memory: one real TinyGPT (demo config: 4 layers, width 128, seq 128) training step of two
   steps on the CPU under the instrument's storage tracker (``measure_step``), with the optimizer
-  swapped by ``OptimizerSwap.configure_estimate``. bitsandbytes cannot run under the fake-tensor
-  estimate (it builds its quantisation map with ``.tolist()``), so real tensors are used for all.
+  swapped by ``OptimizerSwap.configure_estimate``. Real tensors are used for all (the fake-tensor
+  estimate models bitsandbytes and Adafactor: ``EightBitStateModel``, ``AdafactorStateModel``).
 - Step time: median of a full real step (forward, backward, optimizer step) per optimizer, the
   optimizers interleaved over rounds so that machine load hits them alike (``time_fn``).
 - Convergence: a Lightning fit of the demo (a 2-layer TinyGPT + TextDataModule, the module's own AdamW with

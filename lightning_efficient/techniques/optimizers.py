@@ -64,6 +64,8 @@ __all__ = [
     "attach_optimizer_in_backward",
     "InBackwardOptimizer",
     "optimizer_state_bytes",
+    "EightBitStateModel",
+    "AdafactorStateModel",
     "OptimizerSwap",
 ]
 
@@ -279,6 +281,211 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
                         seen.add(key)
                         total += value.untyped_storage().nbytes()
     return total
+
+
+# -- bitsandbytes' state layout, for estimates on fake tensors --------------------------------
+#: bitsandbytes names -> (number of states, optim_bits, update rule)
+_BNB_LAYOUT: dict[str, tuple[int, int, str]] = {
+    "adamw8bit": (2, 8, "adam"),
+    "adam8bit": (2, 8, "adam"),
+    "paged_adamw8bit": (2, 8, "adam"),
+    "paged_adamw32bit": (2, 32, "adam"),
+    "lion8bit": (1, 8, "lion"),
+}
+_BNB_BLOCKSIZE = 256  # bitsandbytes' blockwise 8-bit optimizers: one fp32 absmax per 256 elements
+_QMAP_SIZE = 256  # a quantisation map: 256 fp32 code values
+
+
+class EightBitStateModel(Optimizer):
+    """Estimate-only stand-in for bitsandbytes' optimizers (``Optimizer2State`` /
+    ``Optimizer1State``) that runs on fake tensors: it allocates exactly the state bitsandbytes
+    allocates and the temporaries its CPU step allocates, and never reads a tensor's value.
+
+    Not for training: its arithmetic only mimics the update (no quantisation maths). State per
+    parameter, as bitsandbytes' ``init_state``: ``step`` (an int); for a parameter with at least
+    ``min_8bit_size`` elements that is not in ``keep_32bit``, and ``optim_bits == 8``: uint8
+    ``state1`` (and ``state2``) of the parameter's shape, fp32 ``absmax1`` (and ``absmax2``) of
+    ``ceil(numel / 256)`` blocks and the shared quantisation maps ``qmap1`` (``qmap2``), 256 fp32
+    each, created once in the constructor; otherwise fp32 ``state1`` (and ``state2``).
+    ``unorm_vec`` (one fp32) when ``max_unorm > 0``.
+
+    Args:
+        params: Parameters or param groups (group options are kept, not used).
+        name: A bitsandbytes short name of :data:`NAMES` (``"adamw8bit"``, ``"adam8bit"``,
+            ``"paged_adamw8bit"``, ``"paged_adamw32bit"``, ``"lion8bit"``).
+        min_8bit_size: Tensors with fewer elements keep 32-bit states.
+        keep_32bit: Tensors that keep 32-bit states (the GlobalOptimManager override).
+        optim_bits: 8 or 32 (default: the name's).
+        max_unorm: As bitsandbytes' (``> 0`` adds ``unorm_vec``).
+        cpu_temporaries: Allocate, per parameter, the fp32 copies bitsandbytes' CPU step makes
+            (dequantised states, the scaled gradient, the denominator, the re-quantised output);
+            ``False`` models the fused CUDA kernels, which make none.
+    """
+
+    def __init__(self, params: Iterable[Any], name: str, *, min_8bit_size: int = _DEFAULT_MIN_8BIT_SIZE,
+                 keep_32bit: Iterable[torch.Tensor] = (), optim_bits: int | None = None, max_unorm: float = 0.0,
+                 cpu_temporaries: bool = True, **defaults: Any) -> None:
+        if name not in _BNB_LAYOUT:
+            raise ValueError(f"`name` must be one of {', '.join(map(repr, _BNB_LAYOUT))}; got {name!r}.")
+        super().__init__(params, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **defaults})
+        n_states, bits, rule = _BNB_LAYOUT[name]
+        self.name, self.n_states, self.rule = name, n_states, rule
+        self.optim_bits = bits if optim_bits is None else optim_bits
+        self.min_8bit_size, self.max_unorm = min_8bit_size, max_unorm
+        self.cpu_temporaries = cpu_temporaries
+        self._keep = {id(p) for p in keep_32bit}
+        self.name2qmap: dict[str, torch.Tensor] = {}
+        if self.optim_bits == 8:  # bitsandbytes' fill_qmap: both maps, whatever the name
+            device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+            self.name2qmap = {k: torch.empty(_QMAP_SIZE, dtype=torch.float32, device=device) for k in ("dynamic", "udynamic")}
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        state = self.state[p]
+        state["step"] = 0
+        eight = self.optim_bits == 8 and p.numel() >= self.min_8bit_size and id(p) not in self._keep
+        names = ("state1", "state2")[: self.n_states]
+        for i, key in enumerate(names, start=1):
+            state[key] = torch.zeros_like(p, dtype=torch.uint8 if eight else torch.float32, memory_format=torch.contiguous_format)
+            if eight:
+                state[f"qmap{i}"] = self.name2qmap["dynamic" if i == 1 else "udynamic"]
+        if eight:
+            blocks = -(-p.numel() // _BNB_BLOCKSIZE)
+            for i in range(1, self.n_states + 1):
+                state[f"absmax{i}"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+        if self.max_unorm > 0.0:
+            state["unorm_vec"] = torch.zeros((1,), device=p.device)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self._init_state(p)
+                self._update(group, p)
+        return loss
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        """The allocations of bitsandbytes' CPU kernels (backends/cpu/ops.py), in their order."""
+        state = self.state[p]
+        state["step"] += 1
+        beta1, beta2 = group["betas"][0], group["betas"][1]
+        lr, eps = group["lr"], group["eps"]
+        s1, s2 = state["state1"], state.get("state2")
+        eight = s1.dtype == torch.uint8
+        if not self.cpu_temporaries:  # the fused CUDA kernels update in place
+            return
+        # dequantise (8-bit) or use the fp32 states as they are
+        m = torch.empty_like(s1, dtype=torch.float32) if eight else s1
+        v = (torch.empty_like(s2, dtype=torch.float32) if eight else s2) if s2 is not None else None
+        grad = p.grad.float() * 1.0  # gnorm_scale
+        weights = p.data.float()  # an alias for fp32 parameters, a copy otherwise
+        if self.rule == "adam":
+            m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            if eight:
+                denom = (v.sqrt() / 1.0).add_(eps)
+                weights.addcdiv_(m, denom, value=-lr)
+            else:
+                update = m / (v.sqrt() + eps)
+                weights.add_(update, alpha=-lr)
+        else:  # lion
+            if eight:
+                direction = torch.sign(m.mul(beta1) + grad.mul(1.0 - beta1))
+            else:
+                direction = m.mul(beta1).add(grad, alpha=1.0 - beta1).sign()
+            weights.add_(direction, alpha=-lr)
+            m.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+        p.data.copy_(weights)
+        if eight:  # re-quantise: a uint8 copy and the block maxima, copied into the state
+            for i, fp32 in enumerate((m, v)[: self.n_states], start=1):
+                out = torch.empty_like(fp32, dtype=torch.uint8)
+                absmax = torch.empty_like(state[f"absmax{i}"])
+                state[f"state{i}"].copy_(out)
+                state[f"absmax{i}"].copy_(absmax)
+
+
+class AdafactorStateModel(torch.optim.Adafactor):
+    """Estimate-only ``torch.optim.Adafactor`` that runs on fake tensors: its states come from
+    Adafactor's own ``_init_group`` (``step``; factored ``row_var`` / ``col_var`` for tensors of
+    2 or more dims, a full ``variance`` otherwise) and its step allocates what the single-tensor
+    step (torch's choice off CUDA) allocates, but the two scalars Adafactor reads with ``.item()``
+    (the parameter's and the update's RMS) stay tensors. Not for training (the step count is
+    kept in Python). Args as ``torch.optim.Adafactor``.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        counts = self.__dict__.setdefault("_counts", {})
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            rows: list[Any] = []
+            cols: list[Any] = []
+            variances: list[Any] = []
+            steps: list[torch.Tensor] = []
+            self._init_group(group, params, grads, rows, cols, variances, steps)
+            eps1, eps2 = group["eps"]
+            lr, d, wd = group["lr"], group["d"], group["weight_decay"]
+            for param, grad, row_var, col_var, variance, step_t in zip(params, grads, rows, cols, variances, steps):
+                if eps1 is None:
+                    eps1 = torch.finfo(param.dtype).eps
+                step_t += 1
+                counts[id(param)] = n = counts.get(id(param), 0) + 1
+                beta = n ** group["beta2_decay"]
+                rho = min(lr, 1 / n**0.5)
+                alpha = (param.norm(2) / param.numel() ** 0.5).clamp_(min=eps2) * rho
+                if wd != 0:
+                    param.mul_(1 - lr * wd)
+                if grad.dim() > 1:
+                    row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), beta)
+                    col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), beta)
+                    var_estimate = row_var @ col_var
+                    var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+                else:
+                    variance.lerp_(grad * grad, beta)
+                    var_estimate = variance.clone()
+                update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+                update.mul_(grad)
+                denom = (update.norm(2) / (update.numel() ** 0.5 * d)).clamp_(min=1.0)
+                update.mul_(-alpha / denom)
+                param.add_(update)
+        return loss
+
+
+def _estimate_factory(name: str, keep: Sequence[torch.Tensor], overrides: dict[str, Any]
+                      ) -> Callable[[list[dict]], Optimizer]:
+    """``factory(groups)`` for the estimate plan: on fake tensors, the bitsandbytes names build an
+    :class:`EightBitStateModel` (bitsandbytes reads values); on real tensors, the real optimizer."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def factory(groups: list[dict]) -> Optimizer:
+        fake = any(isinstance(p, FakeTensor) for g in groups for p in g["params"])
+        if fake and name == "adafactor":
+            carried = build_optimizer(name, groups, **overrides).param_groups  # as the fit carries them
+            return AdafactorStateModel(carried)
+        if not (fake and name in _BNB_LAYOUT):
+            return build_optimizer(name, groups, keep_32bit=keep, **overrides)
+        cls = optimizer_class(name)
+        carried = []
+        for group in groups:
+            c, _ = _carry_group(group, name, cls, None, set())
+            _apply_overrides(c, overrides, set(_CTOR_ONLY) | {"max_unorm", "skip_zeros"})
+            c["params"] = list(group["params"])
+            carried.append(c)
+        ctor = {k: overrides[k] for k in ("min_8bit_size", "optim_bits", "max_unorm") if k in overrides}
+        return EightBitStateModel(carried, name, keep_32bit=keep if name in EIGHT_BIT_NAMES else (), **ctor)
+
+    return factory
 
 
 # -- schedulers -----------------------------------------------------------------------------
@@ -520,7 +727,8 @@ class OptimizerSwap(Technique):
         """Swap the estimate's optimizer and switch optimizer-in-backward like the fit would."""
         keep = self._keep_32bit(plan.model)
         name, overrides = self.optimizer_name, dict(self.overrides)
-        plan.optimizer = lambda groups: build_optimizer(name, groups, keep_32bit=keep, **overrides)
+        # on fake tensors, bitsandbytes' optimizers are modelled (they read values): same states
+        plan.optimizer = _estimate_factory(name, keep, overrides)
         plan.optimizer_in_backward = self.optimizer_in_backward
         plan.note(f"{self.name}: optimizer {name!r}" + (", stepped in backward" if self.optimizer_in_backward else ""))
 

@@ -179,10 +179,12 @@ def plan_stack(
     ladder: Sequence[Rung] | None = None,
     try_all: bool = False,
     cuda_rounding: bool = True,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
 ) -> PlanResult:
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
     fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
-    estimated (for the table); otherwise the walk stops at the first fit."""
+    estimated (for the table); otherwise the walk stops at the first fit. ``model``, ``batch``,
+    ``optimizer`` and ``loss_fn`` are as for :func:`estimate_memory`."""
     budget_bytes = parse_bytes("budget", budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
@@ -197,6 +199,7 @@ def plan_stack(
             est = estimate_memory(
                 model, batch, optimizer=optimizer, precision=rung.precision, callbacks=techniques,
                 accumulate_grad_batches=accumulate_grad_batches, cuda_rounding=cuda_rounding,
+                loss_fn=loss_fn,
             )
         except EstimateError as err:  # a rung the fake-tensor estimate cannot run
             result.tried.append((rung, None, f"not estimated: {_first_line(err)}"))

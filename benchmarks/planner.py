@@ -1,0 +1,95 @@
+"""What the planner picks for GPT-2 small under shrinking memory budgets.
+
+GPT-2 small (124M parameters, transformers GPT2Config built on the meta device, no download),
+sequence 1024, batch 8, AdamW, fp32 as configured. For each budget the planner walks its ladder
+(cheapest stack first) on fake tensors and stops at the first stack whose estimated peak, with
+CUDA allocator rounding, fits. Each row: the budget, the stack chosen, its device peak and host
+memory, how many stacks were estimated and the seconds the plan took on this CPU.
+
+Run:  python benchmarks/planner.py          (GPT-2 small, seq 1024, batch 8)
+      python benchmarks/planner.py --quick  (sequence 256, batch 2)
+Writes benchmarks/results/planner{,_quick}.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_efficient._validate import format_bytes  # noqa: E402
+from lightning_efficient.planner import plan_stack  # noqa: E402
+
+
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(use_cache=False)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(config)
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    seq, batch = (256, 2) if args.quick else (1024, 8)
+    budgets = ["80GiB", "24GiB", "16GiB", "8GiB"] if not args.quick else ["8GiB", "3GiB", "2GiB"]
+    model = gpt2()
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    rows = []
+    for budget in budgets:
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = plan_stack(model, ids, budget, optimizer="adamw", loss_fn=lm_loss)
+        seconds = time.perf_counter() - start
+        chosen = result.chosen
+        est = next((e for r, e, _ in result.tried if r is chosen), None)
+        rows.append({
+            "budget": budget,
+            "stack": chosen.name if chosen else "nothing fits",
+            "peak_bytes": est.peak_bytes if est else None,
+            "host_bytes": est.host_bytes if est else None,
+            "estimated": len(result.tried),
+            "seconds": round(seconds, 1),
+            "tried": [(r.name, e.peak_bytes if e else None, p) for r, e, p in result.tried],
+        })
+    title = f"Planner on GPT-2 small (124M), sequence {seq}, batch {batch}, AdamW, fp32 as configured"
+    lines = [f"### {title}", "", "| Budget | Stack chosen | Device peak | Host | Stacks estimated | Seconds |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
+        host = format_bytes(r["host_bytes"]) if r["host_bytes"] else "-"
+        lines.append(f"| {r['budget']} | {r['stack']} | {peak} | {host} | {r['estimated']} | {r['seconds']} |")
+    env = {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    lines += ["", f"Hardware/versions: {env}. Command: `python benchmarks/planner.py{' --quick' if args.quick else ''}`."]
+    text = "\n".join(lines)
+    print(text)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "planner_quick" if args.quick else "planner"
+    (out / f"{stem}.md").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows, "env": env}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

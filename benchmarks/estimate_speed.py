@@ -2,7 +2,7 @@
 
 Estimates GPT-2 small (124M parameters, transformers GPT2Config built on the meta device, no
 download) at sequence 1024, batch 8, AdamW: fp32, bf16-mixed, and with every transformer block
-under non-reentrant torch.utils.checkpoint. Each row: the peak (GiB), the phase of the peak, the
+under the package's ActivationCheckpointing (non-reentrant torch.utils.checkpoint). Each row: the peak (GiB), the phase of the peak, the
 bytes per category at the peak and the seconds the estimate took (fake tensors, this CPU).
 A last row checks accuracy on a GPT-2-shaped model small enough to train for real on the CPU:
 the estimate against the same steps tracked on real tensors (their ratio).
@@ -28,29 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_efficient.measure import EstimatePlan, estimate_memory, measure_step  # noqa: E402
+from lightning_efficient.measure import estimate_memory, measure_step  # noqa: E402
 from lightning_efficient.measure.estimate import CATEGORIES  # noqa: E402
-from lightning_efficient.techniques._blocks import find_repeated_blocks  # noqa: E402
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 
 GIB = 2**30
-
-
-class CheckpointBlocks:
-    """Wraps the model's repeated blocks in non-reentrant torch.utils.checkpoint for the estimate."""
-
-    def configure_estimate(self, plan: EstimatePlan) -> None:
-        from torch.utils.checkpoint import checkpoint
-
-        blocks = find_repeated_blocks(plan.model)
-        for _, block in blocks:
-            forward = block.forward
-
-            def wrapped(*args, _forward=forward, **kwargs):
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-            block.forward = wrapped
-            plan.on_exit(lambda block=block: vars(block).pop("forward"))
-        plan.note(f"checkpointed {len(blocks)} blocks")
 
 
 def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -79,7 +61,7 @@ def main() -> None:
     for name, kwargs in [
         ("fp32 AdamW", {}),
         ("bf16-mixed AdamW", {"precision": "bf16-mixed"}),
-        ("fp32 AdamW + block checkpointing", {"callbacks": [CheckpointBlocks()]}),
+        ("fp32 AdamW + block checkpointing", {"callbacks": [ActivationCheckpointing()]}),
     ]:
         start, cpu_start = time.perf_counter(), time.process_time()
         est = estimate_memory(model, ids, loss_fn=lm_loss, **kwargs)
@@ -94,7 +76,7 @@ def main() -> None:
     small = gpt2(n_positions=128, n_embd=128, n_layer=2, n_head=2, vocab_size=2048, bos_token_id=0, eos_token_id=0)
     small_ids = torch.randint(0, 2048, (4, 128))
     accuracy = []
-    for name, cbs in [("small GPT-2, fp32 AdamW", []), ("small GPT-2, + block checkpointing", [CheckpointBlocks()])]:
+    for name, cbs in [("small GPT-2, fp32 AdamW", []), ("small GPT-2, + block checkpointing", [ActivationCheckpointing()])]:
         est = estimate_memory(small, small_ids, loss_fn=lm_loss, callbacks=cbs)
         real = measure_step(copy.deepcopy(small), small_ids, loss_fn=lm_loss, callbacks=cbs)
         accuracy.append({"run": name, "estimate_bytes": est.peak_bytes, "real_bytes": real.peak_bytes,

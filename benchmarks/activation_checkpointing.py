@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_efficient._validate import format_bytes  # noqa: E402
+from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.functional import (  # noqa: E402
     apply_activation_checkpointing,
@@ -60,7 +60,9 @@ def apply_mode(model: torch.nn.Module, mode: str, num_blocks: int | None = None)
     remove_activation_checkpointing(model)
     if mode == "plain":
         return []
-    return apply_activation_checkpointing(model, num_blocks=num_blocks if mode == "budget" else None, **MODES[mode])
+    return apply_activation_checkpointing(
+        model, num_blocks=num_blocks if mode == "budget" else None, **MODES[mode]
+    )
 
 
 def midway_budget(plain: int, full: int) -> int:
@@ -188,7 +190,12 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, str], command: str) -> s
             f"{r['peak_ratio']:.2f}x | {format_bytes(r['activation_bytes'])} | {r['activation_ratio']:.2f}x | "
             f"{format_bytes(r['estimate_peak_bytes'])} | {t} | {tr} |"
         )
-    lines += ["", f"Command: `{command}`", "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    lines += [
+        "",
+        f"Command: `{command}`",
+        "",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -210,15 +217,27 @@ def environment() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller TinyGPT, fewer timing rounds, GPT-2 at seq 256 batch 2")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller TinyGPT, fewer timing rounds, GPT-2 at seq 256 batch 2",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
-        cfg, batch_size, rounds = dict(seq_len=64, n_layer=4, n_embd=64, n_head=4, dropout=0.1), 4, 3
+        cfg, batch_size, rounds = (
+            dict(seq_len=64, n_layer=4, n_embd=64, n_head=4, dropout=0.1),
+            4,
+            3,
+        )
         gpt2_seq, gpt2_batch = 256, 2
     else:
-        cfg, batch_size, rounds = dict(seq_len=128, n_layer=6, n_embd=128, n_head=4, dropout=0.1), 8, 5
+        cfg, batch_size, rounds = (
+            dict(seq_len=128, n_layer=6, n_embd=128, n_head=4, dropout=0.1),
+            8,
+            5,
+        )
         gpt2_seq, gpt2_batch = 1024, 8
     rows = tinygpt(cfg, batch_size, rounds) + gpt2_small(gpt2_seq, gpt2_batch)
     command = "python benchmarks/activation_checkpointing.py" + (" --quick" if args.quick else "")
@@ -230,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "activation_checkpointing" + ("_quick" if args.quick else "")
     (RESULTS / f"{stem}.md").write_text(text)
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"command": command, "environment": env, "rows": rows}, indent=2))
+    (RESULTS / f"{stem}.json").write_text(
+        json.dumps({"command": command, "environment": env, "rows": rows}, indent=2)
+    )
     print(f"saved {RESULTS / stem}.md and .json")
     return 0
 

@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_efficient._validate import format_bytes, parse_bytes  # noqa: E402
+from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
@@ -104,16 +104,33 @@ def part1(args) -> tuple[list[dict], dict]:
         real = measure_step(TinyGPT(**model_kwargs), tiny_batch(n, seq)).peak_bytes
         est = seen.get(n) or estimate(n)
         rate, per_cpu_s = samples_per_s(n, seq, model_kwargs)
-        rows.append({"micro_batch": n, "peak_bytes": real, "estimate_bytes": int(est),
-                     "fits": est <= usable, "samples_per_s": rate, "samples_per_cpu_s": per_cpu_s})
+        rows.append(
+            {
+                "micro_batch": n,
+                "peak_bytes": real,
+                "estimate_bytes": int(est),
+                "fits": est <= usable,
+                "samples_per_s": rate,
+                "samples_per_cpu_s": per_cpu_s,
+            }
+        )
     fitting = [r for r in rows if r["fits"]]
     fastest = max(fitting, key=lambda r: r["samples_per_s"])["micro_batch"]
     for r in rows:
         r["chosen"] = " ".join(
-            tag for tag, m in (("max_fit", max_fit), ("throughput", fastest)) if r["micro_batch"] == m
+            tag
+            for tag, m in (("max_fit", max_fit), ("throughput", fastest))
+            if r["micro_batch"] == m
         )
-    info = {"budget_bytes": budget, "usable_bytes": usable, "largest_fitting": largest,
-            "max_fit": max_fit, "throughput": fastest, "estimates": len(seen), "model": model_kwargs}
+    info = {
+        "budget_bytes": budget,
+        "usable_bytes": usable,
+        "largest_fitting": largest,
+        "max_fit": max_fit,
+        "throughput": fastest,
+        "estimates": len(seen),
+        "model": model_kwargs,
+    }
     return rows, info
 
 
@@ -131,22 +148,42 @@ def part2(args) -> tuple[list[dict], dict]:
         ("bf16-mixed", "bf16-mixed", []),
         ("bf16-mixed + checkpointing", "bf16-mixed", [ActivationCheckpointing()]),
     ]:
+
         def estimate(n: int) -> int:
             ids = torch.empty(n, seq, dtype=torch.long, device="meta")
-            return estimate_memory(model, ids, loss_fn=loss_fn, precision=precision,
-                                   callbacks=callbacks, cuda_rounding=True).peak_bytes
+            return estimate_memory(
+                model,
+                ids,
+                loss_fn=loss_fn,
+                precision=precision,
+                callbacks=callbacks,
+                cuda_rounding=True,
+            ).peak_bytes
 
         t0 = time.perf_counter()
         largest, seen = largest_fitting_batch(estimate, budget, 512)
         seconds = time.perf_counter() - t0
         bf16 = precision != "32-true"
-        rounded_rtx = choose_micro_batch(largest, precision=precision, device_type="cuda", capability=(8, 6))[0]
-        rows.append({
-            "run": name, "largest_micro_batch": largest, "peak_bytes": int(seen[largest]),
-            "next_bytes": int(seen.get(largest + 1, 0)) or None, "rounded_cuda": rounded_rtx,
-            "estimates": len(seen), "search_s": seconds, "bf16": bf16,
-        })
-    info = {"budget_bytes": budget, "seq": seq, "params": sum(p.numel() for p in model.parameters())}
+        rounded_rtx = choose_micro_batch(
+            largest, precision=precision, device_type="cuda", capability=(8, 6)
+        )[0]
+        rows.append(
+            {
+                "run": name,
+                "largest_micro_batch": largest,
+                "peak_bytes": int(seen[largest]),
+                "next_bytes": int(seen.get(largest + 1, 0)) or None,
+                "rounded_cuda": rounded_rtx,
+                "estimates": len(seen),
+                "search_s": seconds,
+                "bf16": bf16,
+            }
+        )
+    info = {
+        "budget_bytes": budget,
+        "seq": seq,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     return rows, info
 
 
@@ -211,9 +248,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = "batch_size_quick" if args.quick else "batch_size"
     (out / f"{stem}.md").write_text(table + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(
-        {"tinygpt": {"rows": rows1, **info1}, "gpt2": {"rows": rows2, **info2}, "command": cmd,
-         "torch": torch.__version__, "wall_s": wall}, indent=2, default=str) + "\n")
+    (out / f"{stem}.json").write_text(
+        json.dumps(
+            {
+                "tinygpt": {"rows": rows1, **info1},
+                "gpt2": {"rows": rows2, **info2},
+                "command": cmd,
+                "torch": torch.__version__,
+                "wall_s": wall,
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

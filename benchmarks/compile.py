@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (bsz, cfg["seq_len"] + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    rows = [run_variant(v, cfg, batch, repeats, args.backend) for v in ("eager", "whole", "regional")]
+    rows = [
+        run_variant(v, cfg, batch, repeats, args.backend) for v in ("eager", "whole", "regional")
+    ]
     by = {r["variant"]: r for r in rows}
     for r in rows:
         r["steady_speed_vs_eager"] = by["eager"]["steady_step_s"] / r["steady_step_s"]
@@ -99,7 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
         "regional_compile_over_whole": by["regional"]["compile_s"] / by["whole"]["compile_s"],
         "regional_speed_over_whole": by["whole"]["steady_step_s"] / by["regional"]["steady_step_s"],
     }
-    goal = ratios["regional_compile_over_whole"] <= 1 / 3 and ratios["regional_speed_over_whole"] >= 0.95
+    goal = (
+        ratios["regional_compile_over_whole"] <= 1 / 3
+        and ratios["regional_speed_over_whole"] >= 0.95
+    )
     meta = {
         "command": "python benchmarks/compile.py" + (" --quick" if args.quick else ""),
         "model": f"TinyGPT n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} seq_len={cfg['seq_len']} batch={bsz}",

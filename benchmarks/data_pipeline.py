@@ -43,10 +43,10 @@ from torch.utils.data import DataLoader, Dataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.demos.text import ByteChunks, EpochShuffle, load_corpus  # noqa: E402
 from lightning_efficient.functional import LengthBucketSampler, auto_num_workers, padding_stats  # noqa: E402
-from lightning_efficient.measure.report import report_for  # noqa: E402
 from lightning_efficient.measure.timing import StepTimer  # noqa: E402
 from lightning_efficient.techniques.dataloading import (  # noqa: E402
     DataLoaderTuning,
@@ -74,15 +74,25 @@ class Decoded(Dataset):
 class DecodedText(pl.LightningDataModule):
     def __init__(self, samples: int, seq_len: int, batch_size: int, decode_s: float) -> None:
         super().__init__()
-        self.samples, self.seq_len, self.batch_size, self.decode_s = samples, seq_len, batch_size, decode_s
+        self.samples, self.seq_len, self.batch_size, self.decode_s = (
+            samples,
+            seq_len,
+            batch_size,
+            decode_s,
+        )
 
     def setup(self, stage: str) -> None:
         chunks = ByteChunks(load_corpus(), self.seq_len)
-        self.train_set = Decoded(torch.utils.data.Subset(chunks, range(self.samples)), self.decode_s)
+        self.train_set = Decoded(
+            torch.utils.data.Subset(chunks, range(self.samples)), self.decode_s
+        )
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.train_set, batch_size=self.batch_size, sampler=EpochShuffle(len(self.train_set)), drop_last=True
+            self.train_set,
+            batch_size=self.batch_size,
+            sampler=EpochShuffle(len(self.train_set)),
+            drop_last=True,
         )
 
 
@@ -112,21 +122,31 @@ class Throughput(Callback):
 
 def run(name: str, technique: Callback | None, args: argparse.Namespace) -> dict:
     pl.seed_everything(0, verbose=False)
-    model = TinyGPT(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, dropout=0.0)
+    model = TinyGPT(
+        seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, dropout=0.0
+    )
     samples = args.batch_size * (args.steps + args.warmup + 1)
     data = DecodedText(samples, args.seq_len, args.batch_size, args.decode_ms / 1000)
     meter, monitor = Throughput(args.warmup), InputStallMonitor(check_after=max(1, args.steps // 2))
     callbacks = [c for c in (technique, monitor, meter) if c is not None]
     trainer = pl.Trainer(
-        accelerator="auto", devices=1, max_steps=args.warmup + args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=callbacks,
+        accelerator="auto",
+        devices=1,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
     )
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=data)
-    stall_warning = next((str(w.message) for w in caught if "InputStallMonitor" in str(w.message)), None)
+    stall_warning = next(
+        (str(w.message) for w in caught if "InputStallMonitor" in str(w.message)), None
+    )
     wall = time.perf_counter() - start
     report = report_for(trainer).to_dict()
     loader = trainer.train_dataloader
@@ -152,7 +172,9 @@ def padding(args: argparse.Namespace) -> dict:
     plain = padding_stats(lengths, [order[i : i + b] for i in range(0, len(order), b)])
     sampler = LengthBucketSampler(lengths, bucket_size=b * 50, seed=0)
     bucketed_order = list(sampler)
-    bucketed = padding_stats(lengths, [bucketed_order[i : i + b] for i in range(0, len(bucketed_order), b)])
+    bucketed = padding_stats(
+        lengths, [bucketed_order[i : i + b] for i in range(0, len(bucketed_order), b)]
+    )
     return {
         "samples": len(lengths),
         "batch_size": b,
@@ -169,16 +191,24 @@ def padding(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--decode-ms", type=float, default=2.0, help="simulated decode latency per sample")
+    parser.add_argument(
+        "--decode-ms", type=float, default=2.0, help="simulated decode latency per sample"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training process")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (median reported)")
-    parser.add_argument("--tune-time-s", type=float, default=5.0, help="DataLoaderTuning(tune=True) time cap")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads of the training process"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved repetitions (median reported)"
+    )
+    parser.add_argument(
+        "--tune-time-s", type=float, default=5.0, help="DataLoaderTuning(tune=True) time cap"
+    )
     parser.add_argument("--out", default=str(RESULTS / "data_pipeline"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -190,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     configs: list[tuple[str, Callable[[], Callback | None]]] = [
         ("plain (num_workers=0)", lambda: None),
         ("DataLoaderTuning(num_workers='auto')", lambda: DataLoaderTuning(num_workers="auto")),
-        ("DataLoaderTuning(tune=True)", lambda: DataLoaderTuning(tune=True, tune_time_s=args.tune_time_s)),
+        (
+            "DataLoaderTuning(tune=True)",
+            lambda: DataLoaderTuning(tune=True, tune_time_s=args.tune_time_s),
+        ),
         ("DevicePreload() (compute-bound limit)", DevicePreload),
     ]
     n, limit_i = len(configs), len(configs) - 1
@@ -210,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         stalls = [x["stall_fraction"] for x in runs[i] if x["stall_fraction"] is not None]
         row["stall_fraction"] = statistics.median(stalls) if stalls else None
         row["of_limit"] = statistics.median(
-            runs[i][r]["samples_per_s"] / runs[limit_i][r]["samples_per_s"] for r in range(args.rounds)
+            runs[i][r]["samples_per_s"] / runs[limit_i][r]["samples_per_s"]
+            for r in range(args.rounds)
         )
         rows.append(row)
     # within-run figure, insensitive to the machine's load level: the share of step time not
@@ -221,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         row["of_limit_by_stall"] = (1 - stall) / (1 - stall_limit) if ok else None
     pad = padding(args)
     env = {
-        "command": "python benchmarks/data_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/data_pipeline.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": rows[0]["device"],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "auto_num_workers": auto_num_workers(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
@@ -255,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['loading']} | {workers} | {r['samples_per_s']:.1f} | {r['of_limit']:.2f} | {stall} | {by_stall} |"
         )
     plain_warning = next((x["stall_warning"] for x in runs[0] if x["stall_warning"]), None)
-    md += ["", "InputStallMonitor's warning on the plain run (first round):", "", f"    {plain_warning}"]
+    md += [
+        "",
+        "InputStallMonitor's warning on the plain run (first round):",
+        "",
+        f"    {plain_warning}",
+    ]
     md += [
         "",
         f"Padding to the longest sample per batch, {pad['samples']} paragraphs of the corpus (<= 512 bytes), "
@@ -276,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
     slim = [{k: v for k, v in r.items() if k != "report"} for r in rows]
-    out.with_suffix(".json").write_text(json.dumps({"env": env, "throughput": slim, "padding": pad}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"env": env, "throughput": slim, "padding": pad}, indent=2) + "\n"
+    )
     print(f"\nsaved {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
 

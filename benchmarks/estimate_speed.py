@@ -66,21 +66,46 @@ def main() -> None:
         start, cpu_start = time.perf_counter(), time.process_time()
         est = estimate_memory(model, ids, loss_fn=lm_loss, **kwargs)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        rows.append({"run": name, "peak_gib": est.peak_bytes / GIB, "phase": est.peak_phase,
-                     **{f"{c}_gib": est.by_category[c] / GIB for c in CATEGORIES}, "seconds": seconds,
-                     "cpu_seconds": cpu_seconds, "notes": est.notes})
+        rows.append(
+            {
+                "run": name,
+                "peak_gib": est.peak_bytes / GIB,
+                "phase": est.peak_phase,
+                **{f"{c}_gib": est.by_category[c] / GIB for c in CATEGORIES},
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds,
+                "notes": est.notes,
+            }
+        )
         print(f"{name}: {est}  ({seconds:.1f} s wall, {cpu_seconds:.1f} s CPU)", flush=True)
 
     # accuracy on a model small enough to run for real on this CPU
     torch.manual_seed(0)
-    small = gpt2(n_positions=128, n_embd=128, n_layer=2, n_head=2, vocab_size=2048, bos_token_id=0, eos_token_id=0)
+    small = gpt2(
+        n_positions=128,
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        vocab_size=2048,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     small_ids = torch.randint(0, 2048, (4, 128))
     accuracy = []
-    for name, cbs in [("small GPT-2, fp32 AdamW", []), ("small GPT-2, + block checkpointing", [ActivationCheckpointing()])]:
+    for name, cbs in [
+        ("small GPT-2, fp32 AdamW", []),
+        ("small GPT-2, + block checkpointing", [ActivationCheckpointing()]),
+    ]:
         est = estimate_memory(small, small_ids, loss_fn=lm_loss, callbacks=cbs)
         real = measure_step(copy.deepcopy(small), small_ids, loss_fn=lm_loss, callbacks=cbs)
-        accuracy.append({"run": name, "estimate_bytes": est.peak_bytes, "real_bytes": real.peak_bytes,
-                         "ratio": est.peak_bytes / real.peak_bytes})
+        accuracy.append(
+            {
+                "run": name,
+                "estimate_bytes": est.peak_bytes,
+                "real_bytes": real.peak_bytes,
+                "ratio": est.peak_bytes / real.peak_bytes,
+            }
+        )
 
     env = {
         "cpu": platform.processor() or platform.machine(),
@@ -91,29 +116,52 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    title = f"GPT-2 small ({n_params / 1e6:.0f}M parameters), sequence {seq}, batch {batch}, 2 steps"
-    md = [f"### Memory estimate: {title}", "",
-          "| Run | Peak (GiB) | Phase | Params | Grads | Optimizer | Activations | Temporaries | Wall s | CPU s |",
-          "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    title = (
+        f"GPT-2 small ({n_params / 1e6:.0f}M parameters), sequence {seq}, batch {batch}, 2 steps"
+    )
+    md = [
+        f"### Memory estimate: {title}",
+        "",
+        "| Run | Peak (GiB) | Phase | Params | Grads | Optimizer | Activations | Temporaries | Wall s | CPU s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         cats = " | ".join(f"{r[f'{c}_gib']:.2f}" for c in CATEGORIES)
-        md.append(f"| {r['run']} | {r['peak_gib']:.2f} | {r['phase']} | {cats} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} |")
-    md += ["", "### Accuracy: estimate vs the same steps on real CPU tensors", "",
-           "| Model | Estimate (bytes) | Real (bytes) | Ratio |", "|---|---:|---:|---:|"]
+        md.append(
+            f"| {r['run']} | {r['peak_gib']:.2f} | {r['phase']} | {cats} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} |"
+        )
+    md += [
+        "",
+        "### Accuracy: estimate vs the same steps on real CPU tensors",
+        "",
+        "| Model | Estimate (bytes) | Real (bytes) | Ratio |",
+        "|---|---:|---:|---:|",
+    ]
     for a in accuracy:
-        md.append(f"| {a['run']} | {a['estimate_bytes']:,} | {a['real_bytes']:,} | {a['ratio']:.4f} |")
-    md += ["", f"Machine load average when run: {env['load_avg']:.1f} (wall seconds grow with it; CPU "
-           "seconds are the process's own time over all its threads).", ""]
-    md += [f"Hardware/versions: {env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, Python {env['python']}, "
-           f"torch {env['torch']}, transformers {env['transformers']}. Command: "
-           f"`python benchmarks/estimate_speed.py{' --quick' if args.quick else ''}`."]
+        md.append(
+            f"| {a['run']} | {a['estimate_bytes']:,} | {a['real_bytes']:,} | {a['ratio']:.4f} |"
+        )
+    md += [
+        "",
+        f"Machine load average when run: {env['load_avg']:.1f} (wall seconds grow with it; CPU "
+        "seconds are the process's own time over all its threads).",
+        "",
+    ]
+    md += [
+        f"Hardware/versions: {env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, Python {env['python']}, "
+        f"torch {env['torch']}, transformers {env['transformers']}. Command: "
+        f"`python benchmarks/estimate_speed.py{' --quick' if args.quick else ''}`."
+    ]
     text = "\n".join(md)
     print("\n" + text)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     stem = "estimate_speed_quick" if args.quick else "estimate_speed"
     (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows, "accuracy": accuracy, "env": env}, indent=2) + "\n")
+    (out / f"{stem}.json").write_text(
+        json.dumps({"title": title, "rows": rows, "accuracy": accuracy, "env": env}, indent=2)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

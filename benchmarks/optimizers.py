@@ -37,9 +37,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_efficient._validate import format_bytes  # noqa: E402
+from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.functional import attach_optimizer_in_backward, build_optimizer, embedding_parameters  # noqa: E402
+from lightning_efficient.functional import (
+    attach_optimizer_in_backward,
+    build_optimizer,
+    embedding_parameters,
+)  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import measure_step  # noqa: E402
 from lightning_efficient.techniques.optimizers import EIGHT_BIT_NAMES, OptimizerSwap  # noqa: E402
@@ -62,7 +66,9 @@ ROWS: dict[str, tuple[str, bool]] = {
 
 
 def _batch(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.randint(0, 256, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    data = torch.randint(
+        0, 256, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     return data[:, :-1], data[:, 1:]
 
 
@@ -75,17 +81,31 @@ def memory_and_time(cfg: dict[str, Any], batch_size: int, rounds: int) -> list[d
     batch = _batch(batch_size, cfg["seq_len"])
     rows = []
     for label, (name, in_backward) in ROWS.items():
-        m = measure_step(_fresh(cfg), batch, BASELINE, callbacks=[OptimizerSwap(name, optimizer_in_backward=in_backward)])
-        rows.append({"optimizer": label, "name": name, "optimizer_in_backward": in_backward,
-                     "peak_bytes": m.peak_bytes, "optimizer_state_bytes": m.by_category["optimizer_state"],
-                     "gradients_at_peak_bytes": m.by_category["gradients"]})
+        m = measure_step(
+            _fresh(cfg),
+            batch,
+            BASELINE,
+            callbacks=[OptimizerSwap(name, optimizer_in_backward=in_backward)],
+        )
+        rows.append(
+            {
+                "optimizer": label,
+                "name": name,
+                "optimizer_in_backward": in_backward,
+                "peak_bytes": m.peak_bytes,
+                "optimizer_state_bytes": m.by_category["optimizer_state"],
+                "gradients_at_peak_bytes": m.by_category["gradients"],
+            }
+        )
 
     steps = {}
     for label, (name, in_backward) in ROWS.items():
         model = _fresh(cfg)
         keep = embedding_parameters(model) if name in EIGHT_BIT_NAMES else []
         if in_backward:
-            opt = attach_optimizer_in_backward(model, lambda g, n=name, k=keep: build_optimizer(n, g, keep_32bit=k))
+            opt = attach_optimizer_in_backward(
+                model, lambda g, n=name, k=keep: build_optimizer(n, g, keep_32bit=k)
+            )
         else:
             opt = build_optimizer(name, model.parameters(), keep_32bit=keep)
         x, y = batch
@@ -126,11 +146,26 @@ def convergence(cfg: dict[str, Any], steps: int, batch_size: int) -> list[dict[s
         pl.seed_everything(0, verbose=False)
         model = TinyGPT(**cfg)
         data = TextDataModule(batch_size=batch_size, seq_len=cfg["seq_len"])
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             limit_val_batches=0, callbacks=callbacks)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=callbacks,
+        )
         trainer.fit(model, datamodule=data)
-        val = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+        val = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         loss = float(val.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
         out.append({"run": label, "steps": steps, "val_loss": loss})
         print(f"  {label}: val_loss {loss:.4f}", file=sys.stderr)
@@ -156,8 +191,16 @@ def environment() -> dict[str, Any]:
     }
 
 
-def to_markdown(env: dict[str, Any], cfg: dict[str, Any], batch_size: int, mem: list[dict], conv: list[dict],
-                conv_cfg: dict[str, Any], conv_batch: int, command: str) -> str:
+def to_markdown(
+    env: dict[str, Any],
+    cfg: dict[str, Any],
+    batch_size: int,
+    mem: list[dict],
+    conv: list[dict],
+    conv_cfg: dict[str, Any],
+    conv_batch: int,
+    command: str,
+) -> str:
     lines = [
         "# OptimizerSwap benchmark",
         "",
@@ -186,16 +229,23 @@ def to_markdown(env: dict[str, Any], cfg: dict[str, Any], batch_size: int, mem: 
     lines += [f"| {r['run']} | {r['val_loss']:.4f} | {r['val_loss_ratio']:.4f} |" for r in conv]
     eight = next(r for r in conv if r["run"] == "adamw8bit")
     within = abs(eight["val_loss_ratio"] - 1) <= 0.02
-    lines += ["", f"adamw8bit validation loss within 2% of AdamW: {'yes' if within else 'NO'} "
-              f"({(eight['val_loss_ratio'] - 1) * 100:+.2f}%)."]
+    lines += [
+        "",
+        f"adamw8bit validation loss within 2% of AdamW: {'yes' if within else 'NO'} "
+        f"({(eight['val_loss_ratio'] - 1) * 100:+.2f}%).",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer timing rounds and training steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer timing rounds and training steps"
+    )
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Paged optimizers|does not have many workers|litlogger).*")
+    warnings.filterwarnings(
+        "ignore", message=".*(Paged optimizers|does not have many workers|litlogger).*"
+    )
     torch.set_num_threads(min(2, torch.get_num_threads()))
     cfg = dict(n_layer=4, n_embd=128, n_head=4, seq_len=128, dropout=0.0)  # the demo model
     conv_cfg = dict(n_layer=2, n_embd=64, n_head=4, seq_len=64, dropout=0.0, warmup_steps=10)
@@ -204,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     print("memory and step time ...", file=sys.stderr)
     mem = memory_and_time(cfg, batch_size, rounds)
     for row in mem:
-        print(f"  {row['optimizer']}: peak {row['peak_ratio']:.3f}, state {row['optimizer_state_ratio']:.3f}, "
-              f"time {row['step_time_ratio']:.2f}", file=sys.stderr)
+        print(
+            f"  {row['optimizer']}: peak {row['peak_ratio']:.3f}, state {row['optimizer_state_ratio']:.3f}, "
+            f"time {row['step_time_ratio']:.2f}",
+            file=sys.stderr,
+        )
     print("convergence ...", file=sys.stderr)
     conv = convergence(conv_cfg, steps, conv_batch)
     env = environment()
@@ -215,9 +268,21 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "optimizers_quick" if args.quick else "optimizers"
     (RESULTS / f"{stem}.md").write_text(md + "\n")
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"environment": env, "config": cfg, "batch_size": batch_size,
-                                                      "convergence_config": conv_cfg, "convergence_batch_size": conv_batch,
-                                                      "memory_and_time": mem, "convergence": conv, "command": command}, indent=2))
+    (RESULTS / f"{stem}.json").write_text(
+        json.dumps(
+            {
+                "environment": env,
+                "config": cfg,
+                "batch_size": batch_size,
+                "convergence_config": conv_cfg,
+                "convergence_batch_size": conv_batch,
+                "memory_and_time": mem,
+                "convergence": conv,
+                "command": command,
+            },
+            indent=2,
+        )
+    )
     print(f"\nsaved {RESULTS / stem}.md and .json")
     return 0
 

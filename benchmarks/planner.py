@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_efficient._validate import format_bytes  # noqa: E402
+from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.planner import plan_stack  # noqa: E402
 
 
@@ -59,36 +59,51 @@ def main() -> None:
         seconds = time.perf_counter() - start
         chosen = result.chosen
         est = next((e for r, e, _ in result.tried if r is chosen), None)
-        rows.append({
-            "budget": budget,
-            "stack": chosen.name if chosen else "nothing fits",
-            "peak_bytes": est.peak_bytes if est else None,
-            "host_bytes": est.host_bytes if est else None,
-            "estimated": len(result.tried),
-            "seconds": round(seconds, 1),
-            "tried": [(r.name, e.peak_bytes if e else None, p) for r, e, p in result.tried],
-        })
-    title = f"Planner on GPT-2 small (124M), sequence {seq}, batch {batch}, AdamW, fp32 as configured"
-    lines = [f"### {title}", "", "| Budget | Stack chosen | Device peak | Host | Stacks estimated | Seconds |",
-             "|---|---|---:|---:|---:|---:|"]
+        rows.append(
+            {
+                "budget": budget,
+                "stack": chosen.name if chosen else "nothing fits",
+                "peak_bytes": est.peak_bytes if est else None,
+                "host_bytes": est.host_bytes if est else None,
+                "estimated": len(result.tried),
+                "seconds": round(seconds, 1),
+                "tried": [(r.name, e.peak_bytes if e else None, p) for r, e, p in result.tried],
+            }
+        )
+    title = (
+        f"Planner on GPT-2 small (124M), sequence {seq}, batch {batch}, AdamW, fp32 as configured"
+    )
+    lines = [
+        f"### {title}",
+        "",
+        "| Budget | Stack chosen | Device peak | Host | Stacks estimated | Seconds |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
         host = format_bytes(r["host_bytes"]) if r["host_bytes"] else "-"
-        lines.append(f"| {r['budget']} | {r['stack']} | {peak} | {host} | {r['estimated']} | {r['seconds']} |")
+        lines.append(
+            f"| {r['budget']} | {r['stack']} | {peak} | {host} | {r['estimated']} | {r['seconds']} |"
+        )
     env = {
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    lines += ["", f"Hardware/versions: {env}. Command: `python benchmarks/planner.py{' --quick' if args.quick else ''}`."]
+    lines += [
+        "",
+        f"Hardware/versions: {env}. Command: `python benchmarks/planner.py{' --quick' if args.quick else ''}`.",
+    ]
     text = "\n".join(lines)
     print(text)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     stem = "planner_quick" if args.quick else "planner"
     (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows, "env": env}, indent=2) + "\n")
+    (out / f"{stem}.json").write_text(
+        json.dumps({"title": title, "rows": rows, "env": env}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_efficient._validate import format_bytes  # noqa: E402
+from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.timing import StepTimer  # noqa: E402
@@ -64,9 +64,17 @@ def run(precision: str, model_cfg: dict, data_cfg: dict, steps: int) -> dict:
     memory = estimate_memory(TinyGPT(**model_cfg), (x, y), precision=precision)
     probe = _Steps()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, precision=precision, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=8, callbacks=[probe],
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=8,
+        callbacks=[probe],
     )
     trainer.fit(model, datamodule=data)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]

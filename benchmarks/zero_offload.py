@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_efficient._validate import parse_bytes  # noqa: E402
+from lightning_efficient.core.validate import parse_bytes  # noqa: E402
 
 GIB = 2**30
 #: GPT-2 / GPT-3 shapes: (name, n_layer, n_embd); head size 64
@@ -61,7 +61,14 @@ def gpt(n_layer: int, n_embd: int, device: str = "meta"):
     from lightning_efficient.demos import TinyGPT
 
     with torch.device(device):
-        return TinyGPT(vocab_size=50257, seq_len=1024, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, dropout=0.0)
+        return TinyGPT(
+            vocab_size=50257,
+            seq_len=1024,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_embd // 64,
+            dropout=0.0,
+        )
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -85,7 +92,9 @@ def environment() -> dict[str, str]:
 
 
 # -- CPU mode: the estimate ------------------------------------------------------------------------
-def estimate(model: torch.nn.Module, batch: Any, setting: dict[str, Any] | None, rounding: bool) -> Any:
+def estimate(
+    model: torch.nn.Module, batch: Any, setting: dict[str, Any] | None, rounding: bool
+) -> Any:
     from lightning_efficient.measure.estimate import estimate_memory
     from lightning_efficient.techniques.zero_offload import ZeROOffload
 
@@ -98,7 +107,11 @@ def tinygpt_table() -> list[dict[str, Any]]:
 
     model = TinyGPT(dropout=0.0)
     batch = (torch.zeros(16, 128, dtype=torch.long),) * 2
-    settings = {"plain Lightning": None, "ZeROOffload, no offload": {"offload_optimizer": None}, **{k: v for k, v in SETTINGS.items() if v}}
+    settings = {
+        "plain Lightning": None,
+        "ZeROOffload, no offload": {"offload_optimizer": None},
+        **{k: v for k, v in SETTINGS.items() if v},
+    }
     rows, base = [], None
     for name, setting in settings.items():
         est = estimate(model, batch, setting, rounding=False)
@@ -111,7 +124,8 @@ def tinygpt_table() -> list[dict[str, Any]]:
                 "parameters_bytes": est.by_category["parameters"],
                 "gradients_bytes": est.by_category["gradients"],
                 "optimizer_state_bytes": est.by_category["optimizer_state"],
-                "activations_bytes": est.by_category["activations"] + est.by_category["temporaries"],
+                "activations_bytes": est.by_category["activations"]
+                + est.by_category["temporaries"],
                 "device_peak_ratio": est.peak_bytes / base,
             }
         )
@@ -133,16 +147,27 @@ def ladder_estimates(cap: int, quick: bool) -> list[dict[str, Any]]:
             t = time.perf_counter()
             est = estimate(model, batch, setting, rounding=True)
             tried.append(
-                {"model": label, "parameters": n_params(model), "device_peak_bytes": est.peak_bytes,
-                 "host_bytes": est.host_bytes, "fits": est.peak_bytes <= cap, "estimate_s": time.perf_counter() - t}
+                {
+                    "model": label,
+                    "parameters": n_params(model),
+                    "device_peak_bytes": est.peak_bytes,
+                    "host_bytes": est.host_bytes,
+                    "fits": est.peak_bytes <= cap,
+                    "estimate_s": time.perf_counter() - t,
+                }
             )
             if est.peak_bytes > cap:
                 break
             best = i
         largest = None if best is None else ladder[best]
-        rows.append({"setting": name, "largest": largest[0] if largest else None,
-                     "largest_parameters": n_params(gpt(largest[1], largest[2])) if largest else 0,
-                     "tried": tried})
+        rows.append(
+            {
+                "setting": name,
+                "largest": largest[0] if largest else None,
+                "largest_parameters": n_params(gpt(largest[1], largest[2])) if largest else 0,
+                "tried": tried,
+            }
+        )
     base = rows[0]["largest_parameters"] or 1
     for r in rows:
         r["parameters_ratio"] = r["largest_parameters"] / base
@@ -167,8 +192,15 @@ def _train_once(args: argparse.Namespace) -> None:
     data = DataLoader(TensorDataset(ids, ids), batch_size=1)
     strategy = "auto" if setting is None else ZeROOffload(**setting)
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, strategy=strategy, precision=args.precision, max_steps=2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     result = {"model": label, "parameters": n_params(model), "setting": args.child_setting}
     try:
@@ -176,7 +208,10 @@ def _train_once(args: argparse.Namespace) -> None:
         trainer.fit(model, train_dataloaders=data)
         result.update(ok=trainer.global_step == 2, step_s=(time.perf_counter() - t) / 2)
     except Exception as err:  # OOM (torch.OutOfMemoryError, or DeepSpeed's RuntimeError) or other
-        result.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+        result.update(
+            ok=False,
+            error=f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}",
+        )
     result["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -187,22 +222,46 @@ def ladder_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in SETTINGS:
         best, tried = None, []
         for i in range(start, len(LADDER)):
-            cmd = [sys.executable, __file__, "--child-size", LADDER[i][0], "--child-setting", name,
-                   "--cap", args.cap, "--precision", args.precision]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child-size",
+                LADDER[i][0],
+                "--child-setting",
+                name,
+                "--cap",
+                args.cap,
+                "--precision",
+                args.precision,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            res = json.loads(lines[-1][7:]) if lines else {"model": LADDER[i][0], "ok": False,
-                                                           "error": (proc.stderr or "no result")[-300:]}
+            res = (
+                json.loads(lines[-1][7:])
+                if lines
+                else {
+                    "model": LADDER[i][0],
+                    "ok": False,
+                    "error": (proc.stderr or "no result")[-300:],
+                }
+            )
             tried.append(res)
-            print(f"  {name}: {LADDER[i][0]} -> {'trains' if res.get('ok') else 'fails'}", flush=True)
+            print(
+                f"  {name}: {LADDER[i][0]} -> {'trains' if res.get('ok') else 'fails'}", flush=True
+            )
             if not res.get("ok"):
                 break
             best = i
         if best is not None:
             start = best
-        rows.append({"setting": name, "largest": LADDER[best][0] if best is not None else None,
-                     "largest_parameters": tried[best - start]["parameters"] if best is not None else 0,
-                     "tried": tried})
+        rows.append(
+            {
+                "setting": name,
+                "largest": LADDER[best][0] if best is not None else None,
+                "largest_parameters": tried[best - start]["parameters"] if best is not None else 0,
+                "tried": tried,
+            }
+        )
     base = rows[0]["largest_parameters"] or 1
     for r in rows:
         r["parameters_ratio"] = r["largest_parameters"] / base
@@ -215,26 +274,53 @@ def gib(n: float) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    out = [f"# ZeRO-Offload ({result['mode']})", "", f"Command: `{result['command']}`", "",
-           "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items()), ""]
+    out = [
+        f"# ZeRO-Offload ({result['mode']})",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items()),
+        "",
+    ]
     if "tinygpt" in result:
-        out += ["## TinyGPT (demo), batch 16 x 128, fp32 AdamW: memory estimate", "",
-                "| Setting | Device peak (MiB) | Host (MiB) | Params | Grads | Optimizer state | Activations + temps | Device peak vs plain |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [
+            "## TinyGPT (demo), batch 16 x 128, fp32 AdamW: memory estimate",
+            "",
+            "| Setting | Device peak (MiB) | Host (MiB) | Params | Grads | Optimizer state | Activations + temps | Device peak vs plain |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
         for r in result["tinygpt"]:
-            out.append(f"| {r['setting']} | {mib(r['device_peak_bytes'])} | {mib(r['host_bytes'])} | {mib(r['parameters_bytes'])} | "
-                       f"{mib(r['gradients_bytes'])} | {mib(r['optimizer_state_bytes'])} | {mib(r['activations_bytes'])} | {r['device_peak_ratio']:.3f}x |")
+            out.append(
+                f"| {r['setting']} | {mib(r['device_peak_bytes'])} | {mib(r['host_bytes'])} | {mib(r['parameters_bytes'])} | "
+                f"{mib(r['gradients_bytes'])} | {mib(r['optimizer_state_bytes'])} | {mib(r['activations_bytes'])} | {r['device_peak_ratio']:.3f}x |"
+            )
         out.append("")
     if result.get("ladder"):
-        src = "trained for real" if result["mode"] == "gpu" else "memory estimate, CUDA allocator rounding"
-        out += [f"## Largest GPT-2-shaped model at batch 1 x 1024 inside {result['cap']} ({src}, {result['precision']})", "",
-                "| Setting | Largest that fits | Parameters | vs plain | Sizes tried above the previous row's (device peak GiB / fits) |", "|---|---|---|---|---|"]
+        src = (
+            "trained for real"
+            if result["mode"] == "gpu"
+            else "memory estimate, CUDA allocator rounding"
+        )
+        out += [
+            f"## Largest GPT-2-shaped model at batch 1 x 1024 inside {result['cap']} ({src}, {result['precision']})",
+            "",
+            "| Setting | Largest that fits | Parameters | vs plain | Sizes tried above the previous row's (device peak GiB / fits) |",
+            "|---|---|---|---|---|",
+        ]
         for r in result["ladder"]:
             key = "device_peak_bytes" if result["mode"] != "gpu" else "max_allocated_bytes"
-            tried = "; ".join(f"{t['model']} {gib(t.get(key, 0))} {'yes' if t.get('fits', t.get('ok')) else 'no'}" for t in r["tried"]) or "(nothing larger on the ladder)"
+            tried = (
+                "; ".join(
+                    f"{t['model']} {gib(t.get(key, 0))} {'yes' if t.get('fits', t.get('ok')) else 'no'}"
+                    for t in r["tried"]
+                )
+                or "(nothing larger on the ladder)"
+            )
             top = " (ladder top)" if r["largest"] == LADDER[-1][0] else ""
-            out.append(f"| {r['setting']} | {(r['largest'] or 'none') + top} | {r['largest_parameters'] / 1e6:,.0f}M | {r['parameters_ratio']:.1f}x | {tried} |")
+            out.append(
+                f"| {r['setting']} | {(r['largest'] or 'none') + top} | {r['largest_parameters'] / 1e6:,.0f}M | {r['parameters_ratio']:.1f}x | {tried} |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -242,7 +328,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="TinyGPT table and GPT-2 124M only")
-    parser.add_argument("--gpu", action="store_true", help="train the ladder for real on a CUDA device")
+    parser.add_argument(
+        "--gpu", action="store_true", help="train the ladder for real on a CUDA device"
+    )
     parser.add_argument("--cap", default="24GiB", help="device memory cap (default 24GiB)")
     parser.add_argument("--precision", default="32-true", help="GPU mode: Trainer precision")
     parser.add_argument("--timeout", type=int, default=1800, help="GPU mode: seconds per size")
@@ -253,17 +341,36 @@ def main() -> None:
         return _train_once(args)
     cap = parse_bytes("--cap", args.cap)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    command = "python benchmarks/zero_offload.py" + (" --quick" if args.quick else "") + (" --gpu" if args.gpu else "")
+    command = (
+        "python benchmarks/zero_offload.py"
+        + (" --quick" if args.quick else "")
+        + (" --gpu" if args.gpu else "")
+    )
     if args.gpu:
         if not torch.cuda.is_available():
-            raise SystemExit("error: --gpu needs a CUDA device; run without --gpu for the CPU estimates")
-        result = {"mode": "gpu", "cap": args.cap, "precision": args.precision, "command": command,
-                  "environment": environment(), "ladder": ladder_gpu(args)}
+            raise SystemExit(
+                "error: --gpu needs a CUDA device; run without --gpu for the CPU estimates"
+            )
+        result = {
+            "mode": "gpu",
+            "cap": args.cap,
+            "precision": args.precision,
+            "command": command,
+            "environment": environment(),
+            "ladder": ladder_gpu(args),
+        }
         suffix = "_gpu"
     else:
         t = time.perf_counter()
-        result = {"mode": "cpu estimate", "cap": args.cap, "precision": "32-true", "command": command,
-                  "environment": environment(), "tinygpt": tinygpt_table(), "ladder": ladder_estimates(cap, args.quick)}
+        result = {
+            "mode": "cpu estimate",
+            "cap": args.cap,
+            "precision": "32-true",
+            "command": command,
+            "environment": environment(),
+            "tinygpt": tinygpt_table(),
+            "ladder": ladder_estimates(cap, args.quick),
+        }
         result["seconds"] = time.perf_counter() - t
         suffix = "_quick" if args.quick else ""
     text = markdown(result)
@@ -271,7 +378,9 @@ def main() -> None:
     out_dir = ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"zero_offload{suffix}.md").write_text(text + "\n")
-    (out_dir / f"zero_offload{suffix}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out_dir / f"zero_offload{suffix}.json").write_text(
+        json.dumps(result, indent=2, default=str) + "\n"
+    )
     print(f"saved benchmarks/results/zero_offload{suffix}.md and .json")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -103,7 +103,7 @@ def _precision_accepts_auto(parser: Any) -> None:
     """``trainer.precision`` also takes ``"auto"``; ``_resolve_precision`` checks the value."""
     action = parser._option_string_actions.get("--trainer.precision")
     if action is not None and hasattr(action, "_typehint"):
-        action._typehint = Optional[Union[int, str]]
+        action._typehint = Optional[int | str]
         action.help = (
             "'auto' (best for the device: bf16-mixed on Ampere+ GPUs and bf16 CPUs, 16-mixed on "
             "older GPUs, else 32-true) or a Lightning precision such as 'bf16-mixed'. (default: None)"
@@ -129,7 +129,7 @@ _CONFIG_HOOKS: list[Callable[[Any], None]] = [_resolve_precision]
 EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": (
         "print the memory estimate of a config's model (--config X.yaml [--precision P] [--batch-size N])",
-        "lightning_efficient.measure.command:estimate_command",
+        "lightning_efficient.commands:estimate_command",
     ),
     "plan": (
         "pick the techniques that fit a memory budget (--config X.yaml --budget 24GiB)",

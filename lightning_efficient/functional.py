@@ -1,6 +1,6 @@
 """The pure functions behind every technique, usable without Lightning (no trainer needed)."""
 
-from lightning_efficient._validate import (
+from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
@@ -14,14 +14,6 @@ from lightning_efficient.techniques.activation_checkpointing import (
     checkpointed_blocks,
     remove_activation_checkpointing,
 )
-from lightning_efficient.techniques.optimizers import (
-    attach_optimizer_in_backward,
-    build_optimizer,
-    embedding_parameters,
-    optimizer_state_bytes,
-    repoint_scheduler,
-    swap_optimizer,
-)
 from lightning_efficient.techniques.batch_size import (
     accumulation_for,
     choose_micro_batch,
@@ -33,12 +25,6 @@ from lightning_efficient.techniques.batch_size import (
     round_batch_size,
     split_batch,
     worst_case_batch,
-)
-from lightning_efficient.techniques.precision import (
-    best_precision,
-    convert_to_float8,
-    restore_matmul_precision,
-    set_matmul_precision,
 )
 from lightning_efficient.techniques.compile import (
     compile_modules,
@@ -52,6 +38,20 @@ from lightning_efficient.techniques.dataloading import (
     preload_to_device,
     rebuild_dataloader,
     tune_num_workers,
+)
+from lightning_efficient.techniques.optimizers import (
+    attach_optimizer_in_backward,
+    build_optimizer,
+    embedding_parameters,
+    optimizer_state_bytes,
+    repoint_scheduler,
+    swap_optimizer,
+)
+from lightning_efficient.techniques.precision import (
+    best_precision,
+    convert_to_float8,
+    restore_matmul_precision,
+    set_matmul_precision,
 )
 from lightning_efficient.techniques.zero_offload import (
     export_fp32,

@@ -17,8 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_efficient._validate import check_bool, check_choice, format_bytes, parse_bytes
-from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, MemoryEstimate, estimate_memory
+from lightning_efficient.core.validate import check_bool, check_choice, format_bytes, parse_bytes
+from lightning_efficient.measure.estimate import (
+    PRECISIONS,
+    EstimateError,
+    MemoryEstimate,
+    estimate_memory,
+)
 
 __all__ = ["Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
 
@@ -116,44 +121,68 @@ def default_ladder(
         return _with_args(OptimizerSwap("adamw8bit"), name="adamw8bit")
 
     def ac(budget: int | None = None) -> Any:
-        return _with_args(ActivationCheckpointing(budget=budget), **({"budget": budget} if budget else {}))
+        return _with_args(
+            ActivationCheckpointing(budget=budget), **({"budget": budget} if budget else {})
+        )
 
     rungs = [Rung("as configured", precision, cost="none")]
     if low != precision:
         rungs.append(Rung(low, low, cost="none on bf16 hardware; loss within ~2% of fp32"))
     rungs += [
-        Rung(f"{low} + adamw8bit", low, lambda: [swap()], cost="8-bit optimizer states (lossy, small)"),
         Rung(
-            f"{low} + adamw8bit + checkpoint fewest blocks", low,
-            lambda: [swap(), ac(budget_bytes)], cost="recompute some blocks' forward",
+            f"{low} + adamw8bit",
+            low,
+            lambda: [swap()],
+            cost="8-bit optimizer states (lossy, small)",
         ),
         Rung(
-            f"{low} + adamw8bit + checkpoint all blocks", low,
-            lambda: [swap(), ac()], cost="recompute every block's forward (~+30% step time)",
+            f"{low} + adamw8bit + checkpoint fewest blocks",
+            low,
+            lambda: [swap(), ac(budget_bytes)],
+            cost="recompute some blocks' forward",
+        ),
+        Rung(
+            f"{low} + adamw8bit + checkpoint all blocks",
+            low,
+            lambda: [swap(), ac()],
+            cost="recompute every block's forward (~+30% step time)",
         ),
     ]
     if accumulate_grad_batches == 1:
         rungs.append(
             Rung(
-                f"{low} + adamw8bit in backward + checkpoint all blocks", low,
-                lambda: [_with_args(OptimizerSwap("adamw8bit", optimizer_in_backward=True),
-                                    name="adamw8bit", optimizer_in_backward=True), ac()],
+                f"{low} + adamw8bit in backward + checkpoint all blocks",
+                low,
+                lambda: [
+                    _with_args(
+                        OptimizerSwap("adamw8bit", optimizer_in_backward=True),
+                        name="adamw8bit",
+                        optimizer_in_backward=True,
+                    ),
+                    ac(),
+                ],
                 cost="no gradient clipping or accumulation",
             )
         )
     rungs += [
         Rung(
-            f"{low} + checkpoint all blocks + ZeRO-2 optimizer offload", low,
+            f"{low} + checkpoint all blocks + ZeRO-2 optimizer offload",
+            low,
             lambda: [ac()],
-            lambda: _with_args(ZeROOffload(stage=2, offload_optimizer="cpu"), stage=2, offload_optimizer="cpu"),
+            lambda: _with_args(
+                ZeROOffload(stage=2, offload_optimizer="cpu"), stage=2, offload_optimizer="cpu"
+            ),
             cost="optimizer step on the host (PCIe traffic every step)",
         ),
         Rung(
-            f"{low} + checkpoint all blocks + ZeRO-3 parameter offload", low,
+            f"{low} + checkpoint all blocks + ZeRO-3 parameter offload",
+            low,
             lambda: [ac()],
             lambda: _with_args(
                 ZeROOffload(stage=3, offload_optimizer="cpu", offload_parameters=True),
-                stage=3, offload_optimizer="cpu", offload_parameters=True,
+                stage=3,
+                offload_optimizer="cpu",
+                offload_parameters=True,
             ),
             cost="weights streamed from the host for every layer (slowest)",
         ),
@@ -188,8 +217,15 @@ def plan_stack(
     budget_bytes = parse_bytes("budget", budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
-    rungs = list(ladder) if ladder is not None else default_ladder(
-        budget_bytes, precision=precision, bf16=bf16, accumulate_grad_batches=accumulate_grad_batches
+    rungs = (
+        list(ladder)
+        if ladder is not None
+        else default_ladder(
+            budget_bytes,
+            precision=precision,
+            bf16=bf16,
+            accumulate_grad_batches=accumulate_grad_batches,
+        )
     )
     result = PlanResult(budget_bytes)
     for rung in rungs:
@@ -197,8 +233,13 @@ def plan_stack(
         techniques = [*callbacks, *([strategy] if strategy is not None else [])]
         try:
             est = estimate_memory(
-                model, batch, optimizer=optimizer, precision=rung.precision, callbacks=techniques,
-                accumulate_grad_batches=accumulate_grad_batches, cuda_rounding=cuda_rounding,
+                model,
+                batch,
+                optimizer=optimizer,
+                precision=rung.precision,
+                callbacks=techniques,
+                accumulate_grad_batches=accumulate_grad_batches,
+                cuda_rounding=cuda_rounding,
                 loss_fn=loss_fn,
             )
         except EstimateError as err:  # a rung the fake-tensor estimate cannot run
@@ -226,19 +267,30 @@ def _parser() -> argparse.ArgumentParser:
         prog="lightning-efficient plan",
         description="Pick the cheapest stack of techniques whose estimated peak fits a memory budget.",
     )
-    p.add_argument("--config", required=True, action="append", help="LightningCLI yaml (repeatable)")
+    p.add_argument(
+        "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
+    )
     p.add_argument("--budget", required=True, help="device memory budget, e.g. 24GiB or 80GB")
-    p.add_argument("--batch-size", type=int, default=None, help="override the datamodule's batch_size")
-    p.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the config's trainer.precision")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="override the datamodule's batch_size"
+    )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="default: the config's trainer.precision",
+    )
     p.add_argument("--no-bf16", action="store_true", help="the target device has no bf16")
-    p.add_argument("--all", action="store_true", help="estimate every rung, not just up to the first fit")
+    p.add_argument(
+        "--all", action="store_true", help="estimate every rung, not just up to the first fit"
+    )
     return p
 
 
 def plan_command(argv: Sequence[str]) -> int:
     from rich.console import Console
 
-    from lightning_efficient.measure.command import config_workload, fail
+    from lightning_efficient.commands import config_workload, fail
 
     args, rest = _parser().parse_known_args(list(argv))
     try:
@@ -251,7 +303,12 @@ def plan_command(argv: Sequence[str]) -> int:
     model, batch, trainer, _ = work
     precision = args.precision or work[3]
     result = plan_stack(
-        model, batch, budget, precision=precision, bf16=not args.no_bf16, try_all=args.all,
+        model,
+        batch,
+        budget,
+        precision=precision,
+        bf16=not args.no_bf16,
+        try_all=args.all,
         accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
     )
     Console().print(result.table())

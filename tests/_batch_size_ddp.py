@@ -8,9 +8,9 @@ import sys
 
 import lightning.pytorch as pl
 import torch
-
 from _batch_size_helpers import OOMGPT
 from helpers import TINY_MODEL, fit, params_of
+
 from lightning_efficient.techniques.batch_size import EfficientBatchSize
 
 
@@ -18,19 +18,24 @@ def main(prefix: str, mode: str) -> None:
     pl.seed_everything(0, verbose=False)
     model = OOMGPT(oom_above=2 if mode == "oom" else None, from_step=1, on_rank=1, **TINY_MODEL)
     cb = EfficientBatchSize(target_batch_size=16, budget="1GiB", max_batch_size=4)
-    trainer, model, rec = fit(None, [cb], model=model, accelerator="cpu", devices=2, strategy="ddp", max_steps=3)
+    trainer, model, rec = fit(
+        None, [cb], model=model, accelerator="cpu", devices=2, strategy="ddp", max_steps=3
+    )
     rank = trainer.global_rank
     with open(f"{prefix}.rank{rank}.json", "w") as f:
-        json.dump({
-            "world_size": trainer.world_size,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "micro": trainer.train_dataloader.batch_size,
-            "global_step": trainer.global_step,
-            "samples_seen": model.samples_seen,
-            "injected": model.injected,
-            "splits": cb.splits,
-            "losses": rec.losses,
-        }, f)
+        json.dump(
+            {
+                "world_size": trainer.world_size,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "micro": trainer.train_dataloader.batch_size,
+                "global_step": trainer.global_step,
+                "samples_seen": model.samples_seen,
+                "injected": model.injected,
+                "splits": cb.splits,
+                "losses": rec.losses,
+            },
+            f,
+        )
     torch.save(params_of(model), f"{prefix}.rank{rank}.pt")
 
 

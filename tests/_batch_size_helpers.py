@@ -18,10 +18,21 @@ class OOMGPT(TinyGPT):
     ``samples_seen`` counts the samples of every training forward that completed.
     """
 
-    def __init__(self, oom_above: int | None = None, from_step: int = 0, where: str = "forward",
-                 on_rank: int | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        oom_above: int | None = None,
+        from_step: int = 0,
+        where: str = "forward",
+        on_rank: int | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
-        self.oom_above, self.from_step, self.where, self.on_rank = oom_above, from_step, where, on_rank
+        self.oom_above, self.from_step, self.where, self.on_rank = (
+            oom_above,
+            from_step,
+            where,
+            on_rank,
+        )
         self.samples_seen = 0
         self.injected = 0
 
@@ -47,4 +58,6 @@ class OOMGPT(TinyGPT):
         loss.backward(*args, **kwargs)
         if self.where == "backward" and self.injected == 0 and self._hit(self.oom_above + 1):
             self.injected += 1
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)"
+            )

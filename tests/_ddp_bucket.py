@@ -38,20 +38,32 @@ class Module(pl.LightningModule):
 
     def train_dataloader(self):
         # built inside the fit (after the process group exists), as users do
-        return DataLoader(Ids(), batch_size=BATCH, sampler=LengthBucketSampler(LENGTHS, bucket_size=16, seed=3))
+        return DataLoader(
+            Ids(), batch_size=BATCH, sampler=LengthBucketSampler(LENGTHS, bucket_size=16, seed=3)
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def on_train_end(self) -> None:
         sampler = self.trainer.train_dataloader.sampler
-        record = {"seen": self.seen, "sampler": type(sampler).__name__, "world": sampler.num_replicas}
+        record = {
+            "seen": self.seen,
+            "sampler": type(sampler).__name__,
+            "world": sampler.num_replicas,
+        }
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(Module(sys.argv[1]))

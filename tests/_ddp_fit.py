@@ -6,9 +6,9 @@ Usage: python tests/_ddp_fit.py CASE_ID OUT.json  (Lightning re-launches this sc
 import json
 import sys
 
-from helpers import fit
-from lightning_efficient.measure.report import report_for
 from test_contract import ALL
+
+from lightning_efficient.core.report import report_for
 
 
 def main(case_id: str, out: str) -> None:

@@ -10,9 +10,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import fit, tiny_model
 from torch import nn
 
-from helpers import fit, tiny_model
+from lightning_efficient.core.report import report_for
 from lightning_efficient.demos.tinygpt import Block
 from lightning_efficient.functional import (
     apply_activation_checkpointing,
@@ -20,7 +21,6 @@ from lightning_efficient.functional import (
     checkpointed_blocks,
     remove_activation_checkpointing,
 )
-from lightning_efficient.measure.report import report_for
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 
 FOUR = [f"blocks.{i}" for i in range(4)]
@@ -35,7 +35,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def gpt(n_layer: int = 4, dropout: float = 0.0, seq_len: int = 32, n_embd: int = 32) -> pl.LightningModule:
+def gpt(
+    n_layer: int = 4, dropout: float = 0.0, seq_len: int = 32, n_embd: int = 32
+) -> pl.LightningModule:
     torch.manual_seed(0)
     return tiny_model(n_layer=n_layer, dropout=dropout, seq_len=seq_len, n_embd=n_embd)
 
@@ -54,7 +56,9 @@ def loss_and_grads(model: nn.Module, batch, seed: int = 7) -> tuple[float, dict[
     logits = model(x)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
     loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 class ForwardCounter:
@@ -103,7 +107,10 @@ def test_policy_forms(policy, expected) -> None:
     assert sorted(checkpointed_blocks(model)) == sorted(expected)
 
 
-@pytest.mark.parametrize("every_n,expected", [(2, ["blocks.0", "blocks.2"]), (3, ["blocks.0", "blocks.3"]), (5, ["blocks.0"])])
+@pytest.mark.parametrize(
+    "every_n,expected",
+    [(2, ["blocks.0", "blocks.2"]), (3, ["blocks.0", "blocks.3"]), (5, ["blocks.0"])],
+)
 def test_every_n(every_n: int, expected: list[str]) -> None:
     model, batch = gpt(), batch_for()
     assert apply_activation_checkpointing(model, every_n=every_n) == expected
@@ -112,9 +119,42 @@ def test_every_n(every_n: int, expected: list[str]) -> None:
 
 
 HF_MODELS = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False), "transformer.h", "GPT2Block"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, vocab_size=64, use_cache=False, attention_dropout=0.1), "model.layers", "LlamaDecoderLayer"),
-    "bert": ("BertConfig", "BertForMaskedLM", dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, vocab_size=64), "bert.encoder.layer", "BertLayer"),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False),
+        "transformer.h",
+        "GPT2Block",
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+            use_cache=False,
+            attention_dropout=0.1,
+        ),
+        "model.layers",
+        "LlamaDecoderLayer",
+    ),
+    "bert": (
+        "BertConfig",
+        "BertForMaskedLM",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=64,
+        ),
+        "bert.encoder.layer",
+        "BertLayer",
+    ),
 }
 
 
@@ -132,14 +172,18 @@ def test_auto_on_transformers_models(name: str) -> None:
         torch.manual_seed(3)  # dropout is active (GPT-2 and BERT 0.1, Llama attention 0.1)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return float(loss.detach()), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
 
     keys = list(model.state_dict())
     plain_loss, plain_grads = step()
     names = apply_activation_checkpointing(model)
     assert names == [f"{prefix}.{i}" for i in range(3)]
     assert {type(model.get_submodule(n)).__name__ for n in names} == {block_cls}
-    counter = ForwardCounter(model.get_submodule(names[1]).get_submodule(_first_leaf(model.get_submodule(names[1]))))
+    counter = ForwardCounter(
+        model.get_submodule(names[1]).get_submodule(_first_leaf(model.get_submodule(names[1])))
+    )
     loss, grads = step()
     assert counter.calls == 2  # really recomputed
     assert loss == plain_loss
@@ -156,7 +200,9 @@ def test_warns_when_the_model_checkpoints_itself(tmp_path) -> None:
 
 
 def _first_leaf(block: nn.Module) -> str:
-    return next(n for n, m in block.named_modules() if n and not list(m.children()) and list(m.parameters()))
+    return next(
+        n for n, m in block.named_modules() if n and not list(m.children()) and list(m.parameters())
+    )
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -211,7 +257,9 @@ def test_in_place_idempotent_removable_and_copyable() -> None:
         assert calls_per_step(clone, clone.blocks[1].attn.qkv, batch) == 2
         assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 2
     assert remove_activation_checkpointing(model) == FOUR
-    assert checkpointed_blocks(model) == {} and all("forward" not in b.__dict__ for b in model.blocks)
+    assert checkpointed_blocks(model) == {} and all(
+        "forward" not in b.__dict__ for b in model.blocks
+    )
     assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 1
 
 
@@ -264,7 +312,10 @@ def test_fit_with_dropout_matches_plain_run(tmp_path) -> None:
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
     assert cb.wrapped == ["blocks.0", "blocks.1"]
     entry = report_for(trainer)["ActivationCheckpointing"]
-    assert entry.figures["blocks_wrapped"] == 2 and "selective checkpointing of 2/2 blocks" in entry.change
+    assert (
+        entry.figures["blocks_wrapped"] == 2
+        and "selective checkpointing of 2/2 blocks" in entry.change
+    )
     assert checkpointed_blocks(model) == {}  # unwrapped at teardown
 
 
@@ -286,7 +337,9 @@ class LateLayers(pl.LightningModule):
     def configure_model(self) -> None:
         if self.layers is None:
             self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
-            self.layers[0][0].register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+            self.layers[0][0].register_forward_hook(
+                lambda *_: setattr(self, "calls", self.calls + 1)
+            )
 
     def training_step(self, batch, batch_idx):
         x = batch[0]
@@ -298,15 +351,24 @@ class LateLayers(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4
+        )
 
 
 def test_layers_built_in_configure_model_are_checkpointed(tmp_path) -> None:
     model = LateLayers()
     cb = ActivationCheckpointing()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
-                         default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(model)
     assert cb.wrapped == ["layers.0", "layers.1", "layers.2"]
     assert checkpointed_blocks(model) == {}  # unwrapped at teardown
@@ -317,7 +379,9 @@ def test_layers_built_in_configure_model_are_checkpointed(tmp_path) -> None:
 def test_offload_on_cpu_is_a_noop_with_one_note(tmp_path, caplog) -> None:
     cb = ActivationCheckpointing(every_n=2, offload_activations=True)
     with caplog.at_level("INFO"):
-        trainer, _, tech = fit(tmp_path, [cb], model=gpt(n_layer=2), max_steps=2, limit_val_batches=0)
+        trainer, _, tech = fit(
+            tmp_path, [cb], model=gpt(n_layer=2), max_steps=2, limit_val_batches=0
+        )
     notes = [r.getMessage() for r in caplog.records if "offload_activations" in r.getMessage()]
     assert len(notes) == 1 and "CPU" in notes[0]
     change = report_for(trainer)["ActivationCheckpointing"].change
@@ -325,7 +389,11 @@ def test_offload_on_cpu_is_a_noop_with_one_note(tmp_path, caplog) -> None:
     model = gpt(n_layer=2)
     apply_activation_checkpointing(model, every_n=2, offload_activations=True)
     assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.1": "offload"}
-    est = _estimate(gpt(n_layer=2), batch_for(), callbacks=[ActivationCheckpointing(every_n=2, offload_activations=True)])
+    est = _estimate(
+        gpt(n_layer=2),
+        batch_for(),
+        callbacks=[ActivationCheckpointing(every_n=2, offload_activations=True)],
+    )
     assert any("not modelled by the estimate" in n for n in est.notes)
 
 
@@ -359,11 +427,15 @@ def test_auto_halves_activation_memory_and_estimate_matches_tracking() -> None:
     assert a_ckpt <= 0.5 * a_plain, (a_plain, a_ckpt)
     assert est.peak_bytes < plain.peak_bytes
     assert any("checkpointing of 4/4 blocks" in n for n in est.notes)
-    real = measure_step(gpt(n_layer=4, seq_len=64, n_embd=64), batch, "adamw", callbacks=[ActivationCheckpointing()])
+    real = measure_step(
+        gpt(n_layer=4, seq_len=64, n_embd=64), batch, "adamw", callbacks=[ActivationCheckpointing()]
+    )
     real_plain = measure_step(gpt(n_layer=4, seq_len=64, n_embd=64), batch, "adamw")
     for e, r in ((est, real), (plain, real_plain)):
         assert abs(e.peak_bytes - r.peak_bytes) <= 0.02 * r.peak_bytes, (e, r)
-        assert abs(e.by_category["activations"] - r.by_category["activations"]) <= 0.02 * r.peak_bytes
+        assert (
+            abs(e.by_category["activations"] - r.by_category["activations"]) <= 0.02 * r.peak_bytes
+        )
 
 
 def test_bf16_mixed_estimate_saves_too() -> None:
@@ -385,7 +457,9 @@ def test_budget_picks_fewest_blocks() -> None:
     budget = (peaks[1] + peaks[2]) // 2  # 2 blocks fit, 1 does not
     choice = blocks_for_budget(model, batch, budget)
     assert choice.num_blocks == 2 and choice.total == 4
-    assert choice.peak_bytes == peaks[2] <= budget < peaks[1] and choice.plain_peak_bytes == peaks[0]
+    assert (
+        choice.peak_bytes == peaks[2] <= budget < peaks[1] and choice.plain_peak_bytes == peaks[0]
+    )
     assert sorted(choice.peaks) == [0, 1, 2, 4]  # a binary search, not a sweep
     assert checkpointed_blocks(model) == {}
     fits = blocks_for_budget(model, batch, peaks[0])
@@ -409,7 +483,12 @@ def test_budget_callback_in_fit(tmp_path) -> None:
     assert figures["blocks_wrapped"] == cb.choice.num_blocks
     assert figures["peak_after_bytes"] < figures["peak_before_bytes"]
     with pytest.raises(ValueError, match="smallest achievable peak"):
-        fit(tmp_path / "x", [ActivationCheckpointing(budget=full // 2)], model=gpt(n_layer=4), max_steps=1)
+        fit(
+            tmp_path / "x",
+            [ActivationCheckpointing(budget=full // 2)],
+            model=gpt(n_layer=4),
+            max_steps=1,
+        )
 
 
 # -- with TorchCompile (branch `speed`), in both orders -------------------------------------------
@@ -427,7 +506,9 @@ class _Seen(pl.Callback):
         self.blocks = checkpointed_blocks(pl_module)
 
 
-@pytest.mark.skipif(_torch_compile_cls() is None, reason="TorchCompile (branch `speed`) not merged yet")
+@pytest.mark.skipif(
+    _torch_compile_cls() is None, reason="TorchCompile (branch `speed`) not merged yet"
+)
 @pytest.mark.parametrize("order", ["checkpoint-first", "compile-first"])
 def test_with_torch_compile_both_orders(order: str, tmp_path) -> None:
     TorchCompile = _torch_compile_cls()
@@ -438,6 +519,8 @@ def test_with_torch_compile_both_orders(order: str, tmp_path) -> None:
     kw = dict(max_steps=2, limit_val_batches=0)
     _, _, plain = fit(tmp_path / "p", model=gpt(n_layer=2), **kw)
     _, model, tech = fit(tmp_path / "t", [*cbs, seen], model=gpt(n_layer=2), **kw)
-    torch.testing.assert_close(torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5
+    )
     assert seen.blocks == {"blocks.0": "full", "blocks.1": "full"}
     assert set(model.state_dict()) == set(gpt(n_layer=2).state_dict())

@@ -8,14 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-import lightning.pytorch as pl
-from lightning.pytorch import Callback, LightningDataModule
-
 from _batch_size_helpers import OOMGPT
 from helpers import TINY_MODEL, fit, params_of, tiny_data, tiny_model
+from lightning.pytorch import Callback, LightningDataModule
+
+from lightning_efficient.core.report import report_for
 from lightning_efficient.functional import (
     accumulation_for,
     choose_micro_batch,
@@ -28,7 +29,6 @@ from lightning_efficient.functional import (
     worst_case_batch,
 )
 from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.report import report_for
 from lightning_efficient.techniques.batch_size import (
     EfficientBatchSize,
     OOMRecovery,
@@ -55,9 +55,18 @@ def test_rounding_rules() -> None:
     assert round_batch_size(300, precision="bf16-mixed", **h100) == 256
     assert round_batch_size(700, precision="32-true", **h100) == 640
     assert round_batch_size(200, precision="bf16-mixed", **h100) == 200
-    assert round_batch_size(700, precision="32-true", device_type="cuda", device_name="NVIDIA A100-SXM4-40GB") == 640
+    assert (
+        round_batch_size(
+            700, precision="32-true", device_type="cuda", device_name="NVIDIA A100-SXM4-40GB"
+        )
+        == 640
+    )
     # an explicit multiple
-    assert round_batch_size(100, 24) == 96 and round_batch_size(20, 24) == 16 and round_batch_size(7, 1) == 7
+    assert (
+        round_batch_size(100, 24) == 96
+        and round_batch_size(20, 24) == 16
+        and round_batch_size(7, 1) == 7
+    )
     with pytest.raises(ValueError, match="`n`"):
         round_batch_size(0)
     with pytest.raises(ValueError, match="multiple_of"):
@@ -82,7 +91,12 @@ def test_choose_micro_batch_prefers_exact() -> None:
     assert choose_micro_batch(50, target=96) == (32, 3, 96, True)  # rounded and exact
     assert choose_micro_batch(64, target=100) == (50, 2, 100, True)  # exact beats rounded
     assert choose_micro_batch(40, target=64, world_size=2) == (32, 1, 64, True)
-    assert choose_micro_batch(64, target=8, world_size=2) == (4, 1, 8, True)  # capped at target/world
+    assert choose_micro_batch(64, target=8, world_size=2) == (
+        4,
+        1,
+        8,
+        True,
+    )  # capped at target/world
     m, acc, eff, exact = choose_micro_batch(16, target=97)  # 97 is prime: nearest, not exact
     assert not exact and m * acc == eff and abs(eff - 97) <= m
 
@@ -129,7 +143,9 @@ class Varlen(torch.utils.data.Dataset):
 
 def pad_collate(samples):
     xs, ys = zip(*samples)
-    pad = lambda seqs, v: torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True, padding_value=v)  # noqa: E731
+    pad = lambda seqs, v: torch.nn.utils.rnn.pad_sequence(
+        list(seqs), batch_first=True, padding_value=v
+    )  # noqa: E731
     return pad(xs, 0), pad(ys, -100)
 
 
@@ -154,7 +170,9 @@ class VarlenData(LightningDataModule):
         self.data = Varlen(lengths)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, collate_fn=pad_collate)
+        return torch.utils.data.DataLoader(
+            self.data, batch_size=self.batch_size, collate_fn=pad_collate
+        )
 
 
 class MaskedGPT(OOMGPT):
@@ -163,7 +181,9 @@ class MaskedGPT(OOMGPT):
     def _loss(self, batch):
         x, y = batch
         logits = self(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100), logits
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100
+        ), logits
 
 
 def test_callback_sizes_for_the_longest_sample(tmp_path) -> None:
@@ -214,13 +234,18 @@ def test_token_weighting_for_variable_length_losses() -> None:
     model = tiny_model()
     data = Varlen([4, 6, 30, 28])  # the second micro-batch holds many more real tokens
     x, y = pad_collate([data[i] for i in range(4)])
-    loss_fn = lambda b: F.cross_entropy(model(b[0]).flatten(0, 1), b[1].flatten(), ignore_index=-100)  # noqa: E731
+    loss_fn = lambda b: F.cross_entropy(
+        model(b[0]).flatten(0, 1), b[1].flatten(), ignore_index=-100
+    )  # noqa: E731
     loss_fn((x, y)).backward()
     want = _grads(model)
     results = {}
     for weighting in ("samples", "tokens"):
         model.zero_grad(set_to_none=True)
-        results[weighting] = (micro_batch_step(loss_fn, (x, y), 2, weighting=weighting), _grads(model))
+        results[weighting] = (
+            micro_batch_step(loss_fn, (x, y), 2, weighting=weighting),
+            _grads(model),
+        )
     full = loss_fn((x, y)).detach()
     torch.testing.assert_close(results["tokens"][0], full, rtol=1e-5, atol=1e-6)
     for name in want:
@@ -247,7 +272,10 @@ def assert_same_updates(plain, model, tol: float = 1e-3) -> None:
     the update itself. (Element-wise checks fail on noise: AdamW turns a gradient that is zero
     in exact arithmetic, such as an attention key bias's, into a +-lr step of its sign.)"""
     init = params_of(gpt())
-    a, b, start = (torch.cat([p.flatten().double() for p in d.values()]) for d in (params_of(plain), params_of(model), init))
+    a, b, start = (
+        torch.cat([p.flatten().double() for p in d.values()])
+        for d in (params_of(plain), params_of(model), init)
+    )
     assert (a - start).norm() > 0
     assert (b - a).norm() / (a - start).norm() < tol, float((b - a).norm() / (a - start).norm())
 
@@ -264,43 +292,68 @@ def test_forward_oom_mid_training_keeps_samples_and_losses(tmp_path, accumulate)
     cb = OOMRecovery()
     with pytest.warns(UserWarning, match="out of memory in the forward at step 2"):
         trainer, model, rec = fit(
-            tmp_path / "oom", [cb], model=gpt(oom_above=2, from_step=2),
-            max_steps=6, limit_val_batches=0, accumulate_grad_batches=accumulate,
+            tmp_path / "oom",
+            [cb],
+            model=gpt(oom_above=2, from_step=2),
+            max_steps=6,
+            limit_val_batches=0,
+            accumulate_grad_batches=accumulate,
         )
     assert model.injected == 1 and cb.splits == 2 and cb.recoveries == 1  # it did fail, once
     assert trainer.global_step == 6
     assert model.samples_seen == plain.samples_seen == 6 * accumulate * 4  # no sample skipped
-    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(plain_rec.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(rec.losses), torch.tensor(plain_rec.losses), rtol=1e-5, atol=1e-6
+    )
     assert_same_updates(plain, model)
     entry = report_for(trainer)["OOMRecovery"]
     assert entry.figures["splits"] == 2 and entry.figures["recoveries"] == 1
 
 
 def _plain(tmp_path, accumulate=1):
-    _, model, rec = fit(tmp_path / f"plain{accumulate}", [], model=gpt(), max_steps=6,
-                        limit_val_batches=0, accumulate_grad_batches=accumulate)
+    _, model, rec = fit(
+        tmp_path / f"plain{accumulate}",
+        [],
+        model=gpt(),
+        max_steps=6,
+        limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
+    )
     return None, model, rec
 
 
 def test_repeated_oom_halves_until_it_fits(tmp_path) -> None:
     _, plain, plain_rec = _plain(tmp_path)
     cb = EfficientBatchSize(budget="1GiB", max_batch_size=4)
-    trainer, model, rec = fit(tmp_path / "oom", [cb], model=gpt(oom_above=1, from_step=1),
-                              max_steps=6, limit_val_batches=0)
+    trainer, model, rec = fit(
+        tmp_path / "oom",
+        [cb],
+        model=gpt(oom_above=1, from_step=1),
+        max_steps=6,
+        limit_val_batches=0,
+    )
     assert cb.micro_batch_size == 4 and cb.splits == 4 and cb.recoveries == 2
     assert model.samples_seen == plain.samples_seen
-    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(plain_rec.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(rec.losses), torch.tensor(plain_rec.losses), rtol=1e-5, atol=1e-6
+    )
     assert "after OOM: micro-batch 1 x 4 splits" in report_for(trainer)["EfficientBatchSize"].change
 
 
 def test_backward_oom_is_rerun_split(tmp_path) -> None:
     _, plain, plain_rec = _plain(tmp_path)
     cb = OOMRecovery()
-    trainer, model, rec = fit(tmp_path / "oom", [cb],
-                              model=gpt(oom_above=2, from_step=3, where="backward"),
-                              max_steps=6, limit_val_batches=0)
+    trainer, model, rec = fit(
+        tmp_path / "oom",
+        [cb],
+        model=gpt(oom_above=2, from_step=3, where="backward"),
+        max_steps=6,
+        limit_val_batches=0,
+    )
     assert model.injected == 1 and cb.splits == 2
-    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(plain_rec.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(rec.losses), torch.tensor(plain_rec.losses), rtol=1e-5, atol=1e-6
+    )
     assert_same_updates(plain, model)
 
 
@@ -312,14 +365,21 @@ def test_gives_up_at_micro_batch_one(tmp_path) -> None:
 def test_ddp_two_processes_target_and_oom(tmp_path) -> None:
     results = {}
     procs = {  # both runs at once: each is two processes that mostly wait on each other
-        mode: subprocess.Popen([sys.executable, str(HERE / "_batch_size_ddp.py"), str(tmp_path / mode), mode],
-                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        mode: subprocess.Popen(
+            [sys.executable, str(HERE / "_batch_size_ddp.py"), str(tmp_path / mode), mode],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for mode in ("plain", "oom")
     }
     for mode, proc in procs.items():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
-        results[mode] = [json.loads(Path(f"{tmp_path / mode}.rank{r}.json").read_text()) for r in (0, 1)]
+        results[mode] = [
+            json.loads(Path(f"{tmp_path / mode}.rank{r}.json").read_text()) for r in (0, 1)
+        ]
         results[mode + "_params"] = torch.load(f"{tmp_path / mode}.rank0.pt")
     for r in results["plain"] + results["oom"]:
         # micro-batch x accumulation x world size == target, on both processes
@@ -329,11 +389,15 @@ def test_ddp_two_processes_target_and_oom(tmp_path) -> None:
     assert rank1["injected"] == 1 and rank1["splits"] == 2 and results["oom"][0]["splits"] == 1
     for plain, oom in zip(results["plain"], results["oom"]):
         assert plain["samples_seen"] == oom["samples_seen"] == 3 * 2 * 4
-        torch.testing.assert_close(torch.tensor(oom["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(oom["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6
+        )
     # the gradient all-reduce saw the split rank's whole gradient: the same updates
     init = params_of(gpt())
-    a, b, start = (torch.cat([p.flatten().double() for p in d.values()])
-                   for d in (results["plain_params"], results["oom_params"], init))
+    a, b, start = (
+        torch.cat([p.flatten().double() for p in d.values()])
+        for d in (results["plain_params"], results["oom_params"], init)
+    )
     assert (b - a).norm() / (a - start).norm() < 1e-3
 
 
@@ -348,10 +412,18 @@ class SamplesPerStep(Callback):
 
 def test_target_batch_with_accumulation_matches_full_batch(tmp_path) -> None:
     """micro 4 x accumulation 2 == target 8: the same updates as batch 8 without accumulation."""
-    _, plain, _ = fit(tmp_path / "plain", [], data=tiny_data(batch_size=8), max_steps=3, limit_val_batches=0)
+    _, plain, _ = fit(
+        tmp_path / "plain", [], data=tiny_data(batch_size=8), max_steps=3, limit_val_batches=0
+    )
     count = SamplesPerStep()
     cb = EfficientBatchSize(target_batch_size=8, budget="1GiB", max_batch_size=4)
-    trainer, model, _ = fit(tmp_path / "tech", [cb, count], data=tiny_data(batch_size=2), max_steps=3, limit_val_batches=0)
+    trainer, model, _ = fit(
+        tmp_path / "tech",
+        [cb, count],
+        data=tiny_data(batch_size=2),
+        max_steps=3,
+        limit_val_batches=0,
+    )
     assert (cb.micro_batch_size, trainer.accumulate_grad_batches) == (4, 2)
     assert trainer.train_dataloader.batch_size == 4 and trainer.datamodule.batch_size == 4
     assert count.samples == 3 * 8
@@ -360,7 +432,11 @@ def test_target_batch_with_accumulation_matches_full_batch(tmp_path) -> None:
 
 def test_budget_decides_the_micro_batch(tmp_path) -> None:
     model = tiny_model()
-    peak = lambda n: estimate_memory(model, (torch.zeros(n, 32, dtype=torch.long),) * 2, accumulate_grad_batches=2).peak_bytes  # noqa: E731
+    peak = lambda n: (
+        estimate_memory(
+            model, (torch.zeros(n, 32, dtype=torch.long),) * 2, accumulate_grad_batches=2
+        ).peak_bytes
+    )  # noqa: E731
     budget = int(peak(12) / 0.9) + 16
     cb = EfficientBatchSize(target_batch_size=32, budget=budget, max_batch_size=32)
     with pytest.warns(UserWarning, match="replaced by 4"):
@@ -410,11 +486,18 @@ def test_bad_margin(value) -> None:
         EfficientBatchSize(margin=value)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"mode": "fastest"}, "mode"), ({"multiple_of": 0}, "multiple_of"), ({"multiple_of": "eight"}, "multiple_of"),
-    ({"max_batch_size": 0}, "max_batch_size"), ({"budget": "lots"}, "budget"),
-    ({"loss_weighting": "mean"}, "loss_weighting"), ({"token_counter": 3}, "token_counter"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"mode": "fastest"}, "mode"),
+        ({"multiple_of": 0}, "multiple_of"),
+        ({"multiple_of": "eight"}, "multiple_of"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"budget": "lots"}, "budget"),
+        ({"loss_weighting": "mean"}, "loss_weighting"),
+        ({"token_counter": 3}, "token_counter"),
+    ],
+)
 def test_bad_arguments(kwargs, name) -> None:
     with pytest.raises((ValueError, TypeError), match=name):
         EfficientBatchSize(**kwargs)
@@ -446,6 +529,10 @@ def test_conflicts_are_refused(tmp_path) -> None:
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     with pytest.raises(ValueError, match="GradientAccumulationScheduler changes it"):
-        fit(tmp_path, [EfficientBatchSize(target_batch_size=8), GradientAccumulationScheduler({0: 2})], max_steps=1)
+        fit(
+            tmp_path,
+            [EfficientBatchSize(target_batch_size=8), GradientAccumulationScheduler({0: 2})],
+            max_steps=1,
+        )
     with pytest.raises(ValueError, match="OOM recovery is on twice"):
         fit(tmp_path, [EfficientBatchSize(budget="1GiB"), OOMRecovery()], max_steps=1)

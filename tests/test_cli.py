@@ -16,7 +16,10 @@ ROOT = Path(__file__).parents[1]
 def run_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lightning_efficient", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -43,18 +46,25 @@ def test_bad_configuration_short_error(args, needle) -> None:
     proc = run_cli("fit", "--trainer.accelerator=cpu", *args)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    error = proc.stderr[proc.stderr.index("error:"):]
+    error = proc.stderr[proc.stderr.index("error:") :]
     assert needle in error and len(error.splitlines()) < 20, error
 
 
 def test_demo_config_fits_and_perplexity_falls(tmp_path) -> None:
     proc = run_cli(
-        "fit", "--config", "configs/demo.yaml", "--trainer.accelerator=cpu",
-        "--trainer.max_steps=60", "--trainer.val_check_interval=30", "--trainer.enable_progress_bar=false",
+        "fit",
+        "--config",
+        "configs/demo.yaml",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=60",
+        "--trainer.val_check_interval=30",
+        "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first, last = map(float, re.search(r"validation perplexity: ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    first, last = map(
+        float, re.search(r"validation perplexity: ([\d.]+) -> ([\d.]+)", proc.stdout).groups()
+    )
     assert first > 200 and last < 0.5 * first, (first, last)
 
 
@@ -64,12 +74,21 @@ def test_every_config_builds(config) -> None:
     from lightning_efficient.cli import EfficientCLI
 
     cli = EfficientCLI(
-        args=["--config", str(ROOT / "configs" / "demo.yaml"), "--config", str(config), "--trainer.accelerator=cpu"],
+        args=[
+            "--config",
+            str(ROOT / "configs" / "demo.yaml"),
+            "--config",
+            str(config),
+            "--trainer.accelerator=cpu",
+        ],
         run=False,
     )
     assert cli.model is not None and cli.datamodule is not None
     import yaml
 
-    wanted = [c["class_path"] for c in (yaml.safe_load(config.read_text()).get("trainer") or {}).get("callbacks") or []]
+    wanted = [
+        c["class_path"]
+        for c in (yaml.safe_load(config.read_text()).get("trainer") or {}).get("callbacks") or []
+    ]
     built = [type(cb).__name__ for cb in cli.trainer.callbacks]
     assert all(name.rsplit(".", 1)[-1] in built for name in wanted), (wanted, built)

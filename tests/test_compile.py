@@ -14,13 +14,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch._dynamo
+from helpers import fit, tiny_model
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers import fit, tiny_model
-from lightning_efficient.measure.report import report_for
+from lightning_efficient.core.report import report_for
 from lightning_efficient.techniques._blocks import find_repeated_blocks
-from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing, checkpointed_blocks
+from lightning_efficient.techniques.activation_checkpointing import (
+    ActivationCheckpointing,
+    checkpointed_blocks,
+)
 from lightning_efficient.techniques.compile import (
     CompileWatch,
     TorchCompile,
@@ -58,7 +61,9 @@ def test_regional_compiles_the_repeated_blocks_in_place() -> None:
     x = torch.randint(0, 256, (2, 16))
     expected = model(x)
     names = compile_modules(model, backend="aot_eager")
-    assert names == [n for n, _ in find_repeated_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert (
+        names == [n for n, _ in find_repeated_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    )
     assert compiled_modules(model) == names
     assert list(model.state_dict()) == keys  # no _orig_mod.
     with CompileWatch() as watch:
@@ -98,13 +103,17 @@ def test_real_inductor_matches_eager(tmp_path, eager_losses) -> None:
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_every_precision(precision, tmp_path) -> None:
     _, _, eager = fit(tmp_path / "eager", max_steps=3, precision=precision)
-    _, _, comp = fit(tmp_path / "comp", [TorchCompile(backend="aot_eager")], max_steps=3, precision=precision)
+    _, _, comp = fit(
+        tmp_path / "comp", [TorchCompile(backend="aot_eager")], max_steps=3, precision=precision
+    )
     # bf16: autocast/bf16 kernels are the same under aot_eager; allow bf16 rounding of the graph
     _close(comp.losses, eager.losses, rtol=1e-2, atol=1e-2)
 
 
 def test_self_log_in_training_step_keeps_working(tmp_path) -> None:
-    trainer, _, rec = fit(tmp_path, [TorchCompile(backend="aot_eager", regional=False)], max_steps=3)
+    trainer, _, rec = fit(
+        tmp_path, [TorchCompile(backend="aot_eager", regional=False)], max_steps=3
+    )
     assert "train_loss" in trainer.callback_metrics
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(rec.losses[-1], rel=1e-6)
 
@@ -138,9 +147,13 @@ def test_compile_failure_falls_back_to_eager_once(tmp_path, eager_losses) -> Non
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer, model, rec = fit(tmp_path, [TorchCompile(backend=_failing_backend)], max_steps=4)
-    fell_back = [w for w in caught if "fell back" in str(w.message) or "eager mode" in str(w.message)]
+    fell_back = [
+        w for w in caught if "fell back" in str(w.message) or "eager mode" in str(w.message)
+    ]
     assert len(fell_back) == 1, [str(w.message) for w in caught]
-    assert "cannot compile anything" in str(fell_back[0].message) and "strict=True" in str(fell_back[0].message)
+    assert "cannot compile anything" in str(fell_back[0].message) and "strict=True" in str(
+        fell_back[0].message
+    )
     assert compiled_modules(model) == []
     _close(rec.losses, eager_losses)
     assert "fell back to eager" in report_for(trainer)["TorchCompile"].change
@@ -168,7 +181,13 @@ def test_recompile_guard_warns_once_naming_cause_and_fix(tmp_path) -> None:
     tc = TorchCompile(backend="eager", dynamic=False, recompile_warning=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer, _, _ = fit(tmp_path, [tc], data=_VariableLengths(lengths), max_steps=len(lengths), limit_val_batches=0)
+        trainer, _, _ = fit(
+            tmp_path,
+            [tc],
+            data=_VariableLengths(lengths),
+            max_steps=len(lengths),
+            limit_val_batches=0,
+        )
     guard = [str(w.message) for w in caught if "recompilations" in str(w.message)]
     assert len(guard) == 1, guard
     assert "dynamic shapes" in guard[0] and "pad or bucket" in guard[0]
@@ -178,7 +197,12 @@ def test_recompile_guard_warns_once_naming_cause_and_fix(tmp_path) -> None:
 def test_no_recompile_warning_for_fixed_shapes(tmp_path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(tmp_path, [TorchCompile(backend="eager", recompile_warning=2)], max_steps=4, val_check_interval=2)
+        fit(
+            tmp_path,
+            [TorchCompile(backend="eager", recompile_warning=2)],
+            max_steps=4,
+            val_check_interval=2,
+        )
     assert not [w for w in caught if "recompilations" in str(w.message)]
 
 

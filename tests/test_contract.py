@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import SaveAt, fit, params_of, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping
 
-from helpers import SaveAt, fit, params_of, tiny_model
 from lightning_efficient.cli import EfficientCLI
-from lightning_efficient.measure.report import report_for
+from lightning_efficient.core.report import report_for
 
 HERE = Path(__file__).parent
 
@@ -136,7 +135,9 @@ CASES.append(
         fuzz={
             "every_n": st.integers(max_value=0) | st.floats() | st.text(max_size=4),
             "policy": st.integers() | st.floats() | st.just("") | st.just("re:[") | st.just([]),
-            "budget": st.integers(max_value=0) | st.booleans() | st.sampled_from(["lots", "-1GiB", "12 parsecs"]),
+            "budget": st.integers(max_value=0)
+            | st.booleans()
+            | st.sampled_from(["lots", "-1GiB", "12 parsecs"]),
             "offload_activations": st.integers() | st.text(max_size=4),
         },
         same_maths=True,
@@ -162,7 +163,8 @@ CASES += [
             ({"tune": "yes"}, "tune"),
         ],
         fuzz={
-            "num_workers": st.integers(max_value=-1) | st.text(max_size=6).filter(lambda s: s != "auto"),
+            "num_workers": st.integers(max_value=-1)
+            | st.text(max_size=6).filter(lambda s: s != "auto"),
             "prefetch_factor": st.integers(max_value=0),
         },
     ),
@@ -219,10 +221,16 @@ CASES.append(
     Case(
         EfficientBatchSize,
         init_args={"budget": "1GiB", "max_batch_size": 4},
-        bad_args=[({"target_batch_size": 0}, "target_batch_size"), ({"margin": 0.9}, "margin"),
-                  ({"mode": "fastest"}, "mode"), ({"multiple_of": "eight"}, "multiple_of")],
+        bad_args=[
+            ({"target_batch_size": 0}, "target_batch_size"),
+            ({"margin": 0.9}, "margin"),
+            ({"mode": "fastest"}, "mode"),
+            ({"multiple_of": "eight"}, "multiple_of"),
+        ],
         fuzz={
-            "target_batch_size": st.one_of(st.integers(max_value=0), st.floats(), st.text(), st.booleans()),
+            "target_batch_size": st.one_of(
+                st.integers(max_value=0), st.floats(), st.text(), st.booleans()
+            ),
             "margin": st.one_of(st.floats().filter(lambda m: not 0 <= m < 0.9), st.text()),
         },
         stateful=True,
@@ -233,21 +241,32 @@ CASES.append(
     Case(
         OOMRecovery,
         bad_args=[({"loss_weighting": "mean"}, "loss_weighting")],
-        fuzz={"loss_weighting": st.text(max_size=8).filter(lambda s: s not in ("samples", "tokens"))},
+        fuzz={
+            "loss_weighting": st.text(max_size=8).filter(lambda s: s not in ("samples", "tokens"))
+        },
         stateful=True,
         state_changes=False,
     )
 )
 
 from lightning_efficient.techniques.compile import TorchCompile, valid_backends, valid_modes  # noqa: E402
-from lightning_efficient.techniques.precision import FP8_RECIPES, MATMUL_LEVELS, Float8Training, MatmulPrecision  # noqa: E402
+from lightning_efficient.techniques.precision import (
+    FP8_RECIPES,
+    MATMUL_LEVELS,
+    Float8Training,
+    MatmulPrecision,
+)  # noqa: E402
 
 CASES.append(
     Case(
         MatmulPrecision,
         init_args={"level": "high"},
         bad_args=[({"level": "tf32"}, "level"), ({"level": 32}, "level")],
-        fuzz={"level": st.text(max_size=8).filter(lambda s: s not in MATMUL_LEVELS) | st.integers() | st.booleans()},
+        fuzz={
+            "level": st.text(max_size=8).filter(lambda s: s not in MATMUL_LEVELS)
+            | st.integers()
+            | st.booleans()
+        },
         id="MatmulPrecision",
     )
 )
@@ -258,7 +277,9 @@ CASES.append(
         bad_args=[({"recipe": "delayed"}, "recipe"), ({"exclude": "head"}, "exclude")],
         fuzz={
             "recipe": st.text(max_size=8).filter(lambda s: s not in FP8_RECIPES) | st.integers(),
-            "exclude": st.text(max_size=4) | st.integers() | st.lists(st.integers(), min_size=1, max_size=2),
+            "exclude": st.text(max_size=4)
+            | st.integers()
+            | st.lists(st.integers(), min_size=1, max_size=2),
         },
         id="Float8Training",
     )
@@ -266,7 +287,9 @@ CASES.append(
 CASES.append(
     Case(
         TorchCompile,
-        init_args={"backend": "aot_eager"},  # real Dynamo + AOTAutograd; inductor in test_compile.py
+        init_args={
+            "backend": "aot_eager"
+        },  # real Dynamo + AOTAutograd; inductor in test_compile.py
         bad_args=[
             ({"mode": "fastest"}, "mode"),
             ({"backend": "tensorrtx"}, "backend"),
@@ -278,7 +301,8 @@ CASES.append(
         ],
         fuzz={
             "mode": st.text(max_size=8).filter(lambda s: s not in valid_modes()) | st.integers(),
-            "backend": st.text(max_size=8).filter(lambda s: s not in valid_backends()) | st.integers(),
+            "backend": st.text(max_size=8).filter(lambda s: s not in valid_backends())
+            | st.integers(),
             "recompile_warning": st.integers(max_value=0) | st.floats() | st.text(max_size=3),
             "regional": st.integers() | st.text(max_size=3),
         },
@@ -304,24 +328,28 @@ _OPTIMIZER_SWAP_FUZZ = {
 # (tests/test_optimizers.py checks 8 steps within 1% of AdamW). Resume is exact (rtol/atol).
 # A plain (AdamW) checkpoint has no 8-bit state to resume: on_mismatch="reset" starts it afresh
 # (the default, "error", stops with the choices; tested in tests/test_optimizers.py).
-CASES.append(Case(
-    OptimizerSwap,
-    init_args={"name": "adamw8bit", "on_mismatch": "reset"},
-    bad_args=_OPTIMIZER_SWAP_BAD,
-    fuzz=_OPTIMIZER_SWAP_FUZZ,
-    stateful=True,
-    same_maths=False,
-    id="OptimizerSwap-adamw8bit",
-))
+CASES.append(
+    Case(
+        OptimizerSwap,
+        init_args={"name": "adamw8bit", "on_mismatch": "reset"},
+        bad_args=_OPTIMIZER_SWAP_BAD,
+        fuzz=_OPTIMIZER_SWAP_FUZZ,
+        stateful=True,
+        same_maths=False,
+        id="OptimizerSwap-adamw8bit",
+    )
+)
 # fused AdamW on CUDA, foreach AdamW on CPU: the same maths as the module's own AdamW
-CASES.append(Case(
-    OptimizerSwap,
-    init_args={"name": "adamw_fused"},
-    bad_args=_OPTIMIZER_SWAP_BAD,
-    stateful=True,
-    same_maths=True,
-    id="OptimizerSwap-adamw_fused",
-))
+CASES.append(
+    Case(
+        OptimizerSwap,
+        init_args={"name": "adamw_fused"},
+        bad_args=_OPTIMIZER_SWAP_BAD,
+        stateful=True,
+        same_maths=True,
+        id="OptimizerSwap-adamw_fused",
+    )
+)
 
 ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
@@ -348,7 +376,9 @@ def test_demo_imports_nothing_of_the_package() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-            assert not any(n.startswith("lightning_efficient") for n in names), f"{path.name} imports {names}"
+            assert not any(n.startswith("lightning_efficient") for n in names), (
+                f"{path.name} imports {names}"
+            )
 
 
 @pytest.mark.parametrize("case", ALL, ids=ids)
@@ -368,9 +398,18 @@ def _simple_state(obj: Any) -> dict[str, Any]:
 def test_constructs_from_yaml(case: Case, tmp_path) -> None:
     import yaml
 
-    spec = {"class_path": case.cls.__name__ if case.cls.__module__.startswith("lightning_efficient") else f"{case.cls.__module__}.{case.cls.__name__}", "init_args": case.init_args}
+    spec = {
+        "class_path": case.cls.__name__
+        if case.cls.__module__.startswith("lightning_efficient")
+        else f"{case.cls.__module__}.{case.cls.__name__}",
+        "init_args": case.init_args,
+    }
     key = "strategy" if case.kind == "strategy" else "callbacks"
-    trainer_cfg: dict[str, Any] = {"accelerator": "cpu", "logger": False, key: spec if key == "strategy" else [spec]}
+    trainer_cfg: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        key: spec if key == "strategy" else [spec],
+    }
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"trainer": trainer_cfg}))
     cli = EfficientCLI(args=["--config", str(cfg)], run=False)
@@ -420,7 +459,9 @@ def test_checkpoint_portable(case: Case, tmp_path) -> None:
     # without the technique: loads strictly into a plain module and resumes training
     fresh = tiny_model()
     fresh.load_state_dict(state, strict=True)
-    trainer2, _, _ = case.fit(tmp_path / "without", with_technique=False, max_steps=4, ckpt_path=str(ckpt_with))
+    trainer2, _, _ = case.fit(
+        tmp_path / "without", with_technique=False, max_steps=4, ckpt_path=str(ckpt_with)
+    )
     assert trainer2.global_step == 4
     # and the other way round: a plain checkpoint resumes with the technique
     plain_trainer, _, _ = case.fit(tmp_path / "plain", with_technique=False, max_steps=2)
@@ -431,28 +472,44 @@ def test_checkpoint_portable(case: Case, tmp_path) -> None:
 
 
 # -- 5. stop at step k and resume equals an uninterrupted run --------------------------------
-@pytest.mark.parametrize("case", [c for c in ALL if c.stateful], ids=[c.id for c in ALL if c.stateful])
+@pytest.mark.parametrize(
+    "case", [c for c in ALL if c.stateful], ids=[c.id for c in ALL if c.stateful]
+)
 def test_resume_matches_uninterrupted(case: Case, tmp_path) -> None:
     k = 4
     ckpt = tmp_path / "k.ckpt"
-    save = SaveAt(k, ckpt, snapshot=lambda t: (_technique_state(case, t), params_of(t.lightning_module)))
+    save = SaveAt(
+        k, ckpt, snapshot=lambda t: (_technique_state(case, t), params_of(t.lightning_module))
+    )
     epoch = dict(limit_train_batches=k)  # k is an epoch boundary: plain DataLoaders resume there
-    full_trainer, full_model, _ = case.fit(tmp_path / "full", max_steps=2 * k, callbacks=[save], **epoch)
+    full_trainer, full_model, _ = case.fit(
+        tmp_path / "full", max_steps=2 * k, callbacks=[save], **epoch
+    )
     at_k, params_k = save.snapshot
-    resumed_trainer, resumed_model, _ = case.fit(tmp_path / "resumed", max_steps=2 * k, ckpt_path=str(ckpt), **epoch)
+    resumed_trainer, resumed_model, _ = case.fit(
+        tmp_path / "resumed", max_steps=2 * k, ckpt_path=str(ckpt), **epoch
+    )
     assert resumed_trainer.global_step == full_trainer.global_step == 2 * k
     # the test must be able to fail: the model (and the state, if it evolves) moved after k
-    assert any(not torch.equal(a, b) for a, b in zip(params_k.values(), params_of(full_model).values()))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(params_k.values(), params_of(full_model).values())
+    )
     at_2k = _technique_state(case, full_trainer)
     if case.state_changes:
-        assert at_k != at_2k, f"{case.id}: state at step k equals state at 2k; the test would pass trivially"
+        assert at_k != at_2k, (
+            f"{case.id}: state at step k equals state at 2k; the test would pass trivially"
+        )
     assert _technique_state(case, resumed_trainer) == at_2k
     for (name, a), b in zip(params_of(full_model).items(), params_of(resumed_model).values()):
         torch.testing.assert_close(a, b, rtol=case.rtol, atol=case.atol, msg=f"{name} differs")
 
 
 def _technique_state(case: Case, trainer: Any) -> Any:
-    obj = trainer.strategy if case.kind == "strategy" else next(c for c in trainer.callbacks if isinstance(c, case.cls))
+    obj = (
+        trainer.strategy
+        if case.kind == "strategy"
+        else next(c for c in trainer.callbacks if isinstance(c, case.cls))
+    )
     return _comparable(obj.state_dict())
 
 
@@ -473,7 +530,9 @@ def test_losses_match_plain_run(case: Case, tmp_path) -> None:
     _, _, tech = case.fit(tmp_path / "tech", max_steps=4)
     assert len(tech.losses) == len(plain.losses) == 4
     if case.same_maths:
-        torch.testing.assert_close(torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=case.rtol, atol=case.atol)
+        torch.testing.assert_close(
+            torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=case.rtol, atol=case.atol
+        )
     else:  # lossy: the first loss is the same model on the same batch, later ones stay close
         assert abs(tech.losses[0] - plain.losses[0]) <= case.atol + case.rtol * abs(plain.losses[0])
 
@@ -484,7 +543,10 @@ def test_ddp_two_processes(case: Case, tmp_path) -> None:
     out = tmp_path / "ddp.json"
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if case.ddp is True:
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,10 +11,11 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import fit, tiny_data, tiny_model
 from lightning.pytorch import Callback
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from helpers import fit, tiny_data, tiny_model
+from lightning_efficient.core.report import report_for
 from lightning_efficient.functional import (
     LengthBucketSampler,
     auto_num_workers,
@@ -23,7 +24,6 @@ from lightning_efficient.functional import (
     rebuild_dataloader,
     tune_num_workers,
 )
-from lightning_efficient.measure.report import report_for
 from lightning_efficient.techniques import NoEffectWarning
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
@@ -82,7 +82,11 @@ def test_rebuild_keeps_batch_sampler_collate_and_settings() -> None:
     assert new.batch_sampler is batch_sampler and new.collate_fn is collate
     assert (new.num_workers, new.prefetch_factor, new.persistent_workers) == (1, 3, False)
     assert new.worker_init_fn == WorkerSeeder(0)
-    assert [b[0].tolist() for b in new] == [b[0].tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert (
+        [b[0].tolist() for b in new]
+        == [b[0].tolist() for b in loader]
+        == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    )
     assert all(b[1] == "custom" for b in new)
     kept = DataLoader(Numbered(10), batch_size=4, drop_last=True)
     again = rebuild_dataloader(kept)
@@ -112,7 +116,9 @@ def test_rebuild_bad_input() -> None:
         rebuild_dataloader(loader, num_workers=0, prefetch_factor=2)
     with pytest.raises(TypeError, match="loader"):
         rebuild_dataloader([1, 2, 3])  # type: ignore[arg-type]
-    bad = DataLoader(Numbered(24), batch_size=2, sampler=LengthBucketSampler([1] * 10, bucket_size=4))
+    bad = DataLoader(
+        Numbered(24), batch_size=2, sampler=LengthBucketSampler([1] * 10, bucket_size=4)
+    )
     with pytest.raises(ValueError, match=r"`lengths` has 10 entries but the dataset has 24"):
         rebuild_dataloader(bad)
     with pytest.raises(ValueError, match="num_workers"):
@@ -160,13 +166,17 @@ class BatchRecorder(Callback):
 
 def _fit_batches(tmp_path, callbacks, **kw):
     rec = BatchRecorder()
-    trainer, _, losses = fit(tmp_path, [*callbacks, rec], data=tiny_data(max_train_samples=16), max_steps=8, **kw)
+    trainer, _, losses = fit(
+        tmp_path, [*callbacks, rec], data=tiny_data(max_train_samples=16), max_steps=8, **kw
+    )
     return trainer, rec, losses.losses
 
 
 def test_tuning_in_fit_same_batches_as_plain(tmp_path) -> None:
     _, plain, plain_losses = _fit_batches(tmp_path / "plain", [])
-    trainer, tuned, tuned_losses = _fit_batches(tmp_path / "tuned", [DataLoaderTuning(num_workers=1, pin_memory=False)])
+    trainer, tuned, tuned_losses = _fit_batches(
+        tmp_path / "tuned", [DataLoaderTuning(num_workers=1, pin_memory=False)]
+    )
     assert len(plain.batches) == 8  # two epochs of 4 batches
     assert all(torch.equal(a, b) for a, b in zip(plain.batches, tuned.batches))
     assert not torch.equal(plain.batches[0], plain.batches[4])  # epoch 2 is shuffled differently
@@ -180,16 +190,22 @@ def test_tuning_in_fit_same_batches_as_plain(tmp_path) -> None:
 
 
 def test_tuning_with_tune_picks_a_measured_count(tmp_path) -> None:
-    trainer, rec, _ = _fit_batches(tmp_path, [DataLoaderTuning(tune=True, tune_time_s=1.0, pin_memory=False)])
+    trainer, rec, _ = _fit_batches(
+        tmp_path, [DataLoaderTuning(tune=True, tune_time_s=1.0, pin_memory=False)]
+    )
     figures = report_for(trainer)["DataLoaderTuning"].figures
-    measured = {int(k.removeprefix("batches_per_s_w")) for k in figures if k.startswith("batches_per_s_w")}
+    measured = {
+        int(k.removeprefix("batches_per_s_w")) for k in figures if k.startswith("batches_per_s_w")
+    }
     assert len(measured) >= 2 and rec.loader.num_workers in measured
 
 
 def test_preload_same_batches_as_plain_and_served_from_device(tmp_path) -> None:
     _, plain, plain_losses = _fit_batches(tmp_path / "plain", [])
     trainer, pre, pre_losses = _fit_batches(tmp_path / "pre", [DevicePreload()])
-    assert all(torch.equal(a, b) for a, b in zip(plain.batches, pre.batches)) and len(pre.batches) == 8
+    assert (
+        all(torch.equal(a, b) for a, b in zip(plain.batches, pre.batches)) and len(pre.batches) == 8
+    )
     assert isinstance(pre.loader.dataset, PreloadedBatches)
     assert pre.loader.num_workers == 0 and pre.loader.dataset.device == trainer.strategy.root_device
     # 16 samples x (input + target) x 32 int64 tokens
@@ -209,12 +225,16 @@ def test_preload_function_keeps_shuffle_and_batch_sampler() -> None:
     bs = BatchSampler(RandomSampler(range(20), generator=torch.Generator().manual_seed(5)), 4, True)
     want = [b[0].tolist() for b in DataLoader(data, batch_sampler=bs)]
     bs.sampler.generator.manual_seed(5)
-    assert [b[0].tolist() for b in preload_to_device(DataLoader(data, batch_sampler=bs), "cpu")] == want
+    assert [
+        b[0].tolist() for b in preload_to_device(DataLoader(data, batch_sampler=bs), "cpu")
+    ] == want
 
 
 def test_preload_refuses_too_large_with_size_and_limit(tmp_path) -> None:
     loader = DataLoader(Numbered(100), batch_size=4)
-    with pytest.raises(PreloadRefused, match=r"needs 1.95 KiB \(100 samples x 20 B\).*more than max_bytes=1000 B"):
+    with pytest.raises(
+        PreloadRefused, match=r"needs 1.95 KiB \(100 samples x 20 B\).*more than max_bytes=1000 B"
+    ):
         preload_to_device(loader, "cpu", max_bytes=1000)
     data = tiny_data()
     with pytest.raises(ValueError, match="more than max_bytes"):
@@ -235,8 +255,14 @@ def test_loaders_given_to_fit_directly_say_no_effect(tmp_path) -> None:
     dm = tiny_data()
     dm.setup("fit")
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[DataLoaderTuning(num_workers=1)], default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[DataLoaderTuning(num_workers=1)],
+        default_root_dir=str(tmp_path),
     )
     with pytest.warns(NoEffectWarning, match="loaders passed to trainer.fit directly"):
         trainer.fit(tiny_model(), train_dataloaders=dm.train_dataloader())
@@ -302,7 +328,9 @@ def test_bucketing_cuts_padding() -> None:
     lengths = _lengths()
     shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
     plain = padding_stats(lengths, _batches(shuffled, 8))
-    bucketed = padding_stats(lengths, _batches(list(LengthBucketSampler(lengths, bucket_size=128)), 8))
+    bucketed = padding_stats(
+        lengths, _batches(list(LengthBucketSampler(lengths, bucket_size=128)), 8)
+    )
     assert bucketed["real_tokens"] == plain["real_tokens"] == sum(lengths)
     assert plain["padding_fraction"] > 0.3
     assert bucketed["padding_fraction"] < 0.25 * plain["padding_fraction"]
@@ -325,7 +353,10 @@ def test_bucket_order_deterministic_per_seed_and_epoch() -> None:
 @pytest.mark.parametrize("n,drop_last", [(99, False), (100, False), (100, True), (101, True)])
 def test_bucket_ddp_partition(n: int, drop_last: bool) -> None:
     lengths = _lengths(n)
-    shards = [list(LengthBucketSampler(lengths, 60, num_replicas=3, rank=r, drop_last=drop_last)) for r in range(3)]
+    shards = [
+        list(LengthBucketSampler(lengths, 60, num_replicas=3, rank=r, drop_last=drop_last))
+        for r in range(3)
+    ]
     assert len({len(s) for s in shards}) == 1  # every rank takes as many steps
     flat = [i for s in shards for i in s]
     if drop_last:
@@ -338,7 +369,9 @@ def test_bucket_ddp_partition(n: int, drop_last: bool) -> None:
     rank0 = padding_stats(lengths, _batches(shards[0], 4))["padding_fraction"]
     unbucketed = padding_stats(lengths, _batches(list(range(n))[0::3], 4))["padding_fraction"]
     assert rank0 < 0.5 * unbucketed
-    assert len(shards[0]) == len(LengthBucketSampler(lengths, 60, num_replicas=3, rank=0, drop_last=drop_last))
+    assert len(shards[0]) == len(
+        LengthBucketSampler(lengths, 60, num_replicas=3, rank=0, drop_last=drop_last)
+    )
 
 
 def test_bucket_resumes_mid_epoch() -> None:
@@ -393,8 +426,13 @@ def test_bucket_sampler_under_lightning_ddp_shards_itself(tmp_path) -> None:
     from pathlib import Path
 
     script = Path(__file__).parent / "_ddp_bucket.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     sys.path.insert(0, str(script.parent))
     from _ddp_bucket import LENGTHS  # noqa: E402
@@ -402,6 +440,10 @@ def test_bucket_sampler_under_lightning_ddp_shards_itself(tmp_path) -> None:
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["sampler"] == "LengthBucketSampler" and r["world"] == 2 for r in ranks)
     seen = [[i for batch in r["seen"] for i in batch] for r in ranks]
-    assert set(seen[0]).isdisjoint(seen[1]) and set(seen[0]) | set(seen[1]) == set(range(len(LENGTHS)))
+    assert set(seen[0]).isdisjoint(seen[1]) and set(seen[0]) | set(seen[1]) == set(
+        range(len(LENGTHS))
+    )
     for r in range(2):
-        assert seen[r] == LengthBucketSampler(LENGTHS, 16, seed=3, num_replicas=2, rank=r).rank_order()
+        assert (
+            seen[r] == LengthBucketSampler(LENGTHS, 16, seed=3, num_replicas=2, rank=r).rank_order()
+        )

@@ -21,7 +21,9 @@ def python_blocks(card: Path) -> list[str]:
 def test_every_technique_module_has_a_card() -> None:
     import lightning_efficient.techniques as techniques
 
-    modules = [p.stem for p in Path(techniques.__file__).parent.glob("*.py") if not p.stem.startswith("_")]
+    modules = [
+        p.stem for p in Path(techniques.__file__).parent.glob("*.py") if not p.stem.startswith("_")
+    ]
     assert modules and all((DOCS / f"{m}.md").exists() for m in modules), modules
 
 
@@ -29,7 +31,9 @@ def test_every_technique_module_has_a_card() -> None:
 def test_card_examples_parse_and_import(card: Path) -> None:
     for code in python_blocks(card):
         for node in ast.walk(ast.parse(code)):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_efficient"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "lightning_efficient"
+            ):
                 module = importlib.import_module(node.module)
                 missing = [a.name for a in node.names if not hasattr(module, a.name)]
                 assert not missing, f"{card.name}: {node.module} has no {missing}"

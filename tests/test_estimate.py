@@ -9,12 +9,18 @@ import sys
 
 import pytest
 import torch
+from helpers import fit, tiny_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import fit, tiny_model
-from lightning_efficient._validate import parse_bytes
-from lightning_efficient.measure import CATEGORIES, EstimatePlan, MemoryEstimate, estimate_memory, measure_step
+from lightning_efficient.core.validate import parse_bytes
+from lightning_efficient.measure import (
+    CATEGORIES,
+    EstimatePlan,
+    MemoryEstimate,
+    estimate_memory,
+    measure_step,
+)
 from lightning_efficient.measure.estimate import EstimateError, cuda_round
 
 
@@ -88,7 +94,13 @@ def _gpt2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        n_positions=64, n_embd=64, n_layer=2, n_head=2, vocab_size=512, bos_token_id=0, eos_token_id=0
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        vocab_size=512,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(cfg), torch.randint(0, 512, (4, 64))
 
@@ -120,7 +132,9 @@ def test_precisions() -> None:
     assert mixed.by_category["optimizer_state"] == fp32.by_category["optimizer_state"]
     assert mixed.by_category["activations"] < 0.8 * fp32.by_category["activations"]
     # true: everything in bf16
-    assert true16.by_category["parameters"] == pytest.approx(fp32.by_category["parameters"] / 2, rel=0.01)
+    assert true16.by_category["parameters"] == pytest.approx(
+        fp32.by_category["parameters"] / 2, rel=0.01
+    )
     assert true16.peak_bytes < 0.6 * fp32.peak_bytes
     fp16 = estimate_memory(model, batch, precision="16-mixed", steps=1)
     assert fp16.peak_bytes < fp32.peak_bytes
@@ -154,7 +168,10 @@ def test_optimizer_in_backward_and_offload() -> None:
     state = plain.by_category["optimizer_state"]
     assert state == pytest.approx(2 * 4 * sum(p.numel() for p in model.parameters()), rel=0.01)
     # a gradient lives only until its parameter is stepped: never all gradients at once
-    assert in_bwd.by_category["gradients"] < 0.6 * plain.by_category["gradients"] or in_bwd.by_category["gradients"] == 0
+    assert (
+        in_bwd.by_category["gradients"] < 0.6 * plain.by_category["gradients"]
+        or in_bwd.by_category["gradients"] == 0
+    )
     assert in_bwd.peak_bytes < plain.peak_bytes
     real = measure_step(copy.deepcopy(model), x, loss_fn=_mse, callbacks=[OptimizerInBackward()])
     _close(in_bwd, real)
@@ -166,7 +183,13 @@ def test_optimizer_in_backward_and_offload() -> None:
 
 def test_cuda_rounding() -> None:
     assert [cuda_round(n) for n in (0, 1, 512, 513, 2**20, 2**20 + 1, 5 * 2**20)] == [
-        0, 512, 512, 1024, 2**20, 2**21, 6 * 2**20
+        0,
+        512,
+        512,
+        1024,
+        2**20,
+        2**21,
+        6 * 2**20,
     ]
     model, x = _wide()
     plain = estimate_memory(model, x, loss_fn=_mse)
@@ -211,7 +234,9 @@ json.dump({"params": n, "est": est.to_dict(),
 
 def test_seven_billion_on_meta_stays_small_in_rss() -> None:
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, "-c", SEVEN_B], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SEVEN_B], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["params"] > 6.5e9
@@ -282,7 +307,9 @@ def test_optimizer_choices() -> None:
     assert sgd.by_category["optimizer_state"] == pytest.approx(n, rel=0.01)  # momentum
     by_path = estimate_memory(model, x, loss_fn=_mse, optimizer="torch.optim.Adagrad")
     assert by_path.by_category["optimizer_state"] >= n
-    factory = estimate_memory(model, x, loss_fn=_mse, optimizer=lambda g: torch.optim.SGD(g, lr=0.1))
+    factory = estimate_memory(
+        model, x, loss_fn=_mse, optimizer=lambda g: torch.optim.SGD(g, lr=0.1)
+    )
     assert factory.by_category["optimizer_state"] == 0
 
 
@@ -300,6 +327,7 @@ def test_estimate_renders() -> None:
 
 def test_training_step_without_batch_idx() -> None:
     from helpers import TINY_MODEL
+
     from lightning_efficient.demos import TinyGPT
 
     class NoIdx(TinyGPT):

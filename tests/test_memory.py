@@ -6,14 +6,14 @@ import csv
 
 import pytest
 import torch
+from helpers import fit, tiny_model
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from helpers import fit, tiny_model
 from lightning_efficient import MemoryBreakdown, estimate_memory
+from lightning_efficient.core.report import report_for
 from lightning_efficient.measure import CATEGORIES, StorageTracker
-from lightning_efficient.measure.report import report_for
 
 
 class ModeSpy(Callback):
@@ -30,7 +30,9 @@ def test_measures_sampled_step_logs_and_prints(tmp_path, capsys) -> None:
     spy = ModeSpy()
     breakdown = MemoryBreakdown()
     logger = CSVLogger(tmp_path, name="mem")
-    trainer, model, _ = fit(tmp_path, [breakdown, spy], max_steps=3, logger=logger, limit_val_batches=0)
+    trainer, model, _ = fit(
+        tmp_path, [breakdown, spy], max_steps=3, logger=logger, limit_val_batches=0
+    )
     # only step 1 ran under the tracker
     assert spy.active == {0: False, 1: True, 2: False}
     assert list(breakdown.measurements) == [1]
@@ -69,7 +71,9 @@ def test_no_sampled_step_says_so(tmp_path) -> None:
         fit(tmp_path, [MemoryBreakdown(sample_steps=[10])], max_steps=2, limit_val_batches=0)
 
 
-@pytest.mark.parametrize("bad,arg", [({"sample_steps": [1.5]}, "sample_steps"), ({"log_metrics": 1}, "log_metrics")])
+@pytest.mark.parametrize(
+    "bad,arg", [({"sample_steps": [1.5]}, "sample_steps"), ({"log_metrics": 1}, "log_metrics")]
+)
 def test_bad_arguments(bad, arg) -> None:
     with pytest.raises((TypeError, ValueError), match=arg):
         MemoryBreakdown(**bad)

@@ -21,6 +21,10 @@ def test_notebook_runs_short(path: Path) -> None:
     params = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(params) == 1, "a tutorial needs one cell tagged `parameters` with SHORT = False"
     params[0].source = "SHORT = True"
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
-    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    ).execute()
+    outputs = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
     assert "MemoryBreakdown" in outputs  # the report of the fit was printed

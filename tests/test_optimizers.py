@@ -9,9 +9,9 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import SaveAt, fit, params_of, tiny_model
 from torch import nn
 
-from helpers import SaveAt, fit, params_of, tiny_model
 from lightning_efficient.functional import (
     attach_optimizer_in_backward,
     build_optimizer,
@@ -20,7 +20,12 @@ from lightning_efficient.functional import (
     swap_optimizer,
 )
 from lightning_efficient.measure.track import measure_step
-from lightning_efficient.techniques.optimizers import EIGHT_BIT_NAMES, NAMES, InBackwardOptimizer, OptimizerSwap
+from lightning_efficient.techniques.optimizers import (
+    EIGHT_BIT_NAMES,
+    NAMES,
+    InBackwardOptimizer,
+    OptimizerSwap,
+)
 
 
 def _module_optimizer(model=None):
@@ -32,7 +37,11 @@ def _module_optimizer(model=None):
 def _step(model, optimizer, n=1):
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     for _ in range(n):
-        loss = model.training_step((x, x), 0) if False else nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss = (
+            model.training_step((x, x), 0)
+            if False
+            else nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -87,8 +96,12 @@ def test_lr_schedule_values_equal_the_plain_run(tmp_path) -> None:
     plain, swapped = LrRecorder(), LrRecorder()
     fit(tmp_path / "plain", [plain], max_steps=6)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no "lr_scheduler.step() before optimizer.step()"
-        warnings.filterwarnings("ignore", message=".*(does not have many workers|Paged|weights_only|litlogger).*")
+        warnings.simplefilter(
+            "error", UserWarning
+        )  # no "lr_scheduler.step() before optimizer.step()"
+        warnings.filterwarnings(
+            "ignore", message=".*(does not have many workers|Paged|weights_only|litlogger).*"
+        )
         trainer, _, _ = fit(tmp_path / "swap", [OptimizerSwap("adamw8bit"), swapped], max_steps=6)
     assert len(set(map(tuple, plain.lrs))) > 2  # the schedule moves
     assert swapped.lrs == plain.lrs
@@ -100,8 +113,18 @@ class PlateauGPT(type(tiny_model())):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2, "monitor": "train_loss"}}
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            opt, factor=0.5, patience=0, threshold=10.0
+        )
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": sched,
+                "interval": "step",
+                "frequency": 2,
+                "monitor": "train_loss",
+            },
+        }
 
 
 def test_lightning_scheduler_config_kept(tmp_path) -> None:
@@ -109,12 +132,19 @@ def test_lightning_scheduler_config_kept(tmp_path) -> None:
 
     plain, swapped = LrRecorder(), LrRecorder()
     fit(tmp_path / "p", [plain], model=PlateauGPT(**TINY_MODEL), max_steps=8)
-    trainer, _, _ = fit(tmp_path / "s", [OptimizerSwap("lion8bit"), swapped], model=PlateauGPT(**TINY_MODEL), max_steps=8)
+    trainer, _, _ = fit(
+        tmp_path / "s",
+        [OptimizerSwap("lion8bit"), swapped],
+        model=PlateauGPT(**TINY_MODEL),
+        max_steps=8,
+    )
     config = trainer.lr_scheduler_configs[0]
     assert (config.interval, config.frequency, config.monitor) == ("step", 2, "train_loss")
     assert config.scheduler.optimizer is trainer.optimizers[0]
     assert type(trainer.optimizers[0]).__name__ == "Lion8bit"
-    assert swapped.lrs[-1][0] < swapped.lrs[0][0]  # the plateau scheduler did reduce the new optimizer's lr
+    assert (
+        swapped.lrs[-1][0] < swapped.lrs[0][0]
+    )  # the plateau scheduler did reduce the new optimizer's lr
     assert len(swapped.lrs) == len(plain.lrs)
 
 
@@ -142,7 +172,10 @@ class TwoOptimizerGPT(type(tiny_model())):
         rest = [p for p in self.parameters() if id(p) not in ids]
         a = torch.optim.AdamW(blocks, lr=1e-3, weight_decay=0.05)
         b = torch.optim.SGD(rest, lr=1e-2, momentum=0.9)
-        return [a, b], [torch.optim.lr_scheduler.StepLR(a, 2, 0.5), torch.optim.lr_scheduler.StepLR(b, 3, 0.1)]
+        return [a, b], [
+            torch.optim.lr_scheduler.StepLR(a, 2, 0.5),
+            torch.optim.lr_scheduler.StepLR(b, 3, 0.1),
+        ]
 
 
 def test_multiple_optimizers_swapped(tmp_path) -> None:
@@ -150,7 +183,12 @@ def test_multiple_optimizers_swapped(tmp_path) -> None:
 
     plain, swapped = LrRecorder(), LrRecorder()
     fit(tmp_path / "p", [plain], model=TwoOptimizerGPT(**TINY_MODEL), max_steps=6)
-    trainer, model, rec = fit(tmp_path / "s", [OptimizerSwap("adam8bit"), swapped], model=TwoOptimizerGPT(**TINY_MODEL), max_steps=6)
+    trainer, model, rec = fit(
+        tmp_path / "s",
+        [OptimizerSwap("adam8bit"), swapped],
+        model=TwoOptimizerGPT(**TINY_MODEL),
+        max_steps=6,
+    )
     assert [type(o).__name__ for o in trainer.optimizers] == ["Adam8bit", "Adam8bit"]
     assert [type(o.optimizer).__name__ for o in model.optimizers()] == ["Adam8bit", "Adam8bit"]
     assert trainer.optimizers[0].param_groups[0]["weight_decay"] == 0.05
@@ -174,7 +212,10 @@ def test_every_name_builds_and_steps(name: str) -> None:
     if name in EIGHT_BIT_NAMES:
         # 8-bit exactly for the large non-embedding matrices; 32-bit for small tensors and embeddings
         emb = {id(p) for p in embedding_parameters(model)}
-        pairs = {(p.numel() >= 4096 and id(p) not in emb, opt.state[p]["state1"].dtype) for p in model.parameters()}
+        pairs = {
+            (p.numel() >= 4096 and id(p) not in emb, opt.state[p]["state1"].dtype)
+            for p in model.parameters()
+        }
         assert pairs == {(True, torch.uint8), (False, torch.float32)}
 
 
@@ -184,13 +225,21 @@ def test_small_tensors_and_embeddings_keep_32bit_states() -> None:
     global_configs = dict(GlobalOptimManager.get_instance().pid2config)
     model = tiny_model()
     for embeddings_32bit in (True, False):
-        opt = build_optimizer("adamw8bit", model.parameters(), keep_32bit=embedding_parameters(model) if embeddings_32bit else ())
+        opt = build_optimizer(
+            "adamw8bit",
+            model.parameters(),
+            keep_32bit=embedding_parameters(model) if embeddings_32bit else (),
+        )
         _step(model, opt)
         emb = opt.state[model.tok_emb.weight]["state1"].dtype
         assert emb == (torch.float32 if embeddings_32bit else torch.uint8)
-        assert opt.state[model.blocks[0].mlp[0].weight]["state1"].dtype == torch.uint8  # 4096 elements
+        assert (
+            opt.state[model.blocks[0].mlp[0].weight]["state1"].dtype == torch.uint8
+        )  # 4096 elements
         assert opt.state[model.blocks[0].ln1.weight]["state1"].dtype == torch.float32  # 32 < 4096
-    assert GlobalOptimManager.get_instance().pid2config == global_configs  # the override stays scoped
+    assert (
+        GlobalOptimManager.get_instance().pid2config == global_configs
+    )  # the override stays scoped
 
 
 def test_adamw_fused_uses_foreach_on_cpu_with_a_note(tmp_path, caplog) -> None:
@@ -212,7 +261,9 @@ def test_adamw8bit_state_bytes_at_most_30_percent_of_adamw() -> None:
 
     torch.manual_seed(0)
     plain = measure_step(TinyGPT(), _demo_batch())
-    pure = measure_step(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw8bit", embeddings_32bit=False)])
+    pure = measure_step(
+        TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw8bit", embeddings_32bit=False)]
+    )
     default = measure_step(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw8bit")])
     fp32 = plain.by_category["optimizer_state"]
     assert fp32 >= 8 * sum(p.numel() for p in TinyGPT().parameters())  # two fp32 moments
@@ -220,7 +271,9 @@ def test_adamw8bit_state_bytes_at_most_30_percent_of_adamw() -> None:
     # 32-bit embedding states cost 6 more bytes per element (2 x 4 instead of 2 x 1), no more
     emb = sum(p.numel() for p in embedding_parameters(TinyGPT()))
     extra = default.by_category["optimizer_state"] - pure.by_category["optimizer_state"]
-    assert extra == 6 * emb - 2 * 4 * emb // 256  # (minus the 8-bit blocks' absmax, 2 x 4 B per 256)
+    assert (
+        extra == 6 * emb - 2 * 4 * emb // 256
+    )  # (minus the 8-bit blocks' absmax, 2 x 4 B per 256)
     assert default.by_category["optimizer_state"] <= 0.31 * fp32
     assert default.peak_bytes < plain.peak_bytes
 
@@ -230,9 +283,16 @@ def test_optimizer_in_backward_removes_gradients_from_the_peak() -> None:
 
     torch.manual_seed(0)
     plain = measure_step(TinyGPT(), _demo_batch(), "torch.optim.AdamW")
-    inb = measure_step(TinyGPT(), _demo_batch(), "torch.optim.AdamW", callbacks=[OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True)])
+    inb = measure_step(
+        TinyGPT(),
+        _demo_batch(),
+        "torch.optim.AdamW",
+        callbacks=[OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True)],
+    )
     largest = max(p.numel() * p.element_size() for p in TinyGPT().parameters())
-    assert plain.by_category["gradients"] == 4 * sum(p.numel() for p in TinyGPT().parameters())  # all of them
+    assert plain.by_category["gradients"] == 4 * sum(
+        p.numel() for p in TinyGPT().parameters()
+    )  # all of them
     # at most the one gradient being stepped is alive at the peak
     assert inb.by_category["gradients"] <= largest < plain.by_category["gradients"] / 10
     assert inb.peak_bytes <= plain.peak_bytes - 0.5 * plain.by_category["gradients"]
@@ -274,11 +334,19 @@ def test_eight_bit_state_model_layout() -> None:
         opt.step()
         opt.step()
     s = opt.state[big]
-    assert s["step"] == 2 and s["state1"].dtype == s["state2"].dtype == torch.uint8 and s["state1"].shape == big.shape
+    assert (
+        s["step"] == 2
+        and s["state1"].dtype == s["state2"].dtype == torch.uint8
+        and s["state1"].shape == big.shape
+    )
     assert s["absmax1"].shape == s["absmax2"].shape == (25,) and s["qmap1"].shape == (256,)
     assert s["qmap1"] is not s["qmap2"]
     for p in (small, emb):
-        assert opt.state[p]["state1"].dtype == torch.float32 and set(opt.state[p]) == {"step", "state1", "state2"}
+        assert opt.state[p]["state1"].dtype == torch.float32 and set(opt.state[p]) == {
+            "step",
+            "state1",
+            "state2",
+        }
     with mode:
         lion = EightBitStateModel([big], "lion8bit")
         lion.step()
@@ -289,15 +357,30 @@ def test_estimate_in_backward() -> None:
     from lightning_efficient.demos import TinyGPT
     from lightning_efficient.measure.estimate import estimate_memory
 
-    est = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adamw_fused", optimizer_in_backward=True)])
+    est = estimate_memory(
+        TinyGPT(),
+        _demo_batch(),
+        callbacks=[OptimizerSwap("adamw_fused", optimizer_in_backward=True)],
+    )
     largest = max(p.numel() * p.element_size() for p in TinyGPT().parameters())
-    assert est.by_category["gradients"] <= largest and "OptimizerSwap: optimizer 'adamw_fused', stepped in backward" in est.notes
-    eight = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("paged_adamw8bit", optimizer_in_backward=True)])
+    assert (
+        est.by_category["gradients"] <= largest
+        and "OptimizerSwap: optimizer 'adamw_fused', stepped in backward" in est.notes
+    )
+    eight = estimate_memory(
+        TinyGPT(),
+        _demo_batch(),
+        callbacks=[OptimizerSwap("paged_adamw8bit", optimizer_in_backward=True)],
+    )
     assert eight.by_category["gradients"] <= largest
     assert eight.by_category["optimizer_state"] <= 0.31 * est.by_category["optimizer_state"]
     # Adafactor in backward: the estimate follows the real step (factored states, temporaries)
-    factor = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adafactor", optimizer_in_backward=True)])
-    real = measure_step(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adafactor", optimizer_in_backward=True)])
+    factor = estimate_memory(
+        TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adafactor", optimizer_in_backward=True)]
+    )
+    real = measure_step(
+        TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap("adafactor", optimizer_in_backward=True)]
+    )
     assert factor.by_category["optimizer_state"] == real.by_category["optimizer_state"]
     assert abs(factor.peak_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes
 
@@ -305,10 +388,16 @@ def test_estimate_in_backward() -> None:
 def test_optimizer_in_backward_same_maths_with_scheduler(tmp_path) -> None:
     plain, inb = LrRecorder(), LrRecorder()
     _, pm, prec = fit(tmp_path / "p", [plain], max_steps=5)
-    trainer, im, irec = fit(tmp_path / "i", [OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True), inb], max_steps=5)
+    trainer, im, irec = fit(
+        tmp_path / "i",
+        [OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True), inb],
+        max_steps=5,
+    )
     assert isinstance(trainer.optimizers[0], InBackwardOptimizer)
     assert inb.lrs == plain.lrs and len(set(map(tuple, plain.lrs))) > 2
-    torch.testing.assert_close(torch.tensor(irec.losses), torch.tensor(prec.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(irec.losses), torch.tensor(prec.losses), rtol=1e-5, atol=1e-6
+    )
     for (name, a), b in zip(params_of(pm).items(), params_of(im).values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert all(p.grad is None for p in im.parameters())
@@ -327,13 +416,21 @@ def test_attach_optimizer_in_backward_without_lightning() -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
-    ({"gradient_clip_val": 1.0}, "gradient_clip_val=1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
+        ({"gradient_clip_val": 1.0}, "gradient_clip_val=1.0"),
+    ],
+)
 def test_optimizer_in_backward_refuses_accumulation_and_clipping(tmp_path, kwargs, needle) -> None:
     with pytest.raises(ValueError, match="optimizer_in_backward=True") as info:
-        fit(tmp_path, [OptimizerSwap("adamw8bit", optimizer_in_backward=True)], max_steps=2, **kwargs)
+        fit(
+            tmp_path,
+            [OptimizerSwap("adamw8bit", optimizer_in_backward=True)],
+            max_steps=2,
+            **kwargs,
+        )
     assert needle in str(info.value) and "optimizer_in_backward=False" in str(info.value)
 
 
@@ -346,8 +443,11 @@ def _resume_pair(tmp_path, make, k=3):
     return full, resumed, ckpt
 
 
-@pytest.mark.parametrize("kwargs", [{"name": "adamw8bit"}, {"name": "paged_adamw8bit", "optimizer_in_backward": True}],
-                         ids=["adamw8bit", "paged_adamw8bit-in-backward"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"name": "adamw8bit"}, {"name": "paged_adamw8bit", "optimizer_in_backward": True}],
+    ids=["adamw8bit", "paged_adamw8bit-in-backward"],
+)
 def test_resume_with_swapped_optimizer_is_exact(tmp_path, kwargs) -> None:
     full, resumed, ckpt = _resume_pair(tmp_path, lambda: OptimizerSwap(**kwargs))
     for (name, a), b in zip(params_of(full).items(), params_of(resumed).values()):
@@ -372,7 +472,12 @@ def test_keyerror_state1_root_cause_and_fix(tmp_path) -> None:
     trainer, _, _ = fit(tmp_path / "plain", [], max_steps=2)
     trainer.save_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(ValueError) as info:
-        fit(tmp_path / "r", [OptimizerSwap("adamw8bit")], max_steps=4, ckpt_path=str(tmp_path / "plain.ckpt"))
+        fit(
+            tmp_path / "r",
+            [OptimizerSwap("adamw8bit")],
+            max_steps=4,
+            ckpt_path=str(tmp_path / "plain.ckpt"),
+        )
     msg = str(info.value)
     assert "module's own optimizer (torch.optim.adamw.AdamW)" in msg
     assert "on_mismatch='reset'" in msg and "swap to the matching optimizer" in msg
@@ -382,12 +487,22 @@ def test_resume_with_another_optimizer_names_the_choices(tmp_path) -> None:
     trainer, _, _ = fit(tmp_path / "a", [OptimizerSwap("adamw8bit")], max_steps=2)
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     with pytest.raises(ValueError) as info:
-        fit(tmp_path / "b", [OptimizerSwap("lion8bit")], max_steps=4, ckpt_path=str(tmp_path / "a.ckpt"))
+        fit(
+            tmp_path / "b",
+            [OptimizerSwap("lion8bit")],
+            max_steps=4,
+            ckpt_path=str(tmp_path / "a.ckpt"),
+        )
     msg = str(info.value)
     assert "OptimizerSwap('adamw8bit')" in msg and "OptimizerSwap('lion8bit')" in msg
     assert "reset the optimizer state" in msg and "resume with OptimizerSwap('adamw8bit')" in msg
     # the first choice works: model and schedule resume, the optimizer starts afresh
-    trainer, _, _ = fit(tmp_path / "c", [OptimizerSwap("lion8bit", on_mismatch="reset")], max_steps=4, ckpt_path=str(tmp_path / "a.ckpt"))
+    trainer, _, _ = fit(
+        tmp_path / "c",
+        [OptimizerSwap("lion8bit", on_mismatch="reset")],
+        max_steps=4,
+        ckpt_path=str(tmp_path / "a.ckpt"),
+    )
     assert trainer.global_step == 4 and type(trainer.optimizers[0]).__name__ == "Lion8bit"
 
 
@@ -395,7 +510,9 @@ def test_adamw8bit_losses_close_to_adamw(tmp_path) -> None:
     _, _, plain = fit(tmp_path / "p", [], max_steps=8)
     _, _, eight = fit(tmp_path / "e", [OptimizerSwap("adamw8bit")], max_steps=8)
     assert plain.losses[0] == eight.losses[0] and plain.losses[-1] < plain.losses[0] - 0.1
-    torch.testing.assert_close(torch.tensor(eight.losses), torch.tensor(plain.losses), rtol=0.01, atol=0.0)
+    torch.testing.assert_close(
+        torch.tensor(eight.losses), torch.tensor(plain.losses), rtol=0.01, atol=0.0
+    )
 
 
 # -- bad input and yaml --------------------------------------------------------------------
@@ -417,7 +534,10 @@ def test_bad_overrides_are_named() -> None:
         OptimizerSwap("lion8bit", overrides={"amsgrad": True})
     with pytest.raises(TypeError, match="`overrides`"):
         OptimizerSwap("adamw8bit", overrides=[("lr", 1.0)])
-    assert OptimizerSwap("adamw8bit", lr=1e-3, overrides={"min_8bit_size": 16}).overrides == {"min_8bit_size": 16, "lr": 1e-3}
+    assert OptimizerSwap("adamw8bit", lr=1e-3, overrides={"min_8bit_size": 16}).overrides == {
+        "min_8bit_size": 16,
+        "lr": 1e-3,
+    }
 
 
 def test_missing_bitsandbytes_names_the_extra(monkeypatch) -> None:
@@ -434,9 +554,20 @@ def test_yaml_with_overrides(tmp_path) -> None:
 
     from lightning_efficient.cli import EfficientCLI
 
-    spec = {"class_path": "OptimizerSwap", "init_args": {"name": "adafactor", "overrides": {"lr": 0.01, "beta2_decay": -0.7}, "optimizer_in_backward": True}}
+    spec = {
+        "class_path": "OptimizerSwap",
+        "init_args": {
+            "name": "adafactor",
+            "overrides": {"lr": 0.01, "beta2_decay": -0.7},
+            "optimizer_in_backward": True,
+        },
+    }
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "logger": False, "callbacks": [spec]}}))
+    cfg.write_text(
+        yaml.safe_dump({"trainer": {"accelerator": "cpu", "logger": False, "callbacks": [spec]}})
+    )
     cli = EfficientCLI(args=["--config", str(cfg)], run=False)
     swap = next(cb for cb in cli.trainer.callbacks if isinstance(cb, OptimizerSwap))
-    assert swap.overrides == {"lr": 0.01, "beta2_decay": -0.7} and swap.optimizer_in_backward is True
+    assert (
+        swap.overrides == {"lr": 0.01, "beta2_decay": -0.7} and swap.optimizer_in_backward is True
+    )

@@ -34,7 +34,7 @@ def test_picks_first_rung_that_fits(workload) -> None:
     assert result.chosen is not None and result.chosen is not result.tried[0][0]
     chosen_est = next(est for rung, est, _ in result.tried if rung is result.chosen)
     assert chosen_est.peak_bytes <= budget
-    for rung, est, problem in result.tried[:-1]:  # every rung before the plan did not fit
+    for rung, est, _problem in result.tried[:-1]:  # every rung before the plan did not fit
         assert est is None or est.peak_bytes > budget, rung.name
 
 
@@ -57,14 +57,21 @@ def test_custom_ladder_and_yaml_round_trip(workload, tmp_path) -> None:
         return cb
 
     ladder = [Rung("fp32", "32-true"), Rung("fp32 + half the blocks", "32-true", lambda: [ac()])]
-    plain_peak = plan_stack(model, batch, "1TiB", ladder=ladder[:1], cuda_rounding=False).tried[0][1].peak_bytes
+    plain_peak = (
+        plan_stack(model, batch, "1TiB", ladder=ladder[:1], cuda_rounding=False)
+        .tried[0][1]
+        .peak_bytes
+    )
     result = plan_stack(model, batch, plain_peak - 1, ladder=ladder, cuda_rounding=False)
     assert result.chosen is ladder[1]
     cfg = tmp_path / "plan.yaml"
     cfg.write_text(result.to_yaml())
     trainer_cfg = yaml.safe_load(cfg.read_text())["trainer"]
     assert trainer_cfg["precision"] == "32-true"
-    cli = EfficientCLI(args=["--config", str(cfg), "--trainer.accelerator=cpu", "--trainer.logger=false"], run=False)
+    cli = EfficientCLI(
+        args=["--config", str(cfg), "--trainer.accelerator=cpu", "--trainer.logger=false"],
+        run=False,
+    )
     built = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationCheckpointing)]
     assert len(built) == 1 and built[0].every_n == 2
 
@@ -78,10 +85,21 @@ def test_bad_budget_named(workload) -> None:
 
 
 def test_plan_command(tmp_path) -> None:
-    args = [sys.executable, "-m", "lightning_efficient", "plan", "--config", "configs/demo.yaml",
-            "--trainer.accelerator=cpu"]
-    ok = subprocess.run([*args, "--budget", "1GiB"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    args = [
+        sys.executable,
+        "-m",
+        "lightning_efficient",
+        "plan",
+        "--config",
+        "configs/demo.yaml",
+        "--trainer.accelerator=cpu",
+    ]
+    ok = subprocess.run(
+        [*args, "--budget", "1GiB"], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "<- plan" in ok.stdout and "precision:" in ok.stdout
-    bad = subprocess.run([*args, "--budget", "lots"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    bad = subprocess.run(
+        [*args, "--budget", "lots"], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr

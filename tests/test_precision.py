@@ -9,11 +9,11 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-
 from helpers import fit, tiny_data, tiny_model
+
 from lightning_efficient.cli import EfficientCLI
-from lightning_efficient.measure.report import report_for
-from lightning_efficient.techniques import _base
+from lightning_efficient.core.report import report_for
+from lightning_efficient.core import technique as _base
 from lightning_efficient.techniques import precision as P
 from lightning_efficient.techniques.precision import (
     Float8Training,
@@ -28,7 +28,8 @@ from lightning_efficient.techniques.precision import (
 
 # -- best_precision ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "capability,expected", [((7, 0), "16-mixed"), ((7, 5), "16-mixed"), ((8, 0), "bf16-mixed"), ((9, 0), "bf16-mixed")]
+    "capability,expected",
+    [((7, 0), "16-mixed"), ((7, 5), "16-mixed"), ((8, 0), "bf16-mixed"), ((9, 0), "bf16-mixed")],
 )
 def test_best_precision_on_cuda_by_capability(monkeypatch, capability, expected) -> None:
     # the decision logic, given what the CUDA runtime would report for each GPU generation
@@ -53,7 +54,9 @@ def test_unknown_precision_lists_valid_values() -> None:
 
 
 def _cli(*args: str) -> EfficientCLI:
-    return EfficientCLI(args=["--trainer.accelerator", "cpu", "--trainer.logger", "false", *args], run=False)
+    return EfficientCLI(
+        args=["--trainer.accelerator", "cpu", "--trainer.logger", "false", *args], run=False
+    )
 
 
 def test_cli_precision_auto_resolves_through_best_precision() -> None:
@@ -67,17 +70,29 @@ def test_cli_unknown_precision_is_a_clear_error(capsys) -> None:
         _cli("--trainer.precision", "fp8-magic")
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "trainer.precision" in err and "'fp8-magic'" in err and "'bf16-mixed'" in err and "'auto'" in err
+    assert (
+        "trainer.precision" in err
+        and "'fp8-magic'" in err
+        and "'bf16-mixed'" in err
+        and "'auto'" in err
+    )
 
 
 # -- bf16 versus fp32 on the demo ----------------------------------------------------------------
 def test_bf16_mixed_validation_loss_within_2_percent_of_fp32(tmp_path) -> None:
     def val_loss(precision: str) -> float:
         trainer, _, rec = fit(
-            tmp_path / precision, max_steps=20, precision=precision, limit_val_batches=2, model=tiny_model(warmup_steps=5), data=tiny_data(max_train_samples=256),
+            tmp_path / precision,
+            max_steps=20,
+            precision=precision,
+            limit_val_batches=2,
+            model=tiny_model(warmup_steps=5),
+            data=tiny_data(max_train_samples=256),
         )
         trainer.validate(trainer.lightning_module, datamodule=trainer.datamodule, verbose=False)
-        assert rec.losses[-1] < rec.losses[0] - 0.5  # it learned something, so the comparison means something
+        assert (
+            rec.losses[-1] < rec.losses[0] - 0.5
+        )  # it learned something, so the comparison means something
         return float(trainer.callback_metrics["val_loss"])
 
     fp32, bf16 = val_loss("32-true"), val_loss("bf16-mixed")
@@ -90,7 +105,9 @@ def test_bf16_mixed_validation_loss_within_2_percent_of_fp32(tmp_path) -> None:
 def test_set_and_restore_matmul_precision() -> None:
     before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
     previous = set_matmul_precision("medium")
-    assert torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.allow_tf32 is True
+    assert (
+        torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.allow_tf32 is True
+    )
     set_matmul_precision("highest")
     assert torch.backends.cudnn.allow_tf32 is False
     restore_matmul_precision(previous)
@@ -134,7 +151,10 @@ def test_matmul_precision_set_during_fit_and_restored(tmp_path, pretend_tf32) ->
     seen = _Seen()
     trainer, _, _ = fit(tmp_path, [MatmulPrecision("high"), seen], max_steps=3)
     assert seen.seen == [("high", True)] * 3
-    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("highest", False)
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (
+        "highest",
+        False,
+    )
     assert "'highest' -> 'high'" in report_for(trainer)["MatmulPrecision"].change
 
 
@@ -143,7 +163,10 @@ def test_matmul_precision_restored_on_exception(tmp_path, pretend_tf32) -> None:
     with pytest.raises(RuntimeError, match="stop here"):
         fit(tmp_path, [MatmulPrecision("medium"), seen], max_steps=3)
     assert seen.seen[0] == ("medium", True)
-    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("highest", False)
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (
+        "highest",
+        False,
+    )
 
 
 def test_matmul_level_checked() -> None:
@@ -152,7 +175,9 @@ def test_matmul_level_checked() -> None:
 
 
 # -- FP8 -----------------------------------------------------------------------------------------
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the `fp8` extra (torchao)")
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="needs the `fp8` extra (torchao)"
+)
 
 
 @needs_torchao
@@ -207,9 +232,19 @@ def test_float8_bad_arguments() -> None:
 def test_float8_training_on_fp8_gpu(tmp_path) -> None:
     if not P.supports_fp8():
         pytest.skip("needs compute capability 8.9+")
-    _, _, ref = fit(tmp_path / "ref", max_steps=8, accelerator="gpu", precision="bf16-mixed", model=tiny_model(n_embd=64))
+    _, _, ref = fit(
+        tmp_path / "ref",
+        max_steps=8,
+        accelerator="gpu",
+        precision="bf16-mixed",
+        model=tiny_model(n_embd=64),
+    )
     trainer, model, rec = fit(
-        tmp_path / "fp8", [Float8Training()], max_steps=8, accelerator="gpu", precision="bf16-mixed",
+        tmp_path / "fp8",
+        [Float8Training()],
+        max_steps=8,
+        accelerator="gpu",
+        precision="bf16-mixed",
         model=tiny_model(n_embd=64),
     )
     from torchao.float8.float8_linear import Float8Linear

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from lightning_efficient.measure.report import EfficiencyReport, format_figure, report_for
+from lightning_efficient.core.report import EfficiencyReport, format_figure, report_for
 
 
 def _report() -> EfficiencyReport:
@@ -17,12 +17,19 @@ def _report() -> EfficiencyReport:
 def test_dict_markdown_and_units() -> None:
     report = _report()
     assert report.to_dict() == {
-        "ActivationCheckpointing": {"change": "wrapped 4 blocks", "saved_bytes": 3 * 2**30, "step_s": 0.25},
+        "ActivationCheckpointing": {
+            "change": "wrapped 4 blocks",
+            "saved_bytes": 3 * 2**30,
+            "step_s": 0.25,
+        },
         "OptimizerSwap": {"change": "AdamW -> AdamW8bit", "state_ratio": 0.25, "groups": 2},
     }
     md = report.to_markdown().splitlines()
     assert md[0] == "| Technique | What changed | Figures |"
-    assert md[2] == "| ActivationCheckpointing | wrapped 4 blocks | saved_bytes=3.00 GiB, step_s=0.25 s |"
+    assert (
+        md[2]
+        == "| ActivationCheckpointing | wrapped 4 blocks | saved_bytes=3.00 GiB, step_s=0.25 s |"
+    )
     assert md[3] == "| OptimizerSwap | AdamW -> AdamW8bit | state_ratio=0.250x, groups=2 |"
     assert format_figure("flag", True) == "True" and format_figure("x", 1.23456) == "1.235"
     # adding the same technique again replaces its row; update adds figures

@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-
 from helpers import SaveAt, fit, params_of, tiny_model
+
 from lightning_efficient import functional as F
 from lightning_efficient.techniques.zero_offload import (
     SUPPORTED_OPTIMIZERS,
@@ -36,7 +36,9 @@ def test_default_config_is_stage2_cpu_offload_single_gpu_defaults() -> None:
 
 
 def test_stage3_parameter_offload_config() -> None:
-    zero = zero_offload_config(stage=3, offload_parameters=True, pin_memory=False)["zero_optimization"]
+    zero = zero_offload_config(stage=3, offload_parameters=True, pin_memory=False)[
+        "zero_optimization"
+    ]
     assert zero["stage"] == 3
     assert zero["offload_param"] == {"device": "cpu", "pin_memory": False}
     assert zero["offload_optimizer"]["pin_memory"] is False
@@ -46,24 +48,35 @@ def test_no_offload_has_no_offload_sections() -> None:
     zero = zero_offload_config(offload_optimizer=None)["zero_optimization"]
     assert "offload_optimizer" not in zero and "offload_param" not in zero
     assert offloaded_categories(zero_offload_config(offload_optimizer=None)) == {
-        "optimizer_state": False, "gradients": False, "parameters": False,
+        "optimizer_state": False,
+        "gradients": False,
+        "parameters": False,
     }
 
 
 def test_nvme_config_uses_the_writable_path(tmp_path) -> None:
-    zero = zero_offload_config(offload_optimizer="nvme", nvme_path=str(tmp_path))["zero_optimization"]
+    zero = zero_offload_config(offload_optimizer="nvme", nvme_path=str(tmp_path))[
+        "zero_optimization"
+    ]
     assert zero["offload_optimizer"]["device"] == "nvme"
     assert zero["offload_optimizer"]["nvme_path"] == str(tmp_path)
 
 
 def test_user_config_merges_and_wins_over_defaults() -> None:
-    cfg = zero_offload_config(config={"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 123}, "steps_per_print": 7})
+    cfg = zero_offload_config(
+        config={
+            "zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 123},
+            "steps_per_print": 7,
+        }
+    )
     zero = cfg["zero_optimization"]
     assert zero["overlap_comm"] is False and zero["reduce_bucket_size"] == 123
     assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu"  # rest kept
     assert cfg["steps_per_print"] == 7
     # equal values of named settings are no conflict
-    same = zero_offload_config(stage=3, config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    same = zero_offload_config(
+        stage=3, config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    )
     assert same["zero_optimization"]["stage"] == 3
 
 
@@ -71,13 +84,31 @@ def test_user_config_merges_and_wins_over_defaults() -> None:
     "kwargs, config, names",
     [
         ({}, {"zero_optimization": {"stage": 3}}, ("['stage']=3", "`stage`=2")),
-        ({}, {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ("['device']='nvme'", "`offload_optimizer`='cpu'")),
-        ({"offload_optimizer": None}, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ("'cpu'", "`offload_optimizer`='none'")),
-        ({"stage": 3}, {"zero_optimization": {"offload_param": {"device": "cpu"}}}, ("offload_param", "`offload_parameters`='none'")),
-        ({}, {"zero_optimization": {"offload_optimizer": {"pin_memory": False}}}, ("['pin_memory']=False", "`pin_memory`=True")),
+        (
+            {},
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            ("['device']='nvme'", "`offload_optimizer`='cpu'"),
+        ),
+        (
+            {"offload_optimizer": None},
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            ("'cpu'", "`offload_optimizer`='none'"),
+        ),
+        (
+            {"stage": 3},
+            {"zero_optimization": {"offload_param": {"device": "cpu"}}},
+            ("offload_param", "`offload_parameters`='none'"),
+        ),
+        (
+            {},
+            {"zero_optimization": {"offload_optimizer": {"pin_memory": False}}},
+            ("['pin_memory']=False", "`pin_memory`=True"),
+        ),
     ],
 )
-def test_config_conflicting_with_named_argument_is_an_error_naming_both(kwargs, config, names) -> None:
+def test_config_conflicting_with_named_argument_is_an_error_naming_both(
+    kwargs, config, names
+) -> None:
     with pytest.raises(ValueError, match="conflicts") as info:
         zero_offload_config(**kwargs, config=config)
     for name in names:
@@ -95,13 +126,18 @@ def test_bucket_sizes_scale_with_the_model() -> None:
     big = scale_buckets(base, 6_400_000_000)["zero_optimization"]
     mid = scale_buckets(base, 160_000_000)["zero_optimization"]
     assert small["reduce_bucket_size"] == 1_000_000  # floor
-    assert mid["reduce_bucket_size"] == 10_000_000 == mid["allgather_bucket_size"]  # 1/16 of the model
+    assert (
+        mid["reduce_bucket_size"] == 10_000_000 == mid["allgather_bucket_size"]
+    )  # 1/16 of the model
     assert big["reduce_bucket_size"] == 200_000_000  # cap
     # a size the user set is kept
     user = zero_offload_config(config={"zero_optimization": {"reduce_bucket_size": 5}})
     assert scale_buckets(user, 160_000_000)["zero_optimization"]["reduce_bucket_size"] == 5
     s3 = scale_buckets(zero_offload_config(stage=3), 160_000_000)["zero_optimization"]
-    assert s3["stage3_prefetch_bucket_size"] == 10_000_000 and s3["stage3_param_persistence_threshold"] == 16_000
+    assert (
+        s3["stage3_prefetch_bucket_size"] == 10_000_000
+        and s3["stage3_param_persistence_threshold"] == 16_000
+    )
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -125,7 +161,9 @@ def test_nvme_with_missing_or_readonly_path_is_refused(tmp_path, monkeypatch) ->
     # permission bits do not bind root (these tests may run as root): the check asks os.access
     ro = str(tmp_path)
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: False if os.fspath(p) == ro else real_access(p, mode))
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if os.fspath(p) == ro else real_access(p, mode)
+    )
     with pytest.raises(ValueError, match="must be writable"):
         ZeROOffload(offload_optimizer="nvme", nvme_path=ro)
 
@@ -205,8 +243,12 @@ def runs(tmp_path_factory):
     out["zero_k"] = save.snapshot
     save_p = SaveAt(K, root / "plain_k.ckpt")
     out["plain"] = fit(root / "p", [save_p], **epoch)
-    out["zero_from_zero"] = fit(root / "zz", strategy=ZeROOffload(), ckpt_path=str(root / "zero_k.ckpt"), **epoch)
-    out["zero_from_plain"] = fit(root / "zp", strategy=ZeROOffload(), ckpt_path=str(root / "plain_k.ckpt"), **epoch)
+    out["zero_from_zero"] = fit(
+        root / "zz", strategy=ZeROOffload(), ckpt_path=str(root / "zero_k.ckpt"), **epoch
+    )
+    out["zero_from_plain"] = fit(
+        root / "zp", strategy=ZeROOffload(), ckpt_path=str(root / "plain_k.ckpt"), **epoch
+    )
     out["plain_from_zero"] = fit(root / "pz", ckpt_path=str(root / "zero_k.ckpt"), **epoch)
     out["root"] = root
     return out
@@ -223,7 +265,9 @@ def test_stage2_trains_like_plain_adamw(runs) -> None:
     assert zero_trainer.global_step == 2 * K
     assert type(zero_trainer.strategy.optimizers[0].optimizer).__name__ == "DeepSpeedCPUAdam"
     # same per-group weight decay, betas, eps and LR schedule: same trajectory as torch AdamW
-    torch.testing.assert_close(torch.tensor(zero_rec.losses), torch.tensor(plain_rec.losses), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(zero_rec.losses), torch.tensor(plain_rec.losses), rtol=1e-4, atol=1e-5
+    )
     _close(zero_model, plain_model)
     assert zero_rec.losses[-1] < zero_rec.losses[0]
 
@@ -256,9 +300,14 @@ def test_resume_from_zero_checkpoint_matches_uninterrupted(runs) -> None:
     trainer, model, rec = runs["zero_from_zero"]
     assert trainer.global_step == 2 * K
     # the test can fail: the model moved after step K
-    assert any(not torch.equal(a, b) for a, b in zip(runs["zero_k"].values(), params_of(full_model).values()))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(runs["zero_k"].values(), params_of(full_model).values())
+    )
     _close(model, full_model, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(full_rec.losses[K:]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        torch.tensor(rec.losses), torch.tensor(full_rec.losses[K:]), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_checkpoints_cross_between_zero_and_plain(runs) -> None:
@@ -272,8 +321,14 @@ def test_stage3_resumes_from_a_plain_checkpoint(runs, tmp_path) -> None:
     # ZeRO-3 partitions parameters and optimizer state: loading a plain AdamW checkpoint must
     # fill both (master weights and moments), or the run diverges from the plain one
     epoch = dict(limit_train_batches=K, max_steps=2 * K, use_distributed_sampler=False)
-    strategy = ZeROOffload(stage=3, offload_parameters=True, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
-    trainer, model, _ = fit(tmp_path, strategy=strategy, ckpt_path=str(runs["root"] / "plain_k.ckpt"), **epoch)
+    strategy = ZeROOffload(
+        stage=3,
+        offload_parameters=True,
+        config={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    )
+    trainer, model, _ = fit(
+        tmp_path, strategy=strategy, ckpt_path=str(runs["root"] / "plain_k.ckpt"), **epoch
+    )
     assert trainer.global_step == 2 * K
     from lightning_efficient.techniques.zero_offload import full_state_dict
 
@@ -289,14 +344,24 @@ def stage3(tmp_path_factory):
     # threshold 0: partition every parameter of the tiny model (a config entry no argument owns)
     no_persist = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     strategy = ZeROOffload(stage=3, offload_parameters=True, save_format="zero", config=no_persist)
-    trainer, model, rec = fit(root / "run", strategy=strategy, max_steps=4, use_distributed_sampler=False)
+    trainer, model, rec = fit(
+        root / "run", strategy=strategy, max_steps=4, use_distributed_sampler=False
+    )
     ckpt_dir = root / "zero3_ckpt"
     trainer.save_checkpoint(ckpt_dir)
     from lightning_efficient.techniques.zero_offload import full_state_dict
 
     trained = full_state_dict(model)
     _, plain_model, plain_rec = fit(root / "plain", max_steps=4)
-    return dict(trainer=trainer, rec=rec, ckpt_dir=ckpt_dir, trained=trained, plain_model=plain_model, plain_rec=plain_rec, root=root)
+    return dict(
+        trainer=trainer,
+        rec=rec,
+        ckpt_dir=ckpt_dir,
+        trained=trained,
+        plain_model=plain_model,
+        plain_rec=plain_rec,
+        root=root,
+    )
 
 
 def test_stage3_with_parameter_offload_trains(stage3) -> None:
@@ -309,7 +374,12 @@ def test_stage3_with_parameter_offload_trains(stage3) -> None:
     # parameters are partitioned: the module holds placeholders, DeepSpeed the data
     params = list(trainer.lightning_module.parameters())
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)
-    torch.testing.assert_close(torch.tensor(stage3["rec"].losses), torch.tensor(stage3["plain_rec"].losses), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(stage3["rec"].losses),
+        torch.tensor(stage3["plain_rec"].losses),
+        rtol=1e-4,
+        atol=1e-5,
+    )
     for name, value in params_of(stage3["plain_model"]).items():
         torch.testing.assert_close(stage3["trained"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -361,7 +431,9 @@ def test_estimate_device_peak_falls_with_offload() -> None:
     batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))
     plain = estimate_memory(model, batch)
     stage2 = estimate_memory(model, batch, callbacks=[ZeROOffload()])
-    stage3 = estimate_memory(model, batch, callbacks=[ZeROOffload(stage=3, offload_parameters=True)])
+    stage3 = estimate_memory(
+        model, batch, callbacks=[ZeROOffload(stage=3, offload_parameters=True)]
+    )
     no_offload = estimate_memory(model, batch, callbacks=[ZeROOffload(offload_optimizer=None)])
     n_bytes = 4 * sum(p.numel() for p in model.parameters())
     steps = 8 * len(list(model.parameters()))  # AdamW's per-parameter step counters
@@ -383,7 +455,11 @@ def test_yaml_short_name_through_the_cli(tmp_path) -> None:
     from lightning_efficient.cli import EfficientCLI
 
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "logger": False, "strategy": "zero_offload"}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"trainer": {"accelerator": "cpu", "logger": False, "strategy": "zero_offload"}}
+        )
+    )
     cli = EfficientCLI(args=["--config", str(cfg)], run=False)
     assert isinstance(cli.trainer.strategy, ZeROOffload)
     assert cli.trainer.strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

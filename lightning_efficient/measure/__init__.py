@@ -1,25 +1,27 @@
-"""The instrument: memory estimate, memory tracking, step timing and the efficiency report."""
+"""The instrument: memory estimate, memory tracking, step timing, and the measuring callbacks.
 
-from lightning_efficient.measure.report import EfficiencyReport, ReportEntry, report_for
-from lightning_efficient.measure.estimate import CATEGORIES, EstimatePlan, MemoryEstimate, estimate_memory
+``measure`` sits above ``core`` and below ``techniques``: it imports nothing from
+``techniques``; techniques take part in an estimate through ``configure_estimate(plan)``.
+"""
+
+from lightning_efficient.core.report import EfficiencyReport, ReportEntry, report_for
+from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.timing import StepTimer, time_fn
 from lightning_efficient.measure.track import StorageTracker, measure_step
+from lightning_efficient.measure.types import CATEGORIES, EstimatePlan, MemoryEstimate
 
 __all__ = [
-    "EfficiencyReport",
-    "ReportEntry",
-    "report_for",
     "CATEGORIES",
+    "EfficiencyReport",
     "EstimatePlan",
-    "MemoryEstimate",
-    "estimate_memory",
-    "StepTimer",
-    "time_fn",
-    "StorageTracker",
-    "measure_step",
     "MemoryBreakdown",
+    "MemoryEstimate",
+    "ReportEntry",
+    "StepTimer",
+    "StorageTracker",
+    "estimate_memory",
+    "measure_step",
+    "report_for",
+    "time_fn",
 ]
-
-# last: MemoryBreakdown is a Technique, and the techniques package imports from measure
-import lightning_efficient.techniques  # noqa: E402,F401
-from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402

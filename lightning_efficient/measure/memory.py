@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from lightning_efficient._validate import check_bool, format_bytes
-from lightning_efficient.measure.estimate import CATEGORIES, MemoryEstimate
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_bool, format_bytes
 from lightning_efficient.measure.track import StorageTracker, _tensors, _unique_params
-from lightning_efficient.techniques._base import Technique
+from lightning_efficient.measure.types import CATEGORIES, MemoryEstimate
 
 __all__ = ["MemoryBreakdown", "check_steps"]
 
@@ -26,12 +26,16 @@ __all__ = ["MemoryBreakdown", "check_steps"]
 def check_steps(name: str, value: Any) -> tuple[int, ...]:
     """A non-empty sequence of step indices (ints >= 0), as a sorted tuple without repeats."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"`{name}` must be a list of step indices (ints >= 0); got {value!r} ({type(value).__name__}).")
+        raise TypeError(
+            f"`{name}` must be a list of step indices (ints >= 0); got {value!r} ({type(value).__name__})."
+        )
     if not value:
         raise ValueError(f"`{name}` must name at least one step index; got {value!r}.")
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"`{name}` must contain ints >= 0; got {v!r} ({type(v).__name__}) in {value!r}.")
+            raise TypeError(
+                f"`{name}` must contain ints >= 0; got {v!r} ({type(v).__name__}) in {value!r}."
+            )
         if v < 0:
             raise ValueError(f"`{name}` must contain ints >= 0; got {v!r} in {value!r}.")
     return tuple(sorted(set(value)))
@@ -62,7 +66,9 @@ class MemoryBreakdown(Technique):
     ``self.measurements`` (step index -> ``MemoryEstimate``).
     """
 
-    def __init__(self, sample_steps: Sequence[int] = (1,), print_table: bool = True, log_metrics: bool = True) -> None:
+    def __init__(
+        self, sample_steps: Sequence[int] = (1,), print_table: bool = True, log_metrics: bool = True
+    ) -> None:
         super().__init__()
         self.sample_steps = check_steps("sample_steps", sample_steps)
         self.print_table = check_bool("print_table", print_table)
@@ -81,7 +87,9 @@ class MemoryBreakdown(Technique):
         super().setup(trainer, pl_module, stage)
         self.measurements = {}
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self._step is not None or step not in self.sample_steps or step in self.measurements:
             return
@@ -119,7 +127,9 @@ class MemoryBreakdown(Technique):
         elif self._cuda is not None:
             self._cuda["grads"] = max(self._cuda["grads"], _bytes_of(grads))
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._step is None or trainer.global_step <= self._step:
             return  # not measuring, or still accumulating gradients
         step = self._step

@@ -15,22 +15,30 @@ from typing import Any
 
 import torch
 
-from lightning_efficient._validate import check_int
+from lightning_efficient.core.validate import check_int
 
 __all__ = ["StepTimer", "time_fn"]
 
 
 def _as_device(device: torch.device | str | None) -> torch.device:
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     if isinstance(device, str):
         try:
             return torch.device(device)
         except RuntimeError as err:
-            raise ValueError(f"`device` must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}.") from err
+            raise ValueError(
+                f"`device` must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}."
+            ) from err
     if isinstance(device, torch.device):
         return device
-    raise TypeError(f"`device` must be a torch.device, a string or None; got {device!r} ({type(device).__name__}).")
+    raise TypeError(
+        f"`device` must be a torch.device, a string or None; got {device!r} ({type(device).__name__})."
+    )
 
 
 class StepTimer:
@@ -85,7 +93,9 @@ class StepTimer:
         if self._pending:
             self._pending[-1][2].synchronize()
             for region, begin, end in self._pending:
-                self._totals[region] = self._totals.get(region, 0.0) + begin.elapsed_time(end) / 1000.0
+                self._totals[region] = (
+                    self._totals.get(region, 0.0) + begin.elapsed_time(end) / 1000.0
+                )
             self._pending.clear()
         return dict(self._totals)
 

@@ -26,19 +26,24 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_efficient.measure.estimate import (
+from lightning_efficient.measure.types import (
     CATEGORIES,
     EstimatePlan,
     MemoryEstimate,
-    _check_common,
+    check_common,
     cuda_round,
     resolve_optimizer,
 )
 
-__all__ = ["StorageTracker", "run_steps", "measure_step", "MemoryBreakdown"]
+__all__ = ["StorageTracker", "run_steps", "measure_step"]
 
 # a label only moves up this order (a parameter saved for backward stays a parameter)
-_RANK = {c: i for i, c in enumerate(("temporaries", "activations", "gradients", "optimizer_state", "parameters"))}
+_RANK = {
+    c: i
+    for i, c in enumerate(
+        ("temporaries", "activations", "gradients", "optimizer_state", "parameters")
+    )
+}
 
 
 class _Storage:
@@ -71,7 +76,9 @@ class StorageTracker(TorchDispatchMode):
     autograd keeps for backward). ``phase`` names the current phase for the log.
     """
 
-    def __init__(self, rounding: Callable[[int], int] | None = None, fake: bool | None = None) -> None:
+    def __init__(
+        self, rounding: Callable[[int], int] | None = None, fake: bool | None = None
+    ) -> None:
         super().__init__()
         self.rounding = rounding
         self.fake = fake
@@ -113,7 +120,9 @@ class StorageTracker(TorchDispatchMode):
 
     def label(self, tensors: Any, category: str) -> None:
         if category not in _RANK:
-            raise ValueError(f"`category` must be one of {', '.join(CATEGORIES)}; got {category!r}.")
+            raise ValueError(
+                f"`category` must be one of {', '.join(CATEGORIES)}; got {category!r}."
+            )
         for t in _tensors(tensors):
             rec = self._storage(t, category)
             if rec is not None and _RANK[category] > _RANK[rec.category]:
@@ -126,7 +135,9 @@ class StorageTracker(TorchDispatchMode):
                 rec.category = "activations"
 
     def live_bytes(self, category: str | None = None) -> int:
-        return sum(r.nbytes for r in self._live.values() if category is None or r.category == category)
+        return sum(
+            r.nbytes for r in self._live.values() if category is None or r.category == category
+        )
 
     # -- the dispatch hook -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -161,7 +172,11 @@ class StorageTracker(TorchDispatchMode):
             if device > peak:
                 peak, at_peak, peak_phase = device, dict(current), phase
         return MemoryEstimate(
-            peak_bytes=peak, by_category=at_peak, peak_phase=peak_phase, phase_peaks=phase_peaks, host_bytes=host_peak
+            peak_bytes=peak,
+            by_category=at_peak,
+            peak_phase=peak_phase,
+            phase_peaks=phase_peaks,
+            host_bytes=host_peak,
         )
 
 
@@ -346,7 +361,7 @@ def measure_step(
     converts the model to bfloat16 in place. Techniques with ``configure_estimate(plan)`` are
     applied to the real model as they are to the fake one.
     """
-    _check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
+    check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     factory = resolve_optimizer(optimizer_factory)
     if precision == "bf16-true":
         model.to(torch.bfloat16)
@@ -376,12 +391,6 @@ def measure_step(
 def _floats_to(batch: Any, dtype: torch.dtype) -> Any:
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MemoryBreakdown":  # the callback lives with the techniques' base class
-        from lightning_efficient.measure.memory import MemoryBreakdown
-
-        return MemoryBreakdown
-    raise AttributeError(name)
+    return tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch
+    )

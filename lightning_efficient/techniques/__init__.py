@@ -3,18 +3,18 @@
 ``TECHNIQUES`` lists every technique class; the contract tests and the CLI use it.
 """
 
+from lightning_efficient.core.technique import NoEffectWarning, Technique
 from lightning_efficient.measure.memory import MemoryBreakdown
-from lightning_efficient.techniques._base import NoEffectWarning, Technique
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.compile import TorchCompile
-from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
     InputStallMonitor,
     LengthBucketSampler,
 )
+from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision
 from lightning_efficient.techniques.zero_offload import ZeROOffload
 

@@ -14,7 +14,13 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["structure_key", "find_repeated_blocks", "select_modules", "candidate_block_names", "check_policy"]
+__all__ = [
+    "structure_key",
+    "find_repeated_blocks",
+    "select_modules",
+    "candidate_block_names",
+    "check_policy",
+]
 
 
 def structure_key(module: nn.Module, _memo: dict[int, Any] | None = None) -> Any:
@@ -78,7 +84,9 @@ def candidate_block_names(model: nn.Module, limit: int = 12) -> list[str]:
     return names[:limit]
 
 
-def select_modules(model: nn.Module, policy: Any, *, argument: str = "policy") -> list[tuple[str, nn.Module]]:
+def select_modules(
+    model: nn.Module, policy: Any, *, argument: str = "policy"
+) -> list[tuple[str, nn.Module]]:
     """Resolve a block policy to ``(name, module)`` pairs.
 
     ``policy`` is ``"auto"`` (repeated blocks), a module class, a class name (``"GPT2Block"``),
@@ -118,7 +126,9 @@ def _match(model: nn.Module, p: Any, argument: str) -> list[tuple[str, nn.Module
         try:
             rx = re.compile(p[3:])
         except re.error as err:
-            raise ValueError(f"`{argument}`={p!r} is not a valid regular expression: {err}.") from err
+            raise ValueError(
+                f"`{argument}`={p!r} is not a valid regular expression: {err}."
+            ) from err
         return [(n, m) for n, m in named if rx.fullmatch(n)]
     by_class = [(n, m) for n, m in named if type(m).__name__ == p]
     if by_class:
@@ -132,7 +142,9 @@ def check_policy(policy: Any, *, argument: str = "policy") -> Any:
     Raises ``TypeError``/``ValueError`` naming ``argument``; returns ``policy``."""
     policies = list(policy) if isinstance(policy, (list, tuple)) else [policy]
     if not policies:
-        raise ValueError(f"`{argument}` must name at least one block kind; got an empty {type(policy).__name__}.")
+        raise ValueError(
+            f"`{argument}` must name at least one block kind; got an empty {type(policy).__name__}."
+        )
     for p in policies:
         if isinstance(p, type) and issubclass(p, nn.Module):
             continue
@@ -147,5 +159,7 @@ def check_policy(policy: Any, *, argument: str = "policy") -> Any:
             try:
                 re.compile(p[3:])
             except re.error as err:
-                raise ValueError(f"`{argument}`={p!r} is not a valid regular expression: {err}.") from err
+                raise ValueError(
+                    f"`{argument}`={p!r} is not a valid regular expression: {err}."
+                ) from err
     return policy

@@ -28,14 +28,14 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from lightning_efficient._validate import check_bool, check_int, format_bytes, parse_bytes
-from lightning_efficient.techniques._base import Technique
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_bool, check_int, format_bytes, parse_bytes
 from lightning_efficient.techniques._blocks import check_policy, select_modules
 
 __all__ = [
@@ -98,7 +98,12 @@ class _OnHost:
 
 def _pack_to_host(t: torch.Tensor) -> Any:
     # parameters and CPU tensors stay; only device activations move (pinned, async, side stream)
-    if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.layout != torch.strided or t.numel() == 0:
+    if (
+        t.device.type != "cuda"
+        or isinstance(t, nn.Parameter)
+        or t.layout != torch.strided
+        or t.numel() == 0
+    ):
         return t
     stream = _side_stream(t.device)
     stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -143,7 +148,9 @@ class _CheckpointedForward:
             return self._forward(*args, **kwargs)
         # context_fn only when selective: torch.compile cannot trace an explicit noop_context_fn
         extra = {"context_fn": _selective_context} if mode == "selective" else {}
-        return checkpoint(self._forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(
+            self._forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
+        )
 
 
 def _wrap(block: nn.Module, mode: str) -> None:
@@ -290,7 +297,9 @@ def blocks_for_budget(
         if k not in cache:
             try:
                 if k:
-                    apply_activation_checkpointing(model, policy, every_n=every_n, selective=selective, num_blocks=k)
+                    apply_activation_checkpointing(
+                        model, policy, every_n=every_n, selective=selective, num_blocks=k
+                    )
                 else:
                     remove_activation_checkpointing(model)
                 cache[k] = estimate_memory(model, batch, **estimate_kwargs)
@@ -369,13 +378,15 @@ class ActivationCheckpointing(Technique):
     teardown. ``state_dict`` keys never change.
     """
 
+    stacks = False
+
     def __init__(
         self,
-        policy: Union[str, list[str], type] = "auto",
+        policy: str | list[str] | type = "auto",
         every_n: int = 1,
         selective: bool = False,
         offload_activations: bool = False,
-        budget: Union[int, str, None] = None,
+        budget: int | str | None = None,
     ) -> None:
         super().__init__()
         check_policy(policy, argument="policy")
@@ -427,7 +438,11 @@ class ActivationCheckpointing(Technique):
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        own = [n for n, m in pl_module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+        own = [
+            n
+            for n, m in pl_module.named_modules()
+            if getattr(m, "gradient_checkpointing", False) is True
+        ]
         if own:
             self.warn(
                 f"the model's own gradient checkpointing is on ({_span(own)}); with this callback "
@@ -440,7 +455,9 @@ class ActivationCheckpointing(Technique):
             return
         self._apply_and_report(trainer, pl_module, None)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._pending:
             return
         self._pending = False
@@ -495,7 +512,9 @@ class ActivationCheckpointing(Technique):
         if self.choice is not None:
             c = self.choice
             if c.num_blocks == 0:
-                change = f"no block checkpointed: the plain peak {format_bytes(c.plain_peak_bytes)} fits"
+                change = (
+                    f"no block checkpointed: the plain peak {format_bytes(c.plain_peak_bytes)} fits"
+                )
             change += (
                 f" (budget {format_bytes(c.budget_bytes)}, estimated peak "
                 f"{format_bytes(c.plain_peak_bytes)} -> {format_bytes(c.peak_bytes)})"

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient._validate import (
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import (
     check_bool,
     check_choice,
     check_float,
@@ -38,7 +39,6 @@ from lightning_efficient._validate import (
     import_object,
     parse_bytes,
 )
-from lightning_efficient.techniques._base import Technique
 
 __all__ = [
     "round_batch_size",
@@ -64,12 +64,24 @@ __all__ = [
 
 # Datacenter GPUs whose tensor cores prefer large multiples (A100: 8.0, H100/H200: 9.0, B200: 10.0)
 _LARGE_TENSOR_CORE_CAPABILITIES = {(8, 0), (9, 0), (10, 0)}
-_LARGE_TENSOR_CORE_NAMES = ("A100", "A800", "H100", "H200", "H800", "GH200", "B100", "B200", "GB200")
+_LARGE_TENSOR_CORE_NAMES = (
+    "A100",
+    "A800",
+    "H100",
+    "H200",
+    "H800",
+    "GH200",
+    "B100",
+    "B200",
+    "GB200",
+)
 _HALF_PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
 
 
 # -- rounding ------------------------------------------------------------------------------------
-def is_large_tensor_core_device(capability: tuple[int, int] | None = None, name: str | None = None) -> bool:
+def is_large_tensor_core_device(
+    capability: tuple[int, int] | None = None, name: str | None = None
+) -> bool:
     """True for A100/H100-class devices (compute capability 8.0, 9.0, 10.0 or such a name)."""
     if capability is not None and tuple(capability) in _LARGE_TENSOR_CORE_CAPABILITIES:
         return True
@@ -136,7 +148,9 @@ def accumulation_for(target: int, micro: int, world_size: int = 1) -> tuple[int,
     per_step = micro * world_size
     accumulation = max(1, round(target / per_step))
     # among equally near values prefer the one not above the target
-    if accumulation > 1 and abs((accumulation - 1) * per_step - target) <= abs(accumulation * per_step - target):
+    if accumulation > 1 and abs((accumulation - 1) * per_step - target) <= abs(
+        accumulation * per_step - target
+    ):
         accumulation -= 1
     effective = per_step * accumulation
     return accumulation, effective, effective == target
@@ -294,7 +308,9 @@ def resize_batch(batch: Any, n: int) -> Any:
     return take(batch)
 
 
-def worst_case_batch(dataset: Any, collate_fn: Callable[[list], Any], n: int, index: int | None = None, **probe: Any) -> Any:
+def worst_case_batch(
+    dataset: Any, collate_fn: Callable[[list], Any], n: int, index: int | None = None, **probe: Any
+) -> Any:
     """``n`` copies of the longest sample, collated: the largest batch of ``n`` the data can give."""
     if index is None:
         index, _ = longest_sample(dataset, **probe)
@@ -333,14 +349,18 @@ def count_tokens(batch: Any, ignore_index: int = -100, key: str = "labels") -> i
     last tensor of a tuple/list batch that differ from ``ignore_index``."""
     if isinstance(batch, Mapping):
         if key not in batch:
-            raise ValueError(f"token weighting: the batch has no {key!r} entry; keys are {list(batch)}")
+            raise ValueError(
+                f"token weighting: the batch has no {key!r} entry; keys are {list(batch)}"
+            )
         target = batch[key]
     elif isinstance(batch, (list, tuple)) and batch and isinstance(batch[-1], torch.Tensor):
         target = batch[-1]
     elif isinstance(batch, torch.Tensor):
         target = batch
     else:
-        raise ValueError("token weighting: cannot find the targets in the batch; pass `token_counter`")
+        raise ValueError(
+            "token weighting: cannot find the targets in the batch; pass `token_counter`"
+        )
     return int((target != ignore_index).sum())
 
 
@@ -425,7 +445,9 @@ def is_out_of_memory(err: BaseException) -> bool:
     allocation failure (``DefaultCPUAllocator: can't allocate memory``)."""
     from lightning.pytorch.utilities.memory import is_oom_error
 
-    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
+        torch.cuda, "OutOfMemoryError", None
+    )
     if oom_type is not None and isinstance(err, oom_type):
         return True
     if isinstance(err, RuntimeError) and err.args and isinstance(err.args[0], str):
@@ -449,7 +471,11 @@ class OutOfMemoryRecoveryError(RuntimeError):
 # -- callbacks -----------------------------------------------------------------------------------
 def _check_weighting(weighting: str, token_counter: Any) -> None:
     check_choice("loss_weighting", weighting, ("samples", "tokens"))
-    if token_counter is not None and not isinstance(token_counter, str) and not callable(token_counter):
+    if (
+        token_counter is not None
+        and not isinstance(token_counter, str)
+        and not callable(token_counter)
+    ):
         raise TypeError(
             f"`token_counter` must be a callable, an import path or None; got {token_counter!r} "
             f"({type(token_counter).__name__})."
@@ -493,6 +519,10 @@ class OOMRecovery(Technique):
             micro-batch; default: targets (``batch["labels"]`` or the last tensor of a tuple)
             that differ from ``ignore_index``.
     """
+
+    @property
+    def recovers_from_oom(self) -> bool:  # read by the compatibility rules
+        return self._recovery_enabled
 
     def __init__(
         self,
@@ -573,10 +603,14 @@ class OOMRecovery(Technique):
 
         def training_step(batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
             this._current = (batch, batch_idx)
-            return this._run_step(trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs)
+            return this._run_step(
+                trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs
+            )
 
         def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            this._run_backward(trainer, module, orig_step, orig_backward, orig_zero_grad, loss, args, kwargs)
+            this._run_backward(
+                trainer, module, orig_step, orig_backward, orig_zero_grad, loss, args, kwargs
+            )
 
         def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
             if this._skip_zero_grad:  # zeroed already, before this batch's first micro-batch
@@ -622,7 +656,19 @@ class OOMRecovery(Technique):
 
         return backward
 
-    def _split_step(self, trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs, *, backward_last):
+    def _split_step(
+        self,
+        trainer,
+        module,
+        orig_step,
+        orig_zero_grad,
+        batch,
+        batch_idx,
+        args,
+        kwargs,
+        *,
+        backward_last,
+    ):
         self._accumulated = 0  # micro-batches of this attempt whose gradient is already added
         if self._first_of_window(trainer, batch_idx):
             orig_zero_grad(trainer.current_epoch, batch_idx, trainer.optimizers[0])
@@ -638,14 +684,24 @@ class OOMRecovery(Technique):
             backward_last=backward_last,
         )
 
-    def _run_step(self, trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs) -> Any:
+    def _run_step(
+        self, trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs
+    ) -> Any:
         while True:
             self._accumulated = 0
             try:
                 if self.splits == 1:
                     return orig_step(batch, batch_idx, *args, **kwargs)
                 return self._split_step(
-                    trainer, module, orig_step, orig_zero_grad, batch, batch_idx, args, kwargs, backward_last=False
+                    trainer,
+                    module,
+                    orig_step,
+                    orig_zero_grad,
+                    batch,
+                    batch_idx,
+                    args,
+                    kwargs,
+                    backward_last=False,
                 )
             except BaseException as err:  # noqa: BLE001 - only OOM is handled, the rest re-raised
                 if not is_out_of_memory(err):
@@ -688,7 +744,9 @@ class OOMRecovery(Technique):
         )
         self._report_recovery(trainer)
 
-    def _run_backward(self, trainer, module, orig_step, orig_backward, orig_zero_grad, loss, args, kwargs) -> None:
+    def _run_backward(
+        self, trainer, module, orig_step, orig_backward, orig_zero_grad, loss, args, kwargs
+    ) -> None:
         try:
             orig_backward(loss, *args, **kwargs)
             return
@@ -698,7 +756,9 @@ class OOMRecovery(Technique):
             message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         del loss
         if self._current is None:
-            raise OutOfMemoryRecoveryError(f"Out of memory in backward outside a training step ({message}).")
+            raise OutOfMemoryRecoveryError(
+                f"Out of memory in backward outside a training step ({message})."
+            )
         batch, batch_idx = self._current
         if isinstance(trainer.model, nn.parallel.DistributedDataParallel):
             raise OutOfMemoryRecoveryError(
@@ -714,7 +774,15 @@ class OOMRecovery(Technique):
                 # the loss Lightning holds keeps its (full-batch) value; the gradient is recomputed
                 with trainer.precision_plugin.train_step_context(), _silenced_logging(module):
                     self._split_step(
-                        trainer, module, orig_step, orig_zero_grad, batch, batch_idx, (), {}, backward_last=True
+                        trainer,
+                        module,
+                        orig_step,
+                        orig_zero_grad,
+                        batch,
+                        batch_idx,
+                        (),
+                        {},
+                        backward_last=True,
                     )
                 return
             except BaseException as err:  # noqa: BLE001
@@ -765,6 +833,10 @@ class EfficientBatchSize(OOMRecovery):
         loss_weighting, ignore_index, token_counter: see :class:`OOMRecovery`.
     """
 
+    @property
+    def sets_accumulation(self) -> bool:  # read by the compatibility rules
+        return self.target_batch_size is not None
+
     def __init__(
         self,
         target_batch_size: int | None = None,
@@ -781,23 +853,33 @@ class EfficientBatchSize(OOMRecovery):
         ignore_index: int = -100,
         token_counter: str | Callable[[Any], int] | None = None,
     ) -> None:
-        super().__init__(loss_weighting=loss_weighting, ignore_index=ignore_index, token_counter=token_counter)
-        self.target_batch_size = check_int("target_batch_size", target_batch_size, minimum=1, allow_none=True)
+        super().__init__(
+            loss_weighting=loss_weighting, ignore_index=ignore_index, token_counter=token_counter
+        )
+        self.target_batch_size = check_int(
+            "target_batch_size", target_batch_size, minimum=1, allow_none=True
+        )
         if multiple_of != "auto":
             if isinstance(multiple_of, str):
-                raise ValueError(f"`multiple_of` must be 'auto' or a positive integer; got {multiple_of!r}.")
+                raise ValueError(
+                    f"`multiple_of` must be 'auto' or a positive integer; got {multiple_of!r}."
+                )
             check_int("multiple_of", multiple_of, minimum=1)
         self.multiple_of = multiple_of
         self.mode = check_choice("mode", mode, ("max_fit", "throughput"))
         self.margin = check_float("margin", margin, minimum=0.0, maximum=0.9, max_exclusive=True)
-        self.max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1, allow_none=True)
+        self.max_batch_size = check_int(
+            "max_batch_size", max_batch_size, minimum=1, allow_none=True
+        )
         self.budget = budget
         self._budget_bytes = parse_bytes("budget", budget, allow_none=True)
         if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
             raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
         self.batch_arg_name = batch_arg_name
         if not isinstance(optimizer, str) or not optimizer:
-            raise TypeError(f"`optimizer` must be 'adamw', 'adam', 'sgd' or a class path; got {optimizer!r}.")
+            raise TypeError(
+                f"`optimizer` must be 'adamw', 'adam', 'sgd' or a class path; got {optimizer!r}."
+            )
         self.optimizer = optimizer
         self.probe_samples = check_int("probe_samples", probe_samples, minimum=1)
         self.oom_recovery = check_bool("oom_recovery", oom_recovery)
@@ -825,10 +907,16 @@ class EfficientBatchSize(OOMRecovery):
             return
         trainer = self._trainer() if self._trainer is not None else None
         accumulation = int(state_dict.get("accumulate_grad_batches") or 1)
-        if trainer is not None and self.target_batch_size is not None and trainer.world_size != state_dict.get("world_size"):
+        if (
+            trainer is not None
+            and self.target_batch_size is not None
+            and trainer.world_size != state_dict.get("world_size")
+        ):
             accumulation, _, _ = accumulation_for(self.target_batch_size, micro, trainer.world_size)
         self.micro_batch_size, self.accumulate_grad_batches = int(micro), accumulation
-        if trainer is not None:  # restored after `setup`, before the optimizer and the loaders exist
+        if (
+            trainer is not None
+        ):  # restored after `setup`, before the optimizer and the loaders exist
             self._apply(trainer, trainer.lightning_module, note="restored from the checkpoint")
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -846,7 +934,13 @@ class EfficientBatchSize(OOMRecovery):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
         if self._change:  # one row: the choice, plus the recovery figures
-            self.report(trainer, self._change, **self._figures, splits=self.splits, recoveries=self.recoveries)
+            self.report(
+                trainer,
+                self._change,
+                **self._figures,
+                splits=self.splits,
+                recoveries=self.recoveries,
+            )
 
     def _report_recovery(self, trainer: Any) -> None:
         if not self._change:
@@ -854,8 +948,12 @@ class EfficientBatchSize(OOMRecovery):
         micro = self.micro_batch_size or 0
         change = self._change
         if self.splits > 1:
-            change += f"; after OOM: micro-batch {math.ceil(micro / self.splits)} x {self.splits} splits"
-        self.report(trainer, change, **self._figures, splits=self.splits, recoveries=self.recoveries)
+            change += (
+                f"; after OOM: micro-batch {math.ceil(micro / self.splits)} x {self.splits} splits"
+            )
+        self.report(
+            trainer, change, **self._figures, splits=self.splits, recoveries=self.recoveries
+        )
 
     # -- the choice ----------------------------------------------------------------------------
     def _holder_check(self, trainer: Any, pl_module: Any) -> int:
@@ -863,7 +961,11 @@ class EfficientBatchSize(OOMRecovery):
         from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
         if not lightning_hasattr(pl_module, self.batch_arg_name):
-            where = type(trainer.datamodule).__name__ if trainer.datamodule is not None else "no datamodule"
+            where = (
+                type(trainer.datamodule).__name__
+                if trainer.datamodule is not None
+                else "no datamodule"
+            )
             raise ValueError(
                 f"EfficientBatchSize: no `{self.batch_arg_name}` found on the LightningModule "
                 f"({type(pl_module).__name__}), its hparams, or the datamodule ({where}) or its "
@@ -878,7 +980,9 @@ class EfficientBatchSize(OOMRecovery):
             )
         value = lightning_getattr(pl_module, self.batch_arg_name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"EfficientBatchSize: `{self.batch_arg_name}` is {value!r}; expected a positive int.")
+            raise ValueError(
+                f"EfficientBatchSize: `{self.batch_arg_name}` is {value!r}; expected a positive int."
+            )
         return value
 
     def _train_loader(self, trainer: Any, pl_module: Any) -> Any:
@@ -901,14 +1005,18 @@ class EfficientBatchSize(OOMRecovery):
             return int(torch.cuda.mem_get_info(device)[0])
         available = _available_host_memory()
         if available is None:
-            raise ValueError("EfficientBatchSize: cannot read the available memory; pass `budget=` (e.g. '16GiB').")
+            raise ValueError(
+                "EfficientBatchSize: cannot read the available memory; pass `budget=` (e.g. '16GiB')."
+            )
         return available
 
     def _choose(self, trainer: Any, pl_module: Any) -> None:
         initial = self._holder_check(trainer, pl_module)
         self._figures = {}
         if trainer.train_dataloader is not None:
-            self.no_effect("the train DataLoader was built before EfficientBatchSize.setup; the batch size cannot change")
+            self.no_effect(
+                "the train DataLoader was built before EfficientBatchSize.setup; the batch size cannot change"
+            )
             return
         world = trainer.world_size
         loader = self._train_loader(trainer, pl_module)
@@ -945,12 +1053,16 @@ class EfficientBatchSize(OOMRecovery):
         if hw["device_type"] == "cuda" and how == "estimate":
             micro = self._confirm_on_device(trainer, pl_module, make_batch, micro, largest, hw)
             if self.target_batch_size is not None:
-                accumulation, effective, exact = accumulation_for(self.target_batch_size, micro, world)
+                accumulation, effective, exact = accumulation_for(
+                    self.target_batch_size, micro, world
+                )
         timings: dict[int, float] = {}
         if self.mode == "throughput":
             micro, timings = self._fastest(trainer, pl_module, make_batch, largest, hw, world)
             if self.target_batch_size is not None:
-                accumulation, effective, exact = accumulation_for(self.target_batch_size, micro, world)
+                accumulation, effective, exact = accumulation_for(
+                    self.target_batch_size, micro, world
+                )
         if self.target_batch_size is None:
             accumulation = trainer.accumulate_grad_batches
             effective = micro * accumulation * world
@@ -960,11 +1072,20 @@ class EfficientBatchSize(OOMRecovery):
                 f"{world} and a micro-batch <= {largest}; using micro-batch {micro} x accumulation "
                 f"{accumulation} x world size {world} = {effective}, the nearest."
             )
-        if self.target_batch_size is not None and trainer.accumulate_grad_batches not in (1, accumulation):
-            self.warn(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is replaced by {accumulation}.")
+        if self.target_batch_size is not None and trainer.accumulate_grad_batches not in (
+            1,
+            accumulation,
+        ):
+            self.warn(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is replaced by {accumulation}."
+            )
         # the same choice on every process (device trials may differ slightly between ranks)
         micro, accumulation = trainer.strategy.broadcast((micro, accumulation), src=0)
-        self.micro_batch_size, self.accumulate_grad_batches, self.world_size = micro, accumulation, world
+        self.micro_batch_size, self.accumulate_grad_batches, self.world_size = (
+            micro,
+            accumulation,
+            world,
+        )
         if how == "estimate" and micro not in seen:
             seen[micro] = estimate_fn(micro)
         peak = seen.get(micro)
@@ -975,7 +1096,11 @@ class EfficientBatchSize(OOMRecovery):
             "effective_batch": micro * accumulation * world,
             "largest_fitting": largest,
             "budget_bytes": usable,
-            **({"estimated_peak_bytes": int(peak)} if peak is not None and math.isfinite(peak) else {}),
+            **(
+                {"estimated_peak_bytes": int(peak)}
+                if peak is not None and math.isfinite(peak)
+                else {}
+            ),
             **({"samples_per_s": round(timings[micro], 2)} if micro in timings else {}),
         }
         self._change = (
@@ -991,10 +1116,10 @@ class EfficientBatchSize(OOMRecovery):
         lightning_setattr(pl_module, self.batch_arg_name, self.micro_batch_size)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
         if note:
-            self._change = (
-                f"{self.batch_arg_name} {self.micro_batch_size}, accumulation {self.accumulate_grad_batches} ({note})"
+            self._change = f"{self.batch_arg_name} {self.micro_batch_size}, accumulation {self.accumulate_grad_batches} ({note})"
+            self._figures.update(
+                micro_batch=self.micro_batch_size, accumulation=self.accumulate_grad_batches
             )
-            self._figures.update(micro_batch=self.micro_batch_size, accumulation=self.accumulate_grad_batches)
 
     # -- measuring -------------------------------------------------------------------------------
     def _estimator(self, trainer: Any, pl_module: Any, make_batch: Callable[[int], Any]):
@@ -1002,16 +1127,24 @@ class EfficientBatchSize(OOMRecovery):
             from lightning_efficient.measure.estimate import estimate_memory
         except ImportError:
             estimate_memory = None
-        others = [cb for cb in trainer.callbacks if cb is not self and hasattr(cb, "configure_estimate")]
+        others = [
+            cb for cb in trainer.callbacks if cb is not self and hasattr(cb, "configure_estimate")
+        ]
         precision = str(trainer.precision)
 
         world = trainer.world_size
 
         def estimate(n: int) -> float:
             # with accumulation, gradients stay live through the next micro-batch's forward
-            accumulating = (self.target_batch_size or 0) > n * world or trainer.accumulate_grad_batches > 1
+            accumulating = (
+                self.target_batch_size or 0
+            ) > n * world or trainer.accumulate_grad_batches > 1
             result = estimate_memory(
-                pl_module, make_batch(n), optimizer=self.optimizer, precision=precision, callbacks=others,
+                pl_module,
+                make_batch(n),
+                optimizer=self.optimizer,
+                precision=precision,
+                callbacks=others,
                 cuda_rounding=trainer.strategy.root_device.type == "cuda",
                 accumulate_grad_batches=2 if accumulating else 1,
             )
@@ -1043,14 +1176,20 @@ class EfficientBatchSize(OOMRecovery):
 
     def _confirm_on_device(self, trainer, pl_module, make_batch, micro, largest, hw) -> int:
         """One real step on the worst-case input; step down through the candidates on OOM."""
-        for m in sorted((c for c in candidate_sizes(micro, self.multiple_of, **hw) if c <= micro), reverse=True):
+        for m in sorted(
+            (c for c in candidate_sizes(micro, self.multiple_of, **hw) if c <= micro), reverse=True
+        ):
             peak = self._trial_peak(trainer, pl_module, make_batch(m))
             if math.isfinite(peak):
                 self._figures["trial_peak_bytes"] = int(peak)
                 return m
-        raise OutOfMemoryRecoveryError("EfficientBatchSize: a real step runs out of memory even at micro-batch 1.")
+        raise OutOfMemoryRecoveryError(
+            "EfficientBatchSize: a real step runs out of memory even at micro-batch 1."
+        )
 
-    def _fastest(self, trainer, pl_module, make_batch, largest, hw, world) -> tuple[int, dict[int, float]]:
+    def _fastest(
+        self, trainer, pl_module, make_batch, largest, hw, world
+    ) -> tuple[int, dict[int, float]]:
         from lightning_efficient.measure.timing import time_fn
 
         device = trainer.strategy.root_device
@@ -1059,11 +1198,15 @@ class EfficientBatchSize(OOMRecovery):
             accumulation = 1
             if self.target_batch_size is not None:
                 accumulation, _, _ = accumulation_for(self.target_batch_size, m, world)
-            rate = throughput(pl_module, make_batch(m), self.optimizer, trainer, accumulation, time_fn, device)
+            rate = throughput(
+                pl_module, make_batch(m), self.optimizer, trainer, accumulation, time_fn, device
+            )
             if rate is not None:
                 rates[m] = rate
         if not rates:
-            raise OutOfMemoryRecoveryError("EfficientBatchSize: every candidate micro-batch ran out of memory.")
+            raise OutOfMemoryRecoveryError(
+                "EfficientBatchSize: every candidate micro-batch ran out of memory."
+            )
         best = max(rates, key=rates.get)
         self._figures["candidates"] = ", ".join(f"{m}: {r:.1f}/s" for m, r in rates.items())
         return best, rates

@@ -22,13 +22,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from lightning_efficient._validate import check_bool, check_choice, check_int
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_bool, check_choice, check_int
 from lightning_efficient.measure.timing import StepTimer
-from lightning_efficient.techniques._base import Technique
-from lightning_efficient.techniques._blocks import check_policy, find_repeated_blocks, select_modules
+from lightning_efficient.techniques._blocks import (
+    check_policy,
+    find_repeated_blocks,
+    select_modules,
+)
 
 __all__ = [
     "compile_modules",
@@ -60,7 +63,9 @@ def _check_backend(backend: Any) -> Any:
     if callable(backend) and not isinstance(backend, str):
         return backend
     if not isinstance(backend, str):
-        raise TypeError(f"`backend` must be a backend name or a callable backend; got {backend!r} ({type(backend).__name__}).")
+        raise TypeError(
+            f"`backend` must be a backend name or a callable backend; got {backend!r} ({type(backend).__name__})."
+        )
     return check_choice("backend", backend, valid_backends())
 
 
@@ -75,7 +80,12 @@ class _FallbackCall:
     compilation fails, hands the error to ``on_error`` (which switches the modules back to eager
     or re-raises) and runs this call eagerly."""
 
-    def __init__(self, module: nn.Module, compiled: Callable[..., Any], on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        compiled: Callable[..., Any],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
         self.module, self.compiled, self.on_error = module, compiled, on_error
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +100,9 @@ class _FallbackCall:
 
 def compiled_modules(model: nn.Module) -> list[str]:
     """Names of the submodules of ``model`` (``""``: itself) compiled in place."""
-    return [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    return [
+        n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
+    ]
 
 
 def uncompile_modules(model: nn.Module) -> list[str]:
@@ -132,7 +144,9 @@ def compile_modules(
 
     for _, module in targets:
         module.compile(**kwargs)
-        module._compiled_call_impl = _FallbackCall(module, module._compiled_call_impl, on_error or reraise)
+        module._compiled_call_impl = _FallbackCall(
+            module, module._compiled_call_impl, on_error or reraise
+        )
     return [name for name, _ in targets]
 
 
@@ -144,7 +158,7 @@ class CompileWatch:
     recompilation.
     """
 
-    def __init__(self, on_recompile: Callable[["CompileWatch"], None] | None = None) -> None:
+    def __init__(self, on_recompile: Callable[[CompileWatch], None] | None = None) -> None:
         self.compiles = 0  # Dynamo frame compilations (graphs captured)
         self.recompiles = 0
         self.events = 0  # every compile event, deferred backward compiles included
@@ -170,7 +184,7 @@ class CompileWatch:
             if self.on_recompile is not None:
                 self.on_recompile(self)
 
-    def install(self) -> "CompileWatch":
+    def install(self) -> CompileWatch:
         from torch._dynamo.callback import callback_handler
 
         if not self._installed:
@@ -187,7 +201,7 @@ class CompileWatch:
             callback_handler.remove_end_callback(self._end)
             self._installed = False
 
-    def __enter__(self) -> "CompileWatch":
+    def __enter__(self) -> CompileWatch:
         return self.install()
 
     def __exit__(self, *exc: Any) -> None:
@@ -257,6 +271,8 @@ class TorchCompile(Technique):
             name, a module class, a name glob or ``"re:<regex>"`` (as ``ActivationCheckpointing``).
         recompile_warning: Warn once when more recompilations than this happen during fit.
     """
+
+    stacks = False
 
     def __init__(
         self,
@@ -342,22 +358,32 @@ class TorchCompile(Technique):
             )
 
     # -- timing: compile apart from steady state -------------------------------------------
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._timer is not None and self._step < _TIMED_STEPS:
             self._compiles_before = self._watch.events if self._watch else 0
             self._timer.start(f"step{self._step}")
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._timer is not None and self._step < _TIMED_STEPS:
             self._timer.stop(f"step{self._step}")
-            self._step_compiles.append((self._watch.events if self._watch else 0) > self._compiles_before)
+            self._step_compiles.append(
+                (self._watch.events if self._watch else 0) > self._compiles_before
+            )
             self._step += 1
 
     def timings(self) -> dict[str, Any]:
         """Compile time, first-step time and steady-state (compile-free) step time so far."""
         out: dict[str, Any] = {}
         if self._watch is not None:
-            out.update(compile_s=self._watch.seconds, compiles=self._watch.compiles, recompiles=self._watch.recompiles)
+            out.update(
+                compile_s=self._watch.seconds,
+                compiles=self._watch.compiles,
+                recompiles=self._watch.recompiles,
+            )
         if self._timer is not None and self._step:
             totals = self._timer.totals()
             steps = [totals.get(f"step{i}", 0.0) for i in range(self._step)]
@@ -374,10 +400,19 @@ class TorchCompile(Technique):
             change = f"compiled the whole model ({self._backend_name()})"
         else:
             change = f"compiled {len(self._names)} blocks in place ({self._backend_name()})"
-        self.report(trainer, change, compiled_modules=0 if self._fell_back else len(self._names), **self.timings())
+        self.report(
+            trainer,
+            change,
+            compiled_modules=0 if self._fell_back else len(self._names),
+            **self.timings(),
+        )
 
     def _backend_name(self) -> str:
-        name = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
+        name = (
+            self.backend
+            if isinstance(self.backend, str)
+            else getattr(self.backend, "__name__", "custom")
+        )
         return f"{name}, mode={self.mode}" if self.mode else name
 
     def _finish(self) -> None:

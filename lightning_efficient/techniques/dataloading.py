@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_efficient._validate import (
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import (
     check_bool,
     check_choice,
     check_float,
@@ -40,7 +41,6 @@ from lightning_efficient._validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.techniques._base import Technique
 
 __all__ = [
     "rebuild_dataloader",
@@ -68,9 +68,7 @@ def _check_num_workers(name: str, value: Any, *, allow_auto: bool) -> int | str:
         allowed = "a non-negative integer" + (" or 'auto'" if allow_auto else "")
         raise TypeError(f"`{name}` must be {allowed}; got {value!r} ({type(value).__name__}).")
     if value < 0:
-        raise ValueError(
-            f"`{name}` must be >= 0 (0 loads in the main process); got {value!r}."
-        )
+        raise ValueError(f"`{name}` must be >= 0 (0 loads in the main process); got {value!r}.")
     return value
 
 
@@ -187,7 +185,9 @@ def rebuild_dataloader(
     if isinstance(loader.dataset, IterableDataset):
         kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif loader.batch_size is not None:  # the batch sampler was made from these three
-        kwargs.update(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last)
+        kwargs.update(
+            batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last
+        )
     elif loader.batch_sampler is not None:  # a custom batch sampler
         kwargs.update(batch_sampler=loader.batch_sampler)
     else:  # batch_size=None: no automatic batching
@@ -198,7 +198,9 @@ def rebuild_dataloader(
         kwargs["persistent_workers"] = (
             loader.persistent_workers if persistent_workers is None else persistent_workers
         )
-        kwargs["prefetch_factor"] = prefetch_factor if prefetch_factor is not None else loader.prefetch_factor
+        kwargs["prefetch_factor"] = (
+            prefetch_factor if prefetch_factor is not None else loader.prefetch_factor
+        )
         if loader.multiprocessing_context is not None:
             kwargs["multiprocessing_context"] = loader.multiprocessing_context
     for name in ("pin_memory_device", "in_order"):
@@ -217,7 +219,9 @@ def auto_num_workers(devices: int = 1) -> int:
     """Worker processes per device: the CPU cores this process may use, divided by the local
     devices, minus one core for the main (training) process; at least 1."""
     check_int("devices", devices, minimum=1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return max(1, cores // devices - 1)
 
 
@@ -267,8 +271,14 @@ def tune_num_workers(
     if candidates is None:
         auto = auto_num_workers()
         candidates = sorted({0, 1, auto, 2 * auto})
-    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
-        raise TypeError(f"`candidates` must be a non-empty list of worker counts; got {candidates!r}.")
+    if (
+        isinstance(candidates, (str, bytes))
+        or not isinstance(candidates, Sequence)
+        or not candidates
+    ):
+        raise TypeError(
+            f"`candidates` must be a non-empty list of worker counts; got {candidates!r}."
+        )
     for c in candidates:
         _check_num_workers("candidates", c, allow_auto=False)
     check_float("time_cap_s", time_cap_s, minimum=0.0)
@@ -313,7 +323,9 @@ def tune_num_workers(
             counts[c] = n
             rates[c] = n / spent if n and spent > 0 else 0.0
             if n < 3:
-                notes.append(f"num_workers={c}: only {n} batches fit in {share:.2g} s; its rate is rough")
+                notes.append(
+                    f"num_workers={c}: only {n} batches fit in {share:.2g} s; its rate is rough"
+                )
     finally:
         _restore_rng_states(states)
         _restore_sampler_states(loader, sampler_states)
@@ -344,7 +356,11 @@ def _restore_rng_states(states: tuple[Any, ...]) -> None:
 def _sampler_states(loader: DataLoader) -> list[tuple[Any, Any]]:
     out = []
     for s in (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)):
-        if s is not None and callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None)):
+        if (
+            s is not None
+            and callable(getattr(s, "state_dict", None))
+            and callable(getattr(s, "load_state_dict", None))
+        ):
             out.append((s, s.state_dict()))
     return out
 
@@ -400,7 +416,11 @@ def _leaves_of(batch: Any, n: int) -> tuple[list[torch.Tensor], Any]:
     leaves, spec = tree_flatten(batch)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != n:
-            what = type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else f"tensor of shape {tuple(leaf.shape)}"
+            what = (
+                type(leaf).__name__
+                if not isinstance(leaf, torch.Tensor)
+                else f"tensor of shape {tuple(leaf.shape)}"
+            )
             raise PreloadRefused(
                 f"a collated batch holds a {what}, not a tensor with one row per sample; only "
                 "batches of tensors (default_collate of tensors/numbers) can be served by index."
@@ -469,20 +489,30 @@ def preload_to_device(
     spec = None
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
-        chunk_leaves, chunk_spec = _leaves_of(default_collate([dataset[i] for i in range(start, stop)]), stop - start)
+        chunk_leaves, chunk_spec = _leaves_of(
+            default_collate([dataset[i] for i in range(start, stop)]), stop - start
+        )
         if spec is None:
             spec = chunk_spec
-            leaves = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device) for t in chunk_leaves]
-        elif chunk_spec != spec or any(t.shape[1:] != d.shape[1:] for t, d in zip(chunk_leaves, leaves)):
+            leaves = [
+                torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device) for t in chunk_leaves
+            ]
+        elif chunk_spec != spec or any(
+            t.shape[1:] != d.shape[1:] for t, d in zip(chunk_leaves, leaves)
+        ):
             raise PreloadRefused(
                 "samples differ in structure or shape; only same-shaped samples can be collated once."
             )
         for dst, src in zip(leaves, chunk_leaves):
             dst[start:stop].copy_(src)
     data = PreloadedBatches(leaves, spec, n)
-    kwargs: dict[str, Any] = dict(dataset=data, num_workers=0, collate_fn=_already_collated, generator=loader.generator)
+    kwargs: dict[str, Any] = dict(
+        dataset=data, num_workers=0, collate_fn=_already_collated, generator=loader.generator
+    )
     if loader.batch_size is not None:
-        kwargs.update(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last)
+        kwargs.update(
+            batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last
+        )
     else:
         kwargs.update(batch_sampler=loader.batch_sampler)
     return DataLoader(**kwargs)
@@ -539,11 +569,17 @@ class LengthBucketSampler(DistributedSampler):
         if isinstance(lengths, torch.Tensor):
             lengths = lengths.tolist()
         if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
-            raise TypeError(f"`lengths` must be a sequence of sample lengths; got {type(lengths).__name__}.")
+            raise TypeError(
+                f"`lengths` must be a sequence of sample lengths; got {type(lengths).__name__}."
+            )
         if len(lengths) == 0:
             raise ValueError("`lengths` is empty; give one length per sample of the dataset.")
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lengths):
-            bad = next(x for x in lengths if not (isinstance(x, int) and not isinstance(x, bool) and x >= 0))
+            bad = next(
+                x
+                for x in lengths
+                if not (isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+            )
             raise ValueError(f"`lengths` must hold non-negative integers; found {bad!r}.")
         self.lengths = torch.as_tensor(list(lengths), dtype=torch.long)
         self.bucket_size = check_int("bucket_size", bucket_size, minimum=1)
@@ -663,7 +699,9 @@ class LengthBucketSampler(DistributedSampler):
         self.position = int(state.get("position", 0))
 
 
-def padding_stats(lengths: Sequence[int], batches: Iterator[Sequence[int]] | Sequence[Sequence[int]]) -> dict[str, float]:
+def padding_stats(
+    lengths: Sequence[int], batches: Iterator[Sequence[int]] | Sequence[Sequence[int]]
+) -> dict[str, float]:
     """Tokens of real data and of padding when each batch is padded to its longest sample.
 
     Returns ``real_tokens``, ``padded_tokens`` (real + padding) and ``padding_fraction``
@@ -748,7 +786,9 @@ class _LoaderRebuilder(Technique):
             return {k: self._rebuild_all(trainer, v, hook) for k, v in loaders.items()}
         return loaders
 
-    def _rebuild(self, trainer: Any, loader: DataLoader, hook: str) -> DataLoader:  # pragma: no cover
+    def _rebuild(
+        self, trainer: Any, loader: DataLoader, hook: str
+    ) -> DataLoader:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -771,6 +811,8 @@ class DataLoaderTuning(_LoaderRebuilder):
             (``tune_num_workers``); ``num_workers`` is then only the fallback.
         tune_time_s: Cap on the time spent measuring.
     """
+
+    loads_in_workers = True
 
     def __init__(
         self,
@@ -803,10 +845,14 @@ class DataLoaderTuning(_LoaderRebuilder):
                 devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
                 auto = auto_num_workers(devices)
                 candidates = sorted({0, 1, auto, 2 * auto})
-                self._tuned = tune_num_workers(loader, candidates, self.tune_time_s, rank=trainer.global_rank)
+                self._tuned = tune_num_workers(
+                    loader, candidates, self.tune_time_s, rank=trainer.global_rank
+                )
                 self._chosen = self._tuned.best
             elif self.num_workers == "auto":
-                self._chosen = auto_num_workers(max(1, int(getattr(trainer, "num_devices", 1) or 1)))
+                self._chosen = auto_num_workers(
+                    max(1, int(getattr(trainer, "num_devices", 1) or 1))
+                )
             else:
                 self._chosen = int(self.num_workers)
         return self._chosen
@@ -835,7 +881,9 @@ class DataLoaderTuning(_LoaderRebuilder):
         )
         figures: dict[str, Any] = {"num_workers": new.num_workers}
         if self._tuned is not None:
-            figures.update({f"batches_per_s_w{w}": round(r, 2) for w, r in self._tuned.batches_per_s.items()})
+            figures.update(
+                {f"batches_per_s_w{w}": round(r, 2) for w, r in self._tuned.batches_per_s.items()}
+            )
             figures["tune_s"] = self._tuned.measured_s
         self.report(trainer, "; ".join(self._changes.values()), **figures)
         self.note(self._changes[hook])
@@ -854,6 +902,8 @@ class DevicePreload(_LoaderRebuilder):
     Args:
         max_bytes: Most device memory the preloaded data may take, e.g. ``"2GiB"`` or bytes.
     """
+
+    preloads_to_device = True
 
     def __init__(self, max_bytes: int | str = "2GiB") -> None:
         super().__init__()
@@ -903,7 +953,9 @@ class InputStallMonitor(Technique):
 
     def __init__(self, threshold: float = 0.1, check_after: int = 20) -> None:
         super().__init__()
-        self.threshold = check_float("threshold", threshold, minimum=0.0, maximum=1.0, max_exclusive=True)
+        self.threshold = check_float(
+            "threshold", threshold, minimum=0.0, maximum=1.0, max_exclusive=True
+        )
         self.check_after = check_int("check_after", check_after, minimum=1)
         self._timer: Any = None
         self._waiting = False
@@ -918,7 +970,9 @@ class InputStallMonitor(Technique):
         self._waiting, self._steps, self._decided = False, 0, False
         self.stall_fraction = None
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._timer is None:
             return
         self._end_wait()
@@ -928,7 +982,9 @@ class InputStallMonitor(Technique):
             self._timer.totals()  # read pending CUDA events now and then, so they do not pile up
         self._timer.start("step")
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._timer is None:
             return
         self._timer.stop("step")

@@ -41,7 +41,6 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from copy import copy
 from functools import wraps
 from typing import Any
 
@@ -49,8 +48,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_efficient._validate import check_bool, check_choice, import_object, missing_extra
-from lightning_efficient.techniques._base import Technique
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_bool, check_choice, import_object, missing_extra
 
 __all__ = [
     "NAMES",
@@ -84,7 +83,9 @@ EIGHT_BIT_NAMES = ("adamw8bit", "adam8bit", "paged_adamw8bit", "lion8bit")
 _DEFAULT_MIN_8BIT_SIZE = 4096
 _BNB_PREFIX = "bitsandbytes."
 #: constructor arguments that are not param-group keys (bitsandbytes' 8-bit options)
-_CTOR_ONLY = frozenset({"min_8bit_size", "optim_bits", "args", "is_paged", "percentile_clipping", "block_wise"})
+_CTOR_ONLY = frozenset(
+    {"min_8bit_size", "optim_bits", "args", "is_paged", "percentile_clipping", "block_wise"}
+)
 
 
 # -- which optimizer ------------------------------------------------------------------------
@@ -95,7 +96,9 @@ def optimizer_class(name: str, *, argument: str = "name") -> type[Optimizer]:
     without bitsandbytes installed raises the ImportError with the pip extra to install.
     """
     if not isinstance(name, str):
-        raise TypeError(f"`{argument}` must be an optimizer name or class path (str); got {name!r} ({type(name).__name__}).")
+        raise TypeError(
+            f"`{argument}` must be an optimizer name or class path (str); got {name!r} ({type(name).__name__})."
+        )
     path = NAMES.get(name)
     if path is None and "." not in name:
         raise ValueError(
@@ -110,7 +113,9 @@ def optimizer_class(name: str, *, argument: str = "name") -> type[Optimizer]:
             raise missing_extra("bitsandbytes", "bnb", f"The optimizer {name!r}") from err
     cls = import_object(argument, path)
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
-        raise TypeError(f"`{argument}`: {path!r} is not a torch.optim.Optimizer subclass; got {cls!r}.")
+        raise TypeError(
+            f"`{argument}`: {path!r} is not a torch.optim.Optimizer subclass; got {cls!r}."
+        )
     return cls
 
 
@@ -119,12 +124,20 @@ def accepted_options(cls: type[Optimizer]) -> set[str] | None:
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
-    return {n for n, p in params.items() if n not in ("self", "params") and p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    return {
+        n
+        for n, p in params.items()
+        if n not in ("self", "params") and p.kind is not inspect.Parameter.VAR_POSITIONAL
+    }
 
 
-def _check_overrides(name: str, cls: type[Optimizer], overrides: dict[str, Any], argument: str = "overrides") -> None:
+def _check_overrides(
+    name: str, cls: type[Optimizer], overrides: dict[str, Any], argument: str = "overrides"
+) -> None:
     if "params" in overrides:
-        raise ValueError(f"`{argument}` cannot set 'params': the parameters come from the module's optimizer.")
+        raise ValueError(
+            f"`{argument}` cannot set 'params': the parameters come from the module's optimizer."
+        )
     accepted = accepted_options(cls)
     if accepted is None:
         return
@@ -144,8 +157,13 @@ def _signature_defaults(cls: type | None) -> dict[str, Any]:
     return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
-def _carry_group(group: dict[str, Any], name: str, target: type[Optimizer], source: type | None,
-                 source_options: set[str]) -> tuple[dict[str, Any], set[str]]:
+def _carry_group(
+    group: dict[str, Any],
+    name: str,
+    target: type[Optimizer],
+    source: type | None,
+    source_options: set[str],
+) -> tuple[dict[str, Any], set[str]]:
     """Split one param group into the options carried to ``target`` and the names of dropped
     options that were set away from ``source``'s default (those are worth a note)."""
     accepted = accepted_options(target)
@@ -154,7 +172,11 @@ def _carry_group(group: dict[str, Any], name: str, target: type[Optimizer], sour
     for key, value in group.items():
         if key == "params":
             continue
-        if target is torch.optim.Adafactor and source is not torch.optim.Adafactor and key in ("eps", "betas"):
+        if (
+            target is torch.optim.Adafactor
+            and source is not torch.optim.Adafactor
+            and key in ("eps", "betas")
+        ):
             dropped.add(key)  # Adafactor's eps is (eps1, eps2) with another meaning; no betas
         elif name == "adamw_fused" and key in ("fused", "foreach"):
             pass  # set from the device
@@ -179,9 +201,14 @@ def _apply_overrides(group: dict[str, Any], overrides: dict[str, Any], ctor_only
             group[key] = value
 
 
-def _build(name: str, param_groups: Sequence[dict[str, Any]], *, source: Optimizer | None = None,
-           keep_32bit: Iterable[torch.Tensor] = (), overrides: dict[str, Any] | None = None
-           ) -> tuple[Optimizer, set[str]]:
+def _build(
+    name: str,
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    source: Optimizer | None = None,
+    keep_32bit: Iterable[torch.Tensor] = (),
+    overrides: dict[str, Any] | None = None,
+) -> tuple[Optimizer, set[str]]:
     overrides = dict(overrides or {})
     cls = optimizer_class(name)
     _check_overrides(name, cls, overrides)
@@ -215,8 +242,13 @@ def _build(name: str, param_groups: Sequence[dict[str, Any]], *, source: Optimiz
     return optimizer, dropped
 
 
-def build_optimizer(name: str, param_groups: Iterable[Any], *, keep_32bit: Iterable[torch.Tensor] = (),
-                    **overrides: Any) -> Optimizer:
+def build_optimizer(
+    name: str,
+    param_groups: Iterable[Any],
+    *,
+    keep_32bit: Iterable[torch.Tensor] = (),
+    **overrides: Any,
+) -> Optimizer:
     """Build the optimizer ``name`` (a short name of :data:`NAMES` or a class path) over
     ``param_groups`` (dicts with ``"params"`` and per-group options, or plain tensors).
 
@@ -231,8 +263,9 @@ def build_optimizer(name: str, param_groups: Iterable[Any], *, keep_32bit: Itera
     return _build(name, groups, keep_32bit=keep_32bit, overrides=overrides)[0]
 
 
-def swap_optimizer(old: Optimizer, name: str, *, keep_32bit: Iterable[torch.Tensor] = (),
-                   **overrides: Any) -> Optimizer:
+def swap_optimizer(
+    old: Optimizer, name: str, *, keep_32bit: Iterable[torch.Tensor] = (), **overrides: Any
+) -> Optimizer:
     """A new optimizer ``name`` over the param groups of ``old``: same parameters, per-group
     ``lr``/``weight_decay``/options carried as the module docstring says. ``old`` is not changed;
     its state (moments) is not converted."""
@@ -322,12 +355,26 @@ class EightBitStateModel(Optimizer):
             ``False`` models the fused CUDA kernels, which make none.
     """
 
-    def __init__(self, params: Iterable[Any], name: str, *, min_8bit_size: int = _DEFAULT_MIN_8BIT_SIZE,
-                 keep_32bit: Iterable[torch.Tensor] = (), optim_bits: int | None = None, max_unorm: float = 0.0,
-                 cpu_temporaries: bool = True, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        name: str,
+        *,
+        min_8bit_size: int = _DEFAULT_MIN_8BIT_SIZE,
+        keep_32bit: Iterable[torch.Tensor] = (),
+        optim_bits: int | None = None,
+        max_unorm: float = 0.0,
+        cpu_temporaries: bool = True,
+        **defaults: Any,
+    ) -> None:
         if name not in _BNB_LAYOUT:
-            raise ValueError(f"`name` must be one of {', '.join(map(repr, _BNB_LAYOUT))}; got {name!r}.")
-        super().__init__(params, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **defaults})
+            raise ValueError(
+                f"`name` must be one of {', '.join(map(repr, _BNB_LAYOUT))}; got {name!r}."
+            )
+        super().__init__(
+            params,
+            {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **defaults},
+        )
         n_states, bits, rule = _BNB_LAYOUT[name]
         self.name, self.n_states, self.rule = name, n_states, rule
         self.optim_bits = bits if optim_bits is None else optim_bits
@@ -336,8 +383,13 @@ class EightBitStateModel(Optimizer):
         self._keep = {id(p) for p in keep_32bit}
         self.name2qmap: dict[str, torch.Tensor] = {}
         if self.optim_bits == 8:  # bitsandbytes' fill_qmap: both maps, whatever the name
-            device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-            self.name2qmap = {k: torch.empty(_QMAP_SIZE, dtype=torch.float32, device=device) for k in ("dynamic", "udynamic")}
+            device = next(
+                (p.device for g in self.param_groups for p in g["params"]), torch.device("cpu")
+            )
+            self.name2qmap = {
+                k: torch.empty(_QMAP_SIZE, dtype=torch.float32, device=device)
+                for k in ("dynamic", "udynamic")
+            }
 
     def _init_state(self, p: torch.Tensor) -> None:
         state = self.state[p]
@@ -345,7 +397,11 @@ class EightBitStateModel(Optimizer):
         eight = self.optim_bits == 8 and p.numel() >= self.min_8bit_size and id(p) not in self._keep
         names = ("state1", "state2")[: self.n_states]
         for i, key in enumerate(names, start=1):
-            state[key] = torch.zeros_like(p, dtype=torch.uint8 if eight else torch.float32, memory_format=torch.contiguous_format)
+            state[key] = torch.zeros_like(
+                p,
+                dtype=torch.uint8 if eight else torch.float32,
+                memory_format=torch.contiguous_format,
+            )
             if eight:
                 state[f"qmap{i}"] = self.name2qmap["dynamic" if i == 1 else "udynamic"]
         if eight:
@@ -436,7 +492,9 @@ class AdafactorStateModel(torch.optim.Adafactor):
             self._init_group(group, params, grads, rows, cols, variances, steps)
             eps1, eps2 = group["eps"]
             lr, d, wd = group["lr"], group["d"], group["weight_decay"]
-            for param, grad, row_var, col_var, variance, step_t in zip(params, grads, rows, cols, variances, steps):
+            for param, grad, row_var, col_var, variance, step_t in zip(
+                params, grads, rows, cols, variances, steps
+            ):
                 if eps1 is None:
                     eps1 = torch.finfo(param.dtype).eps
                 step_t += 1
@@ -447,8 +505,12 @@ class AdafactorStateModel(torch.optim.Adafactor):
                 if wd != 0:
                     param.mul_(1 - lr * wd)
                 if grad.dim() > 1:
-                    row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), beta)
-                    col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), beta)
+                    row_var.lerp_(
+                        torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), beta
+                    )
+                    col_var.lerp_(
+                        torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), beta
+                    )
                     var_estimate = row_var @ col_var
                     var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
                 else:
@@ -462,8 +524,9 @@ class AdafactorStateModel(torch.optim.Adafactor):
         return loss
 
 
-def _estimate_factory(name: str, keep: Sequence[torch.Tensor], overrides: dict[str, Any]
-                      ) -> Callable[[list[dict]], Optimizer]:
+def _estimate_factory(
+    name: str, keep: Sequence[torch.Tensor], overrides: dict[str, Any]
+) -> Callable[[list[dict]], Optimizer]:
     """``factory(groups)`` for the estimate plan: on fake tensors, the bitsandbytes names build an
     :class:`EightBitStateModel` (bitsandbytes reads values); on real tensors, the real optimizer."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -471,7 +534,9 @@ def _estimate_factory(name: str, keep: Sequence[torch.Tensor], overrides: dict[s
     def factory(groups: list[dict]) -> Optimizer:
         fake = any(isinstance(p, FakeTensor) for g in groups for p in g["params"])
         if fake and name == "adafactor":
-            carried = build_optimizer(name, groups, **overrides).param_groups  # as the fit carries them
+            carried = build_optimizer(
+                name, groups, **overrides
+            ).param_groups  # as the fit carries them
             return AdafactorStateModel(carried)
         if not (fake and name in _BNB_LAYOUT):
             return build_optimizer(name, groups, keep_32bit=keep, **overrides)
@@ -482,8 +547,12 @@ def _estimate_factory(name: str, keep: Sequence[torch.Tensor], overrides: dict[s
             _apply_overrides(c, overrides, set(_CTOR_ONLY) | {"max_unorm", "skip_zeros"})
             c["params"] = list(group["params"])
             carried.append(c)
-        ctor = {k: overrides[k] for k in ("min_8bit_size", "optim_bits", "max_unorm") if k in overrides}
-        return EightBitStateModel(carried, name, keep_32bit=keep if name in EIGHT_BIT_NAMES else (), **ctor)
+        ctor = {
+            k: overrides[k] for k in ("min_8bit_size", "optim_bits", "max_unorm") if k in overrides
+        }
+        return EightBitStateModel(
+            carried, name, keep_32bit=keep if name in EIGHT_BIT_NAMES else (), **ctor
+        )
 
     return factory
 
@@ -544,7 +613,9 @@ class InBackwardOptimizer(Optimizer):
         factory: builds the optimizer of one parameter from ``[{**group_options, "params": [p]}]``.
     """
 
-    def __init__(self, param_groups: Sequence[dict[str, Any]], factory: Callable[[list[dict]], Optimizer]) -> None:
+    def __init__(
+        self, param_groups: Sequence[dict[str, Any]], factory: Callable[[list[dict]], Optimizer]
+    ) -> None:
         super().__init__([dict(g) for g in param_groups], {})
         # parameter -> (its optimizer, the index of its group); by index, because
         # load_state_dict replaces the group dicts
@@ -562,7 +633,7 @@ class InBackwardOptimizer(Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def attach(self) -> "InBackwardOptimizer":
+    def attach(self) -> InBackwardOptimizer:
         self.detach()
         for p in self._params():
             if p.requires_grad:
@@ -617,8 +688,11 @@ class InBackwardOptimizer(Optimizer):
             self._inner[id(p)][0].load_state_dict(state)
 
 
-def attach_optimizer_in_backward(model: nn.Module, optimizer_factory: Callable[[list[dict]], Optimizer],
-                                 param_groups: Sequence[dict[str, Any]] | None = None) -> InBackwardOptimizer:
+def attach_optimizer_in_backward(
+    model: nn.Module,
+    optimizer_factory: Callable[[list[dict]], Optimizer],
+    param_groups: Sequence[dict[str, Any]] | None = None,
+) -> InBackwardOptimizer:
     """Step every parameter of ``model`` from its post-accumulate-grad hook and free its gradient
     at once, so gradients never all live at the same time.
 
@@ -669,6 +743,12 @@ class OptimizerSwap(Technique):
     checkpoint also resumes without this callback.
     """
 
+    swaps_optimizer = True
+
+    @property
+    def steps_in_backward(self) -> bool:  # read by the compatibility rules
+        return self.optimizer_in_backward
+
     def __init__(
         self,
         name: str,
@@ -680,10 +760,14 @@ class OptimizerSwap(Technique):
     ) -> None:
         super().__init__()
         if overrides is not None and not isinstance(overrides, dict):
-            raise TypeError(f"`overrides` must be a dict of optimizer arguments or None; got {overrides!r} ({type(overrides).__name__}).")
+            raise TypeError(
+                f"`overrides` must be a dict of optimizer arguments or None; got {overrides!r} ({type(overrides).__name__})."
+            )
         both = sorted(set(overrides or {}) & set(kwargs))
         if both:
-            raise ValueError(f"`overrides`: {both} given both in `overrides` and as keyword arguments.")
+            raise ValueError(
+                f"`overrides`: {both} given both in `overrides` and as keyword arguments."
+            )
         merged = {**(overrides or {}), **kwargs}
         cls = optimizer_class(name)
         _check_overrides(name, cls, merged)
@@ -706,21 +790,34 @@ class OptimizerSwap(Technique):
     def _swap(self, old: Optimizer, model: nn.Module) -> tuple[Optimizer, set[str]]:
         keep = self._keep_32bit(model)
         if not self.optimizer_in_backward:
-            return _build(self.optimizer_name, old.param_groups, source=old, keep_32bit=keep, overrides=self.overrides)
+            return _build(
+                self.optimizer_name,
+                old.param_groups,
+                source=old,
+                keep_32bit=keep,
+                overrides=self.overrides,
+            )
         cls = optimizer_class(self.optimizer_name)
         ctor_only = _CTOR_ONLY & (accepted_options(cls) or set())
         dropped: set[str] = set()
         groups = []
         for group in old.param_groups:
-            carried, gone = _carry_group(group, self.optimizer_name, cls, type(old),
-                                         set(old.defaults) | (accepted_options(type(old)) or set()))
+            carried, gone = _carry_group(
+                group,
+                self.optimizer_name,
+                cls,
+                type(old),
+                set(old.defaults) | (accepted_options(type(old)) or set()),
+            )
             dropped |= gone
             _apply_overrides(carried, self.overrides, ctor_only)
             carried["params"] = list(group["params"])
             groups.append(carried)
         # group options are in the groups now; the per-parameter optimizers get the rest
         ctor_overrides = {k: v for k, v in self.overrides.items() if k in ctor_only}
-        factory = lambda g: _build(self.optimizer_name, g, keep_32bit=keep, overrides=ctor_overrides)[0]  # noqa: E731
+        factory = lambda g: _build(
+            self.optimizer_name, g, keep_32bit=keep, overrides=ctor_overrides
+        )[0]  # noqa: E731
         return attach_optimizer_in_backward(model, factory, groups), dropped
 
     def configure_estimate(self, plan: Any) -> None:
@@ -730,7 +827,10 @@ class OptimizerSwap(Technique):
         # on fake tensors, bitsandbytes' optimizers are modelled (they read values): same states
         plan.optimizer = _estimate_factory(name, keep, overrides)
         plan.optimizer_in_backward = self.optimizer_in_backward
-        plan.note(f"{self.name}: optimizer {name!r}" + (", stepped in backward" if self.optimizer_in_backward else ""))
+        plan.note(
+            f"{self.name}: optimizer {name!r}"
+            + (", stepped in backward" if self.optimizer_in_backward else "")
+        )
 
     # -- when -----------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -751,10 +851,16 @@ class OptimizerSwap(Technique):
         trainer.optimizers = new
         self._originals, self._swapped = old, new
         self._prepare_restore()
-        if self.optimizer_name == "adamw_fused" and not all(p.is_cuda for o in new for g in o.param_groups for p in g["params"]):
-            self.note("'adamw_fused': parameters are not on CUDA, so AdamW runs with foreach=True (same maths) instead of fused.")
+        if self.optimizer_name == "adamw_fused" and not all(
+            p.is_cuda for o in new for g in o.param_groups for p in g["params"]
+        ):
+            self.note(
+                "'adamw_fused': parameters are not on CUDA, so AdamW runs with foreach=True (same maths) instead of fused."
+            )
         if dropped:
-            self.note(f"options of the old optimizer that {self.optimizer_name!r} does not take were dropped: {', '.join(sorted(dropped))}.")
+            self.note(
+                f"options of the old optimizer that {self.optimizer_name!r} does not take were dropped: {', '.join(sorted(dropped))}."
+            )
         self.report(trainer, _change(self), optimizers=len(new))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -767,8 +873,12 @@ class OptimizerSwap(Technique):
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self._swapped:
-            self.report(trainer, _change(self), optimizers=len(self._swapped),
-                        optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self._swapped))
+            self.report(
+                trainer,
+                _change(self),
+                optimizers=len(self._swapped),
+                optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self._swapped),
+            )
         super().on_fit_end(trainer, pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -779,7 +889,10 @@ class OptimizerSwap(Technique):
 
     # -- checkpoints ----------------------------------------------------------------------
     def _classes(self) -> list[str]:
-        return [_class_path(o.inner[0] if isinstance(o, InBackwardOptimizer) and o.inner else o) for o in self._swapped]
+        return [
+            _class_path(o.inner[0] if isinstance(o, InBackwardOptimizer) and o.inner else o)
+            for o in self._swapped
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         if not self._swapped:
@@ -824,20 +937,33 @@ class OptimizerSwap(Technique):
             return
         here = self._classes()
         if restored and restored.get("optimizer_states") is not None:
-            same = restored.get("classes") == here and bool(restored.get("optimizer_in_backward")) == self.optimizer_in_backward
+            same = (
+                restored.get("classes") == here
+                and bool(restored.get("optimizer_in_backward")) == self.optimizer_in_backward
+            )
             if same and len(restored["optimizer_states"]) == len(self._swapped):
                 ckpt["optimizer_states"] = list(restored["optimizer_states"])
                 return
-            written = f"OptimizerSwap({restored.get('name')!r}" + (", optimizer_in_backward=True)" if restored.get("optimizer_in_backward") else ")")
-            self._mismatch(ckpt, f"by {written} ({', '.join(restored.get('classes') or [])})", restored.get("name"))
+            written = f"OptimizerSwap({restored.get('name')!r}" + (
+                ", optimizer_in_backward=True)" if restored.get("optimizer_in_backward") else ")"
+            )
+            self._mismatch(
+                ckpt,
+                f"by {written} ({', '.join(restored.get('classes') or [])})",
+                restored.get("name"),
+            )
             return
         if all(self._native_compatible(o, n) for o, n in zip(self._originals, self._swapped)):
             return  # the module's own optimizer class: its state loads as is
         written = ", ".join(sorted({_class_path(o) for o in self._originals}))
-        self._mismatch(ckpt, f"by the module's own optimizer ({written}), without OptimizerSwap", None)
+        self._mismatch(
+            ckpt, f"by the module's own optimizer ({written}), without OptimizerSwap", None
+        )
 
     def _mismatch(self, ckpt: dict[str, Any], written: str, written_name: str | None) -> None:
-        current = f"OptimizerSwap({self.optimizer_name!r}" + (", optimizer_in_backward=True)" if self.optimizer_in_backward else ")")
+        current = f"OptimizerSwap({self.optimizer_name!r}" + (
+            ", optimizer_in_backward=True)" if self.optimizer_in_backward else ")"
+        )
         if self.on_mismatch == "reset":
             fresh = []
             for saved, new in zip(ckpt["optimizer_states"], self._swapped):
@@ -851,9 +977,15 @@ class OptimizerSwap(Technique):
                             g_new[key] = g_saved[key]
                 fresh.append(sd)
             ckpt["optimizer_states"] = fresh
-            self.warn(f"the checkpoint's optimizer state was written {written}; {current} starts its state afresh (on_mismatch='reset'), keeping the learning rates.")
+            self.warn(
+                f"the checkpoint's optimizer state was written {written}; {current} starts its state afresh (on_mismatch='reset'), keeping the learning rates."
+            )
             return
-        swap_back = (f"OptimizerSwap({written_name!r})" if written_name else "no OptimizerSwap (or one whose optimizer is that class)")
+        swap_back = (
+            f"OptimizerSwap({written_name!r})"
+            if written_name
+            else "no OptimizerSwap (or one whose optimizer is that class)"
+        )
         raise ValueError(
             f"Cannot resume the optimizer: the checkpoint's optimizer state was written {written}, "
             f"but this run uses {current}; the states are not interchangeable (loading one into the "
@@ -866,4 +998,6 @@ class OptimizerSwap(Technique):
 
 def _change(swap: OptimizerSwap) -> str:
     olds = ", ".join(sorted({type(o).__name__ for o in swap._originals}))
-    return f"{olds} -> {swap.optimizer_name}" + (" (stepped in backward)" if swap.optimizer_in_backward else "")
+    return f"{olds} -> {swap.optimizer_name}" + (
+        " (stepped in backward)" if swap.optimizer_in_backward else ""
+    )

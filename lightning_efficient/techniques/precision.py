@@ -26,8 +26,8 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from lightning_efficient._validate import check_choice, missing_extra
-from lightning_efficient.techniques._base import Technique
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_choice, missing_extra
 
 __all__ = [
     "best_precision",
@@ -115,7 +115,11 @@ def resolve_precision(value: Any, accelerator: Any = None) -> Any:
 def has_tf32(device: torch.device | str | int | None = None) -> bool:
     """True where float32 matmuls can run on TF32 tensor cores (CUDA compute capability 8.0+)."""
     dev = _device(device)
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 0)
+    return (
+        dev.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(dev) >= (8, 0)
+    )
 
 
 def set_matmul_precision(level: str) -> dict[str, Any]:
@@ -156,7 +160,9 @@ class MatmulPrecision(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         device = trainer.strategy.root_device
         if not has_tf32(device):
-            self.no_effect(f"{device.type} device has no TF32 tensor cores; float32 matmul precision left as is.")
+            self.no_effect(
+                f"{device.type} device has no TF32 tensor cores; float32 matmul precision left as is."
+            )
             self.report(trainer, f"no effect: no TF32 on {device}")
             return
         self._previous = set_matmul_precision(self.level)
@@ -186,12 +192,20 @@ class MatmulPrecision(Technique):
 def supports_fp8(device: torch.device | str | int | None = None) -> bool:
     """True on CUDA devices with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, newer)."""
     dev = _device(device)
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 9)
+    return (
+        dev.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(dev) >= (8, 9)
+    )
 
 
 def _fp8_eligible(module: nn.Module) -> bool:
     # torchao's float8 matmul needs both dimensions divisible by 16
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
 
 
 def convert_to_float8(
@@ -214,7 +228,9 @@ def convert_to_float8(
             converted.append(fqn)
         return ok
 
-    convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(
+        model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe)
+    )
     return converted
 
 
@@ -239,7 +255,9 @@ class Float8Training(Technique):
         if exclude is not None and (
             not isinstance(exclude, (list, tuple)) or not all(isinstance(g, str) for g in exclude)
         ):
-            raise TypeError(f"`exclude` must be a list of name globs or None; got {exclude!r} ({type(exclude).__name__}).")
+            raise TypeError(
+                f"`exclude` must be a list of name globs or None; got {exclude!r} ({type(exclude).__name__})."
+            )
         self.exclude = list(exclude or [])
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -257,4 +275,8 @@ class Float8Training(Technique):
         names = convert_to_float8(pl_module, recipe=self.recipe, exclude=self.exclude)
         if not names:
             self.no_effect("no nn.Linear layer with dimensions divisible by 16 to convert to FP8.")
-        self.report(trainer, f"{len(names)} linear layers to FP8 ({self.recipe})", converted_layers=len(names))
+        self.report(
+            trainer,
+            f"{len(names)} linear layers to FP8 ({self.recipe})",
+            converted_layers=len(names),
+        )

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_efficient._validate import check_bool, check_choice, format_bytes, missing_extra
+from lightning_efficient.core.validate import check_bool, check_choice, format_bytes, missing_extra
 
 __all__ = [
     "ZeROOffload",
@@ -107,7 +107,11 @@ def _check_nvme_path(nvme_path: Any, needed: bool) -> str | None:
 
 
 def _named_settings(
-    stage: int, offload_optimizer: str | None, offload_parameters: bool, nvme_path: str | None, pin_memory: bool
+    stage: int,
+    offload_optimizer: str | None,
+    offload_parameters: bool,
+    nvme_path: str | None,
+    pin_memory: bool,
 ) -> dict[tuple[str, ...], tuple[str, Any]]:
     """Config path -> (argument name, value) for every setting a named argument owns."""
     owned: dict[tuple[str, ...], tuple[str, Any]] = {
@@ -118,7 +122,10 @@ def _named_settings(
             ("nvme" if offload_optimizer == "nvme" else "cpu") if offload_parameters else "none",
         ),
     }
-    for section, active in (("offload_optimizer", offload_optimizer is not None), ("offload_param", offload_parameters)):
+    for section, active in (
+        ("offload_optimizer", offload_optimizer is not None),
+        ("offload_param", offload_parameters),
+    ):
         if active:
             owned[(_ZO, section, "pin_memory")] = ("pin_memory", pin_memory)
             if nvme_path is not None:
@@ -186,7 +193,9 @@ def zero_offload_config(
         )
     nvme = _check_nvme_path(nvme_path, needed=offload_optimizer == "nvme")
     if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"`config` must be a dict of DeepSpeed settings or None; got {type(config).__name__}.")
+        raise TypeError(
+            f"`config` must be a dict of DeepSpeed settings or None; got {type(config).__name__}."
+        )
 
     zero: dict[str, Any] = {
         "stage": stage,
@@ -205,20 +214,31 @@ def zero_offload_config(
             zero["offload_param"].update(nvme_path=nvme, buffer_count=5)
     built: dict[str, Any] = {"zero_allow_untested_optimizer": True, _ZO: zero}
     if nvme is not None:
-        built["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+        built["aio"] = {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "single_submit": False,
+            "overlap_events": True,
+        }
 
     if config:
         owned = _named_settings(stage, offload_optimizer, offload_parameters, nvme, pin_memory)
         conflicts = []
         for path, (arg, value) in owned.items():
             present, given = _get(config, path)
-            if present and given != value and not (path[-1] == "nvme_path" and os.fspath(given) == value):
+            if (
+                present
+                and given != value
+                and not (path[-1] == "nvme_path" and os.fspath(given) == value)
+            ):
                 where = "config" + "".join(f"[{k!r}]" for k in path)
                 conflicts.append(f"{where}={given!r} conflicts with `{arg}`={value!r}")
         if conflicts:
             raise ValueError(
                 "`config` conflicts with named arguments of ZeROOffload (set each setting in one "
-                "place: drop it from `config` or change the argument): " + "; ".join(conflicts) + "."
+                "place: drop it from `config` or change the argument): "
+                + "; ".join(conflicts)
+                + "."
             )
         if "gradient_accumulation_steps" in config:
             raise ValueError(
@@ -239,7 +259,11 @@ def scale_buckets(config: Mapping[str, Any], num_parameters: int) -> dict[str, A
     clusters, not for a 24 GB card. At stage 3, parameters under ``num_parameters / 10_000``
     elements (between 10K and 1M; biases, norms) stay on the device instead of being fetched.
     """
-    if isinstance(num_parameters, bool) or not isinstance(num_parameters, int) or num_parameters < 1:
+    if (
+        isinstance(num_parameters, bool)
+        or not isinstance(num_parameters, int)
+        or num_parameters < 1
+    ):
         raise ValueError(f"`num_parameters` must be a positive int; got {num_parameters!r}.")
     bucket = int(min(2e8, max(1e6, math.ceil(num_parameters / 16))))
     out = copy.deepcopy(dict(config))
@@ -247,7 +271,9 @@ def scale_buckets(config: Mapping[str, Any], num_parameters: int) -> dict[str, A
     if zero.get("stage") == 3:
         zero.setdefault("reduce_bucket_size", bucket)
         zero.setdefault("stage3_prefetch_bucket_size", bucket)
-        zero.setdefault("stage3_param_persistence_threshold", int(min(1e6, max(1e4, num_parameters // 10_000))))
+        zero.setdefault(
+            "stage3_param_persistence_threshold", int(min(1e6, max(1e4, num_parameters // 10_000)))
+        )
     else:
         zero.setdefault("reduce_bucket_size", bucket)
         zero.setdefault("allgather_bucket_size", bucket)
@@ -269,7 +295,9 @@ def offloaded_categories(config: Mapping[str, Any]) -> dict[str, bool]:
 
 # -- optimizer conversion -------------------------------------------------------------------
 def _is_deepspeed_cpu_optimizer(optimizer: Any) -> bool:
-    return type(optimizer).__module__.startswith("deepspeed.ops.") and type(optimizer).__name__.startswith("DeepSpeedCPU")
+    return type(optimizer).__module__.startswith("deepspeed.ops.") and type(
+        optimizer
+    ).__name__.startswith("DeepSpeedCPU")
 
 
 def _unsupported(optimizer: Optimizer, why: str = "") -> TypeError:
@@ -306,7 +334,9 @@ def to_deepspeed_optimizer(optimizer: Optimizer, offload: str | None = "cpu") ->
         _import_deepspeed()
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        groups = [_group_copy(g, ("lr", "betas", "eps", "weight_decay")) for g in optimizer.param_groups]
+        groups = [
+            _group_copy(g, ("lr", "betas", "eps", "weight_decay")) for g in optimizer.param_groups
+        ]
         d = optimizer.defaults
         new = DeepSpeedCPUAdam(
             groups,
@@ -330,7 +360,9 @@ def to_deepspeed_optimizer(optimizer: Optimizer, offload: str | None = "cpu") ->
 
         groups = [_group_copy(g, ("lr", "eps", "weight_decay")) for g in optimizer.param_groups]
         d = optimizer.defaults
-        new = DeepSpeedCPUAdagrad(groups, lr=_float(d["lr"]), eps=d["eps"], weight_decay=d["weight_decay"])
+        new = DeepSpeedCPUAdagrad(
+            groups, lr=_float(d["lr"]), eps=d["eps"], weight_decay=d["weight_decay"]
+        )
     else:
         raise _unsupported(optimizer)
     if any(len(s) for s in optimizer.state.values()):
@@ -376,7 +408,9 @@ def rebind_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimizer)
     for scheduler in schedulers:
         if getattr(scheduler, "optimizer", None) is old:
             if len(new.param_groups) != len(old.param_groups):
-                raise ValueError("rebind_schedulers: the optimizers have different numbers of param groups.")
+                raise ValueError(
+                    "rebind_schedulers: the optimizers have different numbers of param groups."
+                )
             scheduler.optimizer = new
             _track_step_calls(new)
             count += 1
@@ -384,7 +418,10 @@ def rebind_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimizer)
 
 
 # -- optimizer state in the original torch layout ---------------------------------------------
-_STATE_KEYS = {"DeepSpeedCPUAdam": ("exp_avg", "exp_avg_sq"), "DeepSpeedCPUAdagrad": ("exp_avg_sq",)}
+_STATE_KEYS = {
+    "DeepSpeedCPUAdam": ("exp_avg", "exp_avg_sq"),
+    "DeepSpeedCPUAdagrad": ("exp_avg_sq",),
+}
 _HYPER_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 
 
@@ -432,7 +469,9 @@ def zero_optimizer_state(zero_optimizer: Any, template: Mapping[str, Any]) -> di
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
-    for group_t, params, live in zip(template["param_groups"], template["params"], inner.param_groups):
+    for group_t, params, live in zip(
+        template["param_groups"], template["params"], inner.param_groups
+    ):
         group = {k: v for k, v in group_t.items() if k != "params"}
         group.update({k: copy.deepcopy(live[k]) for k in _HYPER_KEYS if k in live})
         ids = []
@@ -440,7 +479,14 @@ def zero_optimizer_state(zero_optimizer: Any, template: Mapping[str, Any]) -> di
             if stepped and p.requires_grad:
                 entry: dict[str, Any] = {"step": torch.tensor(float(step))}
                 for key in keys:
-                    entry[key] = safe_get_full_optimizer_state(p, key).detach().reshape(_shape(p)).float().cpu().clone()
+                    entry[key] = (
+                        safe_get_full_optimizer_state(p, key)
+                        .detach()
+                        .reshape(_shape(p))
+                        .float()
+                        .cpu()
+                        .clone()
+                    )
                 state[index] = entry
             ids.append(index)
             index += 1
@@ -449,7 +495,9 @@ def zero_optimizer_state(zero_optimizer: Any, template: Mapping[str, Any]) -> di
     return {"state": state, "param_groups": groups}
 
 
-def load_zero_optimizer_state(zero_optimizer: Any, template: Mapping[str, Any], state_dict: Mapping[str, Any]) -> None:
+def load_zero_optimizer_state(
+    zero_optimizer: Any, template: Mapping[str, Any], state_dict: Mapping[str, Any]
+) -> None:
     """Load a torch optimizer ``state_dict`` (the layout of ``template``) into a ZeRO optimizer.
 
     The inverse of :func:`zero_optimizer_state`: a plain run's AdamW checkpoint resumes under
@@ -460,7 +508,9 @@ def load_zero_optimizer_state(zero_optimizer: Any, template: Mapping[str, Any], 
     inner = _inner(zero_optimizer)
     keys = _STATE_KEYS.get(type(inner).__name__)
     if keys is None:
-        raise TypeError(f"load_zero_optimizer_state: no state layout known for {type(inner).__name__}.")
+        raise TypeError(
+            f"load_zero_optimizer_state: no state layout known for {type(inner).__name__}."
+        )
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(template["params"]) or any(
         len(g["params"]) != len(ps) for g, ps in zip(saved_groups, template["params"])
@@ -541,7 +591,9 @@ def export_fp32(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) 
     if src.is_file():
         ckpt = torch.load(src, map_location="cpu", weights_only=False)
         if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt:
-            raise ValueError(f"`checkpoint_dir` {str(src)!r} is a file but not a Lightning checkpoint.")
+            raise ValueError(
+                f"`checkpoint_dir` {str(src)!r} is a file but not a Lightning checkpoint."
+            )
         state = dict(ckpt["state_dict"])
     else:
         _import_deepspeed()
@@ -554,7 +606,9 @@ def export_fp32(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) 
             )
         tag = None if (src / "latest").exists() else _only_tag(src)
         state = dict(get_fp32_state_dict_from_zero_checkpoint(str(src), tag=tag))
-        state = {_strip_prefix(k): v.float() if v.is_floating_point() else v for k, v in state.items()}
+        state = {
+            _strip_prefix(k): v.float() if v.is_floating_point() else v for k, v in state.items()
+        }
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
     return out
@@ -568,7 +622,7 @@ def _only_tag(src: Path) -> str | None:
 def _strip_prefix(key: str) -> str:
     for prefix in ("_forward_module.", "module."):
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
@@ -641,7 +695,9 @@ class ZeROOffload(DeepSpeedStrategy):
         config: dict[str, Any] | None = None,
         save_format: str = "auto",
     ) -> None:
-        built = zero_offload_config(stage, offload_optimizer, offload_parameters, nvme_path, pin_memory, config)
+        built = zero_offload_config(
+            stage, offload_optimizer, offload_parameters, nvme_path, pin_memory, config
+        )
         check_choice("save_format", save_format, SAVE_FORMATS)
         _import_deepspeed()
         import logging
@@ -662,7 +718,10 @@ class ZeROOffload(DeepSpeedStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            "zero_offload", cls, description="lightning-efficient ZeRO-2 with the optimizer offloaded to CPU", override=True
+            "zero_offload",
+            cls,
+            description="lightning-efficient ZeRO-2 with the optimizer offloaded to CPU",
+            override=True,
         )
         strategy_registry.register(
             "zero_offload_stage_3",
@@ -728,7 +787,10 @@ class ZeROOffload(DeepSpeedStrategy):
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
         self._template = {
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]],
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"}
+                for g in optimizer.state_dict()["param_groups"]
+            ],
             "params": [list(g["params"]) for g in optimizer.param_groups],
         }
         new = to_deepspeed_optimizer(optimizer, self.offload_optimizer)
@@ -752,15 +814,22 @@ class ZeROOffload(DeepSpeedStrategy):
             return zero_optimizer_state(optimizer, self._template)
         return super().optimizer_state(optimizer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         if not self._plain_format():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         from lightning.pytorch.strategies import Strategy
 
-        checkpoint["zero_offload"] = {"stage": self.stage, "offload_optimizer": self.offload_optimizer}
+        checkpoint["zero_offload"] = {
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+        }
         Strategy.save_checkpoint(self, checkpoint, self.broadcast(filepath), storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if os.path.isdir(checkpoint_path):
             self._loaded_plain = False
             return super().load_checkpoint(checkpoint_path, weights_only)
@@ -792,7 +861,9 @@ class ZeROOffload(DeepSpeedStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._loaded_plain or self._template is None:
             return super().load_optimizer_state_dict(checkpoint)
-        load_zero_optimizer_state(self.optimizers[0], self._template, checkpoint["optimizer_states"][0])
+        load_zero_optimizer_state(
+            self.optimizers[0], self._template, checkpoint["optimizer_states"][0]
+        )
 
     # -- the efficiency report and the memory estimate ------------------------------------------
     def on_train_start(self) -> None:
@@ -804,14 +875,16 @@ class ZeROOffload(DeepSpeedStrategy):
             change += ", parameters offloaded"
         if self._converted:
             change += f" ({self._converted})"
-        from lightning_efficient.measure.report import report_for
+        from lightning_efficient.core.report import report_for
 
         n = sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters())
-        report_for(trainer).add(type(self).__name__, change, world_size=self.world_size, parameters=n)
+        report_for(trainer).add(
+            type(self).__name__, change, world_size=self.world_size, parameters=n
+        )
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        from lightning_efficient.measure.report import report_for
+        from lightning_efficient.core.report import report_for
 
         trainer = self.lightning_module.trainer
         report_for(trainer).show(trainer)

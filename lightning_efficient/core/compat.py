@@ -1,9 +1,14 @@
 """The one place for compatibility rules between techniques, strategies and the trainer.
 
 A rule is a function ``rule(trainer, techniques) -> str | None`` registered with ``@rule``; it
-returns a message saying what conflicts and what to do instead, or ``None``. ``check(trainer)``
-runs every rule once per fit (the first technique's ``setup`` calls it) and raises one
-``ValueError`` listing every conflict found.
+returns a message saying what conflicts and what to do instead, or ``None``. ``check(trainer,
+techniques)`` runs every rule once per fit (the first technique's ``setup`` calls it) and raises
+one ``ValueError`` listing every conflict found.
+
+Rules never look at a technique's class name or private state: they read what each technique
+declares (``Technique.sets_accumulation``, ``steps_in_backward``, ... in
+:mod:`lightning_efficient.core.technique`), and they read the *intended* settings, so a rule also
+holds for a setting that another technique changes only later in the fit.
 """
 
 from __future__ import annotations
@@ -12,11 +17,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["rule", "check", "RULES"]
+__all__ = ["RULES", "check", "rule"]
 
 Rule = Callable[[Any, Sequence[Any]], "str | None"]
 RULES: list[Rule] = []
-_checked: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
 
 def rule(fn: Rule) -> Rule:
@@ -25,16 +30,9 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def techniques_of(trainer: Any) -> list[Any]:
-    from lightning_efficient.techniques._base import Technique
-
-    return [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, Technique)]
-
-
-def check(trainer: Any) -> None:
+def check(trainer: Any, techniques: Sequence[Any]) -> None:
     """Run every rule once per trainer and set of techniques; raise one ValueError listing all
     conflicts found."""
-    techniques = techniques_of(trainer)
     key = tuple(id(t) for t in techniques)
     if _checked.get(trainer) == key:
         return
@@ -44,8 +42,30 @@ def check(trainer: Any) -> None:
     _checked[trainer] = key
 
 
+def _names(techniques: Sequence[Any]) -> str:
+    return ", ".join(type(t).__name__ for t in techniques)
+
+
 @rule
-def _fp16_on_cpu(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+def _duplicates(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """Two instances of a technique that does not stack: the second would silently replace the
+    first."""
+    seen: dict[type, int] = {}
+    for t in techniques:
+        if not getattr(t, "stacks", True):
+            seen[type(t)] = seen.get(type(t), 0) + 1
+    doubled = [cls.__name__ for cls, n in seen.items() if n > 1]
+    if doubled:
+        return (
+            f"{', '.join(doubled)} is given more than once: a second instance would replace what the "
+            "first applied. Keep one (combine their settings, e.g. one policy listing both block "
+            "classes)."
+        )
+    return None
+
+
+@rule
+def _fp16_on_cpu(trainer: Any, techniques: Sequence[Any]) -> str | None:
     precision = str(getattr(getattr(trainer, "precision_plugin", None), "precision", ""))
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     if precision.startswith("16") and getattr(device, "type", None) == "cpu":
@@ -58,26 +78,25 @@ def _fp16_on_cpu(trainer: Any, techniques: Sequence[Any]) -> "str | None":
 
 
 @rule
-def _preload_with_workers(trainer: Any, techniques: Sequence[Any]) -> "str | None":
-    names = {type(t).__name__ for t in techniques}
-    if {"DataLoaderTuning", "DevicePreload"} <= names:
+def _preload_with_workers(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    loaders = [t for t in techniques if getattr(t, "loads_in_workers", False)]
+    preloads = [t for t in techniques if getattr(t, "preloads_to_device", False)]
+    if loaders and preloads:
         return (
-            "DataLoaderTuning with DevicePreload: preloaded batches already live on the device and "
-            "are served in the main process, so worker processes have nothing to load (and cannot "
-            "hold device tensors). Keep DevicePreload for datasets that fit, DataLoaderTuning for "
-            "the others."
+            f"{_names(loaders)} with {_names(preloads)}: preloaded batches already live on the "
+            "device and are served in the main process, so worker processes have nothing to load "
+            "(and cannot hold device tensors). Keep DevicePreload for datasets that fit, "
+            "DataLoaderTuning for the others."
         )
     return None
 
 
 @rule
-def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> str | None:
     """EfficientBatchSize sets accumulate_grad_batches; nothing else may change it."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-    from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
-
-    sizers = [t for t in techniques if isinstance(t, EfficientBatchSize) and t.target_batch_size is not None]
+    sizers = [t for t in techniques if getattr(t, "sets_accumulation", False)]
     problems = []
     if sizers and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
         problems.append(
@@ -91,7 +110,7 @@ def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> "str | 
             "DeepSpeed's gradient_accumulation_steps). Set the accumulation in the strategy's config "
             "and leave target_batch_size=None."
         )
-    recoveries = [t for t in techniques if isinstance(t, OOMRecovery) and t._recovery_enabled]
+    recoveries = [t for t in techniques if getattr(t, "recovers_from_oom", False)]
     if len(recoveries) > 1:
         problems.append(
             "OOM recovery is on twice (" + ", ".join(type(t).__name__ for t in recoveries) + "): "
@@ -102,16 +121,24 @@ def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> "str | 
 
 
 @rule
-def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> str | None:
     """Stepping each parameter from its gradient hook (OptimizerSwap(optimizer_in_backward=True))
     needs every gradient to be final when it arrives and to be used alone."""
-    users = [t for t in techniques if getattr(t, "optimizer_in_backward", False) is True]
+    users = [t for t in techniques if getattr(t, "steps_in_backward", False)]
     if not users:
         return None
     who = f"{type(users[0]).__name__}(optimizer_in_backward=True)"
     problems = []
     accumulate = getattr(trainer, "accumulate_grad_batches", 1) or 1
-    if accumulate > 1:
+    raisers = [t for t in techniques if getattr(t, "sets_accumulation", False)]
+    if raisers:  # the accumulation it will set at fit start is not known yet, but may exceed 1
+        problems.append(
+            f"{_names(raisers)}, which sets accumulate_grad_batches during the fit: gradients "
+            "cannot be accumulated over micro-batches because each one is used and freed as soon "
+            "as backward produces it. Leave EfficientBatchSize's target_batch_size=None or set "
+            "optimizer_in_backward=False"
+        )
+    elif accumulate > 1:
         problems.append(
             f"accumulate_grad_batches={accumulate}: gradients cannot be accumulated over micro-batches "
             "because each one is used and freed as soon as backward produces it. Use "
@@ -142,13 +169,15 @@ def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> "str | No
 
 
 @rule
-def _optimizer_swap_under_deepspeed(trainer: Any, techniques: Sequence[Any]) -> "str | None":
+def _optimizer_swap_under_deepspeed(trainer: Any, techniques: Sequence[Any]) -> str | None:
     """DeepSpeed wraps the optimizer in its engine during strategy.setup; a later swap is ignored."""
-    swaps = [t for t in techniques if type(t).__name__ == "OptimizerSwap"]
-    strategy = type(getattr(trainer, "strategy", None)).__name__
-    if swaps and "DeepSpeed" in strategy:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    swaps = [t for t in techniques if getattr(t, "swaps_optimizer", False)]
+    strategy = getattr(trainer, "strategy", None)
+    if swaps and isinstance(strategy, DeepSpeedStrategy):
         return (
-            f"OptimizerSwap under {strategy}: DeepSpeed builds its engine around the module's optimizer "
+            f"{_names(swaps)} under {type(strategy).__name__}: DeepSpeed builds its engine around the module's optimizer "
             "before callbacks can swap it, so the swap would not take effect. Configure the optimizer in "
             "the module (or DeepSpeed's config) instead, or use a non-DeepSpeed strategy"
         )

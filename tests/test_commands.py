@@ -10,9 +10,9 @@ import torch
 import yaml
 
 from lightning_efficient.cli import EXTRA_COMMANDS, main
+from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory
-from lightning_efficient._validate import format_bytes
 
 DEMO = Path(__file__).parents[1] / "configs" / "demo.yaml"
 
@@ -35,7 +35,22 @@ def test_estimate_command_on_demo_config(capsys) -> None:
 
 
 def test_estimate_command_precision_and_rich_table(capsys) -> None:
-    assert main(["estimate", "--config", str(DEMO), "--batch-size", "2", "--precision", "bf16-true", "--steps", "1"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                str(DEMO),
+                "--batch-size",
+                "2",
+                "--precision",
+                "bf16-true",
+                "--steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "bf16-true" in out and "optimizer state" in out and "peak" in out
 

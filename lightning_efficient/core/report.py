@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_efficient._validate import format_bytes
+from lightning_efficient.core.validate import format_bytes
 
 __all__ = ["ReportEntry", "EfficiencyReport", "report_for", "format_figure"]
 
@@ -130,7 +130,7 @@ class EfficiencyReport:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError as err:  # pragma: no cover - depends on the environment
-            from lightning_efficient._validate import missing_extra
+            from lightning_efficient.core.validate import missing_extra
 
             raise missing_extra("matplotlib", "plot", "EfficiencyReport.to_png") from err
         labels, values, units = [], [], []

@@ -120,7 +120,9 @@ def parse_bytes(name: str, value: Any, *, allow_none: bool = False) -> int | Non
     if value is None and allow_none:
         return None
     if isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}.")
+        raise TypeError(
+            f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}."
+        )
     if isinstance(value, (int, float)):
         if value <= 0 or value != value:
             raise ValueError(f"`{name}` must be a positive number of bytes; got {value!r}.")
@@ -138,7 +140,9 @@ def parse_bytes(name: str, value: Any, *, allow_none: bool = False) -> int | Non
         if size <= 0:
             raise ValueError(f"`{name}` must be a positive memory size; got {value!r}.")
         return int(size)
-    raise TypeError(f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}.")
+    raise TypeError(
+        f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}."
+    )
 
 
 def format_bytes(n: float) -> str:
@@ -156,7 +160,9 @@ def import_object(name: str, path: str) -> Any:
     """Import ``"package.module.Object"``; errors name the argument that held the path."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise ValueError(f"`{name}` must be a dotted import path like 'torch.optim.AdamW'; got {path!r}.")
+        raise ValueError(
+            f"`{name}` must be a dotted import path like 'torch.optim.AdamW'; got {path!r}."
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

@@ -24,12 +24,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the memory of training steps of a config's model on one batch, "
         "estimated on fake tensors (no GPU, no allocation).",
     )
-    p.add_argument("--config", required=True, action="append", help="LightningCLI yaml (repeatable)")
-    p.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the config's trainer.precision")
-    p.add_argument("--batch-size", type=int, default=None, help="override the datamodule's batch_size")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | a class path (default: adamw)")
+    p.add_argument(
+        "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="default: the config's trainer.precision",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="override the datamodule's batch_size"
+    )
+    p.add_argument(
+        "--optimizer", default="adamw", help="adamw | adam | sgd | a class path (default: adamw)"
+    )
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default: 2)")
-    p.add_argument("--cuda-rounding", action="store_true", help="round allocations as the CUDA allocator does")
+    p.add_argument(
+        "--cuda-rounding", action="store_true", help="round allocations as the CUDA allocator does"
+    )
     p.add_argument("--markdown", action="store_true", help="print Markdown instead of a rich table")
     return p
 
@@ -56,7 +69,9 @@ def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     if batch_size is not None:
         if not hasattr(data, "batch_size"):
-            return fail(f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute.")
+            return fail(
+                f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute."
+            )
         data.batch_size = batch_size
     batch = _one_batch(data)
     hook = getattr(model, "configure_model", None)

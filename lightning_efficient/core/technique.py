@@ -7,10 +7,10 @@ from typing import Any
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_efficient import compat
-from lightning_efficient.measure.report import report_for
+from lightning_efficient.core import compat
+from lightning_efficient.core.report import report_for
 
-__all__ = ["Technique", "NoEffectWarning"]
+__all__ = ["NoEffectWarning", "Technique", "techniques_of"]
 
 
 class NoEffectWarning(UserWarning):
@@ -24,7 +24,28 @@ class Technique(Callback):
       report, which is shown once at the end of fit on rank zero.
     - ``self.note(message)`` / ``self.no_effect(message)`` log once, on rank zero.
     - ``setup`` runs the package's compatibility rules once per fit (``compat.check``).
+    - ``restore(trainer, pl_module)`` undoes what the technique changed outside the weights
+      (hooks, global flags); it is called on an exception and at teardown, and must be safe to
+      call twice.
+
+    What the compatibility rules need to know about a technique is declared here, as class
+    attributes or properties that subclasses override (never read from private state):
     """
+
+    #: Two instances may be used in one fit (False: the second would replace the first).
+    stacks: bool = True
+    #: Changes ``trainer.accumulate_grad_batches`` during the fit.
+    sets_accumulation: bool = False
+    #: Catches out-of-memory errors and retries the step.
+    recovers_from_oom: bool = False
+    #: Steps the optimizer from gradient hooks during backward.
+    steps_in_backward: bool = False
+    #: Replaces the optimizers that ``configure_optimizers`` returned.
+    swaps_optimizer: bool = False
+    #: Sets the data loaders' worker processes.
+    loads_in_workers: bool = False
+    #: Serves batches that already live on the device.
+    preloads_to_device: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +74,21 @@ class Technique(Callback):
 
     # -- hooks -----------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        compat.check(trainer)
+        compat.check(trainer, techniques_of(trainer))
+
+    def restore(self, trainer: Any, pl_module: Any) -> None:
+        """Undo what the technique changed outside the weights; safe to call twice."""
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         report_for(trainer).show(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.restore(trainer, pl_module)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.restore(trainer, pl_module)
+
+
+def techniques_of(trainer: Any) -> list[Technique]:
+    """The techniques of this package among the trainer's callbacks."""
+    return [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, Technique)]

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_efficient  # noqa: F401  (registers every callback and strategy for short names)
+from lightning_efficient.core._internals import set_option_type
 
 __all__ = ["EfficientCLI", "main", "EXTRA_COMMANDS", "CONFIG_ERRORS"]
 
@@ -101,13 +102,13 @@ def _fail(message: str) -> None:
 # -- parser and config hooks ---------------------------------------------------------------
 def _precision_accepts_auto(parser: Any) -> None:
     """``trainer.precision`` also takes ``"auto"``; ``_resolve_precision`` checks the value."""
-    action = parser._option_string_actions.get("--trainer.precision")
-    if action is not None and hasattr(action, "_typehint"):
-        action._typehint = Optional[int | str]
-        action.help = (
-            "'auto' (best for the device: bf16-mixed on Ampere+ GPUs and bf16 CPUs, 16-mixed on "
-            "older GPUs, else 32-true) or a Lightning precision such as 'bf16-mixed'. (default: None)"
-        )
+    set_option_type(
+        parser,
+        "--trainer.precision",
+        int | str | None,
+        help="'auto' (best for the device: bf16-mixed on Ampere+ GPUs and bf16 CPUs, 16-mixed on "
+        "older GPUs, else 32-true) or a Lightning precision such as 'bf16-mixed'. (default: None)",
+    )
 
 
 def _resolve_precision(config: Any) -> None:

@@ -126,7 +126,8 @@ def _one_batch(data: Any) -> Any:
 
 def _batch_shape(batch: Any) -> str:
     import torch
-    from torch.utils._pytree import tree_flatten
+
+    from lightning_efficient.core._internals import tree_flatten
 
     shapes = [tuple(t.shape) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     return "x".join(map(str, shapes[0])) if shapes else "?"

@@ -12,8 +12,8 @@ import torch
 from helpers import fit, tiny_data, tiny_model
 
 from lightning_efficient.cli import EfficientCLI
-from lightning_efficient.core.report import report_for
 from lightning_efficient.core import technique as _base
+from lightning_efficient.core.report import report_for
 from lightning_efficient.techniques import precision as P
 from lightning_efficient.techniques.precision import (
     Float8Training,
@@ -39,10 +39,10 @@ def test_best_precision_on_cuda_by_capability(monkeypatch, capability, expected)
 
 
 def test_best_precision_on_cpu_follows_bf16_support(monkeypatch) -> None:
-    assert best_precision("cpu") == ("bf16-mixed" if P._cpu_has_bf16() else "32-true")
-    monkeypatch.setattr(P, "_cpu_has_bf16", lambda: False)
+    assert best_precision("cpu") == ("bf16-mixed" if P.cpu_supports_bf16() else "32-true")
+    monkeypatch.setattr(P, "cpu_supports_bf16", lambda: False)
     assert best_precision("cpu") == "32-true"
-    monkeypatch.setattr(P, "_cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(P, "cpu_supports_bf16", lambda: True)
     assert best_precision("cpu") == "bf16-mixed"
     assert best_precision("meta") == "32-true"  # any other device
 

@@ -2,7 +2,7 @@
 
 ``estimate_memory`` runs real training steps (the LightningModule's ``training_step`` or a plain
 module with a loss function; backward; optimizer step; zero_grad) on *fake* tensors
-(``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and strides, no data) under the
+(torch's ``FakeTensorMode``: shapes, dtypes and strides, no data) under the
 storage tracker of :mod:`lightning_efficient.measure.track`, which counts the bytes of every live
 storage by category. The result is the peak, the bytes live at the peak per category and the phase
 of the peak. Because storages are tracked directly, recomputed forwards (activation
@@ -22,6 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core._internals import (
+    FakeTensorMode,
+    fake_tensor_errors,
+    module_tensor_slots,
+)
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import (
     CATEGORIES,
@@ -75,7 +80,7 @@ def swap_to_fake(
     undo: list[tuple[dict, str, Any]] = []
     try:
         for mod in model.modules():
-            for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for store, is_param in module_tensor_slots(mod):
                 for name, t in list(store.items()):
                     if t is None:
                         continue
@@ -120,25 +125,6 @@ def fake_batch(batch: Any, fake_mode: Any, precision: str = "32-true") -> Any:
 
 
 # -- the error for models that need real values --------------------------------------------------
-def _fake_errors() -> tuple[type[BaseException], ...]:
-    from torch._subclasses import fake_tensor as ft
-
-    names = (
-        "DataDependentOutputException",
-        "DynamicOutputShapeException",
-        "UnsupportedOperatorException",
-        "UnsupportedFakeTensorException",
-    )
-    errors = tuple(getattr(ft, n) for n in names if hasattr(ft, n))
-    try:
-        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-        errors += (GuardOnDataDependentSymNode,)
-    except ImportError:  # pragma: no cover - depends on the torch version
-        pass
-    return errors
-
-
 def _user_frame(tb: Any) -> str:
     """The innermost traceback frame outside torch and this package (the user's line)."""
     frames = traceback.extract_tb(tb)
@@ -206,8 +192,6 @@ def estimate_memory(
             (512 bytes; 2 MiB blocks above 1 MiB).
         accumulate_grad_batches: Micro-batches per optimizer step.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     factory = resolve_optimizer(optimizer)
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
@@ -231,7 +215,7 @@ def estimate_memory(
             try:
                 with fake_mode:
                     run_steps(plan, tracker, steps=steps)
-            except _fake_errors() as err:
+            except fake_tensor_errors() as err:
                 raise explain_fake_failure(err) from err
         finally:
             try:

@@ -22,10 +22,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_efficient.core._internals import (
+    FakeTensor,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_map,
+)
 from lightning_efficient.measure.types import (
     CATEGORIES,
     EstimatePlan,
@@ -389,8 +392,6 @@ def measure_step(
 
 
 def _floats_to(batch: Any, dtype: torch.dtype) -> Any:
-    from torch.utils._pytree import tree_map
-
     return tree_map(
         lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch
     )

@@ -9,7 +9,7 @@
 - A compile failure on a forward falls back to eager for every module compiled together, with
   one warning, unless ``strict=True``.
 - ``CompileWatch`` counts Dynamo compilations and recompilations and sums their wall time through
-  ``torch._dynamo.callback`` (``on_compile_start``/``on_compile_end``).
+  Dynamo's compile callbacks (``on_compile_start``/``on_compile_end``).
 - ``TorchCompile`` (callback) compiles at fit start, reports compile time, first-step time and
   steady-state step time apart, and warns once when recompilations pass a threshold, naming the
   cause (usually changing shapes) and the fix (pad or bucket lengths).
@@ -24,6 +24,15 @@ from typing import Any
 
 from torch import nn
 
+from lightning_efficient.core._internals import (
+    compile_callbacks,
+    compiled_call,
+    dynamo_backends,
+    guard_failure_reasons,
+    inductor_modes,
+    is_dynamo_error,
+    set_compiled_call,
+)
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int
 from lightning_efficient.measure.timing import StepTimer
@@ -46,17 +55,13 @@ __all__ = [
 
 
 def valid_backends() -> list[str]:
-    """Every Dynamo backend name registered in this process (``torch._dynamo.list_backends``)."""
-    import torch._dynamo
-
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    """Every Dynamo backend name registered in this process."""
+    return dynamo_backends()
 
 
 def valid_modes() -> list[str]:
-    """Inductor's compile modes (``torch._inductor.list_mode_options``)."""
-    import torch._inductor
-
-    return list(torch._inductor.list_mode_options())
+    """Inductor's compile modes."""
+    return inductor_modes()
 
 
 def _check_backend(backend: Any) -> Any:
@@ -67,12 +72,6 @@ def _check_backend(backend: Any) -> Any:
             f"`backend` must be a backend name or a callable backend; got {backend!r} ({type(backend).__name__})."
         )
     return check_choice("backend", backend, valid_backends())
-
-
-def _is_compile_error(err: BaseException) -> bool:
-    import torch._dynamo.exc as exc
-
-    return isinstance(err, exc.TorchDynamoException)
 
 
 class _FallbackCall:
@@ -92,7 +91,7 @@ class _FallbackCall:
         try:
             return self.compiled(*args, **kwargs)
         except Exception as err:
-            if not _is_compile_error(err):
+            if not is_dynamo_error(err):
                 raise
             self.on_error(err)  # raises when strict
             return self.module._call_impl(*args, **kwargs)
@@ -100,16 +99,14 @@ class _FallbackCall:
 
 def compiled_modules(model: nn.Module) -> list[str]:
     """Names of the submodules of ``model`` (``""``: itself) compiled in place."""
-    return [
-        n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
-    ]
+    return [n for n, m in model.named_modules() if compiled_call(m) is not None]
 
 
 def uncompile_modules(model: nn.Module) -> list[str]:
     """Undo ``compile_modules``: every in-place compiled submodule runs eagerly again."""
     names = compiled_modules(model)
     for name in names:
-        model.get_submodule(name)._compiled_call_impl = None
+        set_compiled_call(model.get_submodule(name), None)
     return names
 
 
@@ -144,16 +141,14 @@ def compile_modules(
 
     for _, module in targets:
         module.compile(**kwargs)
-        module._compiled_call_impl = _FallbackCall(
-            module, module._compiled_call_impl, on_error or reraise
-        )
+        set_compiled_call(module, _FallbackCall(module, compiled_call(module), on_error or reraise))
     return [name for name, _ in targets]
 
 
 class CompileWatch:
     """Counts Dynamo compilations and recompilations and sums their wall time while installed.
 
-    Uses ``torch._dynamo.callback``'s start/end compile callbacks. A compile id ``"f/n"`` with
+    Uses Dynamo's start/end compile callbacks. A compile id ``"f/n"`` with
     ``n > 0`` is the n-th recompilation of frame ``f``. ``on_recompile(watch)`` runs after each
     recompilation.
     """
@@ -185,8 +180,7 @@ class CompileWatch:
                 self.on_recompile(self)
 
     def install(self) -> CompileWatch:
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = compile_callbacks()
         if not self._installed:
             callback_handler.register_start_callback(self._start)
             callback_handler.register_end_callback(self._end)
@@ -194,8 +188,7 @@ class CompileWatch:
         return self
 
     def remove(self) -> None:
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = compile_callbacks()
         if self._installed:
             callback_handler.remove_start_callback(self._start)
             callback_handler.remove_end_callback(self._end)
@@ -210,12 +203,7 @@ class CompileWatch:
 
 def recompile_reasons(limit: int = 3) -> list[str]:
     """The latest guard failures Dynamo recorded (why it recompiled), newest last."""
-    try:
-        from torch._dynamo.utils import guard_failures
-    except ImportError:  # pragma: no cover - older/newer torch
-        return []
-    reasons = [str(r) for failures in guard_failures.values() for r in failures]
-    return reasons[-limit:]
+    return guard_failure_reasons(limit)
 
 
 def _describe_error(err: BaseException) -> str:
@@ -265,7 +253,7 @@ class TorchCompile(Technique):
             default) after the first shape change.
         regional: Compile each repeated block (transformer layer) instead of the whole model:
             much shorter compile time for nearly the same speed.
-        backend: A Dynamo backend name (``torch._dynamo.list_backends()``) or a backend callable.
+        backend: A Dynamo backend name (``valid_backends()``) or a backend callable.
         strict: Re-raise compile errors instead of falling back to eager.
         blocks: Which blocks a regional compile compiles: ``"auto"`` (repeated blocks), a class
             name, a module class, a name glob or ``"re:<regex>"`` (as ``ActivationCheckpointing``).
@@ -342,7 +330,7 @@ class TorchCompile(Technique):
             raise err
         if self._model is not None:  # back to eager: the modules this callback compiled
             for name in self._names:
-                self._model.get_submodule(name)._compiled_call_impl = None
+                set_compiled_call(self._model.get_submodule(name), None)
         self._fell_back = _describe_error(err)
         self.warn(
             f"torch.compile failed ({self._fell_back}); training continues in eager mode. "

@@ -26,6 +26,7 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
+from lightning_efficient.core._internals import cpu_supports_bf16
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_choice, missing_extra
 
@@ -57,13 +58,6 @@ def _device(device: Any = None) -> torch.device:
     return torch.device(device)
 
 
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
-        return False
-
-
 def best_precision(device: torch.device | str | int | None = None) -> str:
     """The Lightning precision string that trains fastest without losing accuracy on ``device``
     (default: the first CUDA device if there is one, else the CPU).
@@ -78,7 +72,7 @@ def best_precision(device: torch.device | str | int | None = None) -> str:
             return "32-true"
         return "bf16-mixed" if torch.cuda.get_device_capability(dev) >= (8, 0) else "16-mixed"
     if dev.type == "cpu":
-        return "bf16-mixed" if _cpu_has_bf16() else "32-true"
+        return "bf16-mixed" if cpu_supports_bf16() else "32-true"
     return "32-true"
 
 

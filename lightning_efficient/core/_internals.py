@@ -1,0 +1,181 @@
+"""The one module that touches private names of torch, Lightning, DeepSpeed and jsonargparse.
+
+Every use is a small named function (or a name imported once, here) so that a release that moves
+one breaks in one place, loudly: ``tests/test_internals.py`` calls each of them against the
+installed versions. ``TESTED`` states the ranges the project is tested with (setup.cfg pins the
+same); outside them a use that fails raises ``InternalsError`` naming the private name, the
+installed version and the tested range, instead of a bare ``AttributeError``.
+
+No other module of the package may import a ``_``-prefixed module or read a ``_``-prefixed
+attribute of these libraries (``tests/test_layers.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TESTED",
+    "FakeTensor",
+    "FakeTensorMode",
+    "InternalsError",
+    "TorchDispatchMode",
+    "compile_callbacks",
+    "compiled_call",
+    "cpu_supports_bf16",
+    "dynamo_backends",
+    "fake_tensor_errors",
+    "guard_failure_reasons",
+    "inductor_modes",
+    "is_dynamo_error",
+    "module_tensor_slots",
+    "set_compiled_call",
+    "set_option_type",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+]
+
+#: Versions the package is tested with: (lowest, highest) release, inclusive by minor version.
+TESTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.4", "2.13"),
+    "lightning": ("2.4", "2.6"),
+    "deepspeed": ("0.14", "0.19"),
+    "jsonargparse": ("4.27", "4.53"),
+}
+
+
+class InternalsError(RuntimeError):
+    """A private name this package relies on is missing from the installed library."""
+
+
+def installed_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _moved(package: str, name: str) -> InternalsError:
+    low, high = TESTED.get(package, ("?", "?"))
+    return InternalsError(
+        f"lightning-efficient needs `{name}` from {package}, which the installed {package} "
+        f"{installed_version(package)} does not have; the package is tested with {package} "
+        f"{low} to {high}.x. Install a tested version, or report the new release."
+    )
+
+
+# --- torch: fake tensors, dispatch modes, pytrees ---------------------------------------------
+try:
+    from torch._subclasses import fake_tensor as _fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+except ImportError as err:  # pragma: no cover - depends on the torch release
+    raise _moved("torch", "torch._subclasses.fake_tensor / torch.utils._pytree") from err
+
+
+def fake_tensor_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions torch raises when a model needs real values under fake tensors."""
+    names = (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+        "UnsupportedFakeTensorException",
+    )
+    errors = tuple(getattr(_fake_tensor, n) for n in names if hasattr(_fake_tensor, n))
+    with contextlib.suppress(ImportError):
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        errors += (GuardOnDataDependentSymNode,)
+    return errors
+
+
+def module_tensor_slots(module: nn.Module) -> Iterator[tuple[dict[str, Any], bool]]:
+    """The module's own parameter and buffer dicts, as ``(dict, is_parameter)``: writing to
+    them swaps a tensor in place without ``register_*``'s checks (used to fake a model)."""
+    yield module._parameters, True
+    yield module._buffers, False
+
+
+# --- torch: Dynamo and Inductor ----------------------------------------------------------------
+def dynamo_backends() -> list[str]:
+    """Every Dynamo backend name registered in this process."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def inductor_modes() -> list[str]:
+    """Inductor's compile modes (``mode=`` of ``torch.compile``)."""
+    import torch._inductor
+
+    return list(torch._inductor.list_mode_options())
+
+
+def is_dynamo_error(err: BaseException) -> bool:
+    """True for errors raised by Dynamo while compiling."""
+    import torch._dynamo.exc as exc
+
+    return isinstance(err, exc.TorchDynamoException)
+
+
+def compiled_call(module: nn.Module) -> Any:
+    """What ``module.compile()`` installed (``None``: the module runs eagerly)."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: nn.Module, call: Any) -> None:
+    """Replace (or, with ``None``, remove) what ``module.compile()`` installed, in place."""
+    if not hasattr(module, "_compiled_call_impl"):  # pragma: no cover - depends on torch
+        raise _moved("torch", "nn.Module._compiled_call_impl")
+    module._compiled_call_impl = call
+
+
+def compile_callbacks() -> Any:
+    """Dynamo's compile-start/end callback registry (``register_start_callback``, ...)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError as err:  # pragma: no cover - depends on torch
+        raise _moved("torch", "torch._dynamo.callback.callback_handler") from err
+    return callback_handler
+
+
+def guard_failure_reasons(limit: int = 3) -> list[str]:
+    """The latest guard failures Dynamo recorded (why it recompiled), newest last."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover - older/newer torch
+        return []
+    reasons = [str(r) for failures in guard_failures.values() for r in failures]
+    return reasons[-limit:]
+
+
+# --- torch: CPU features -----------------------------------------------------------------------
+def cpu_supports_bf16() -> bool:
+    """True when oneDNN has fast bf16 kernels on this CPU."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
+        return False
+
+
+# --- jsonargparse -----------------------------------------------------------------------------
+def set_option_type(parser: Any, option: str, typehint: Any, help: str | None = None) -> bool:
+    """Widen the type an option of a jsonargparse parser accepts (e.g. ``--trainer.precision``
+    also takes ``"auto"``). Returns False when the parser has no such option."""
+    action = parser._option_string_actions.get(option)
+    if action is None:
+        return False
+    if not hasattr(action, "_typehint"):  # pragma: no cover - depends on jsonargparse
+        raise _moved("jsonargparse", "ActionTypeHint._typehint")
+    action._typehint = typehint
+    if help is not None:
+        action.help = help
+    return True

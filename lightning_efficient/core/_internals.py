@@ -179,3 +179,36 @@ def set_option_type(parser: Any, option: str, typehint: Any, help: str | None = 
     if help is not None:
         action.help = help
     return True
+
+
+# --- torch: LR scheduler bookkeeping ------------------------------------------------------------
+def track_step_calls(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` as ``LRScheduler.__init__`` does (it sets ``_opt_called``), so a
+    scheduler re-pointed at this optimizer sees ``optimizer.step()`` run before its own step and
+    does not warn about the order."""
+    import weakref
+    from functools import wraps
+
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def step_was_called(optimizer: Any) -> bool:
+    """True when the wrapped ``step`` of ``optimizer`` ran at least once."""
+    return bool(getattr(optimizer, "_opt_called", False))
+
+
+def mark_step_called(optimizer: Any) -> None:
+    """Record that ``optimizer.step`` ran (carried over when a scheduler changes optimizer)."""
+    optimizer._opt_called = True

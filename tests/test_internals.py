@@ -1,0 +1,121 @@
+"""Every private name the package relies on, called against the installed libraries: a release
+that moves one fails here, by name, instead of deep inside a fit."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_efficient.core import _internals as I
+
+
+def test_tested_ranges_cover_the_installed_versions() -> None:
+    for package, (low, high) in I.TESTED.items():
+        version = I.installed_version(package)
+        if version == "not installed":
+            continue
+        major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+        as_tuple = lambda s: tuple(int(x) for x in s.split("."))  # noqa: E731
+        assert as_tuple(low) <= major_minor <= as_tuple(high), (package, version, low, high)
+
+
+def test_fake_tensors_and_their_errors() -> None:
+    with I.FakeTensorMode() as mode:
+        x = torch.empty(4, 8)
+        assert isinstance(x, I.FakeTensor) and x.shape == (4, 8)
+    assert mode is not None
+    errors = I.fake_tensor_errors()
+    assert errors and all(issubclass(e, BaseException) for e in errors)
+
+
+def test_dispatch_mode_sees_operations() -> None:
+    seen = []
+
+    class Spy(I.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2) + 1
+    assert any("add" in s for s in seen)
+
+
+def test_pytree() -> None:
+    leaves, spec = I.tree_flatten({"a": [1, 2], "b": (3,)})
+    assert sorted(leaves) == [1, 2, 3]
+    assert I.tree_unflatten(leaves, spec) == {"a": [1, 2], "b": (3,)}
+    assert I.tree_map(lambda v: v * 2, [1, (2,)]) == [2, (4,)]
+
+
+def test_module_tensor_slots() -> None:
+    bn = nn.BatchNorm1d(3)
+    slots = dict((is_param, store) for store, is_param in I.module_tensor_slots(bn))
+    assert set(slots[True]) == {"weight", "bias"}
+    assert {"running_mean", "running_var", "num_batches_tracked"} <= set(slots[False])
+
+
+def test_dynamo_names() -> None:
+    assert "inductor" in I.dynamo_backends() and "eager" in I.dynamo_backends()
+    assert "default" in I.inductor_modes()
+    import torch._dynamo.exc as exc
+
+    assert I.is_dynamo_error(
+        exc.Unsupported("x") if hasattr(exc, "Unsupported") else exc.TorchDynamoException("x")
+    )
+    assert not I.is_dynamo_error(RuntimeError("x"))
+    assert I.guard_failure_reasons() == [] or isinstance(I.guard_failure_reasons()[0], str)
+    handler = I.compile_callbacks()
+    assert hasattr(handler, "register_start_callback") and hasattr(handler, "remove_end_callback")
+
+
+def test_compiled_call_in_place() -> None:
+    lin = nn.Linear(2, 2)
+    assert I.compiled_call(lin) is None
+    lin.compile(backend="eager")
+    assert I.compiled_call(lin) is not None
+    I.set_compiled_call(lin, None)
+    assert I.compiled_call(lin) is None
+
+
+def test_cpu_bf16_probe_answers() -> None:
+    assert isinstance(I.cpu_supports_bf16(), bool)
+
+
+def test_option_type_of_a_lightning_parser() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    parser = LightningArgumentParser()
+    parser.add_lightning_class_args(Trainer, "trainer")
+    assert I.set_option_type(parser, "--trainer.precision", int | str | None, help="h")
+    assert not I.set_option_type(parser, "--no.such.option", int)
+    cfg = parser.parse_args(["--trainer.precision", "auto"])
+    assert cfg.trainer.precision == "auto"
+
+
+def test_scheduler_step_tracking() -> None:
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    new = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    I.track_step_calls(new)
+    assert not I.step_was_called(new)
+    sched.optimizer = new
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        new.step()
+        sched.step()
+    assert I.step_was_called(new)
+    other = torch.optim.SGD([p], lr=0.1)
+    I.mark_step_called(other)
+    assert I.step_was_called(other)
+
+
+@pytest.mark.parametrize("package", sorted(I.TESTED))
+def test_moved_names_fail_with_the_version(package: str) -> None:
+    err = I._moved(package, "some._name")
+    assert package in str(err) and "some._name" in str(err) and "tested with" in str(err)

@@ -1,0 +1,215 @@
+"""The package's house rules, read from the code itself (every import, including those inside
+functions): layers import one way only, no import cycles, private library names only in
+``core/_internals.py``, no module over 600 lines, no callback or strategy class over 250 lines."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import Strategy
+
+PACKAGE = "lightning_efficient"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+#: Layers, lowest first. A module may import from its own layer and the ones below.
+LAYERS = {"core": 0, "measure": 1, "techniques": 2}
+TOP = 3  # planner, functional, commands, cli, the package itself
+#: Libraries whose private names only core/_internals.py may touch.
+GUARDED = ("torch", "lightning", "pytorch_lightning", "deepspeed", "jsonargparse")
+#: Private attributes of those libraries' objects, read or written on instances (not reachable
+#: through a module path, so listed by name).
+PRIVATE_ATTRIBUTES = {
+    "_parameters",
+    "_buffers",
+    "_compiled_call_impl",
+    "_opt_called",
+    "_wrapped_by_lr_sched",
+    "_option_string_actions",
+    "_typehint",
+    "_iterator",
+    "_parallel_devices",
+    "_hp_optimizer_states_linked",
+    "_lazy_init_hp_params_optimizer_state",
+    "_configure_launcher",
+    "_init_optimizers",
+    "_restore_zero_state",
+    "_PRECISION_INPUT",
+}
+INTERNALS = f"{PACKAGE}.core._internals"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The package module an import of ``name`` loads (``a.b.c`` -> the longest known prefix)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    """Package modules imported anywhere in ``module`` (top level or inside functions)."""
+    tree = ast.parse(MODULES[module].read_text())
+    is_package = MODULES[module].name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import sub` imports the submodule `pkg.sub` when there is one
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found |= {r for n in names if n.startswith(PACKAGE) and (r := _resolve(n))}
+    found.discard(module)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] == "demos":
+        return None
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return LAYERS[parts[1]]
+    return TOP
+
+
+def test_the_graph_was_read() -> None:
+    # the test reads something: the package has its layers and they import each other
+    assert {"lightning_efficient.core.technique", "lightning_efficient.measure.estimate"} <= set(
+        MODULES
+    )
+    assert "lightning_efficient.core.compat" in GRAPH["lightning_efficient.core.technique"]
+    assert sum(len(v) for v in GRAPH.values()) > 50
+
+
+def test_no_upward_import() -> None:
+    upward = [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in GRAPH.items()
+        for d in deps
+        if _layer(m) is not None and _layer(d) is not None and _layer(d) > _layer(m)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_demos_import_nothing_of_the_package() -> None:
+    demos = {m: d for m, d in GRAPH.items() if ".demos" in m}
+    assert demos
+    outside = [f"{m} imports {d}" for m, deps in demos.items() for d in deps if ".demos" not in d]
+    assert not outside, "\n".join(outside)
+
+
+def _cycles() -> list[list[str]]:
+    cycles, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(GRAPH[node]):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    cycles = _cycles()
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _private_uses(module: str) -> list[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    uses = []
+    guarded_names = set(GUARDED)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                + [f"{node.module}.{a.name}" for a in node.names if node.module]
+            )
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in GUARDED and any(
+                    p.startswith("_") and not p.startswith("__") for p in parts[1:]
+                ):
+                    uses.append(f"line {node.lineno}: import {name}")
+        elif isinstance(node, ast.Attribute):
+            chain, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id in guarded_names:
+                private = [a for a in chain if a.startswith("_") and not a.startswith("__")]
+                if private:
+                    uses.append(f"line {node.lineno}: {cur.id}.{'.'.join(reversed(chain))}")
+            elif node.attr in PRIVATE_ATTRIBUTES:
+                uses.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in PRIVATE_ATTRIBUTES:
+            uses.append(f"line {node.lineno}: {node.value!r}")  # getattr(obj, "_name")
+    return uses
+
+
+def test_private_library_names_only_in_internals() -> None:
+    assert _private_uses(INTERNALS), "the check must find the uses in _internals itself"
+    found = {m: u for m in MODULES if m != INTERNALS and (u := _private_uses(m))}
+    assert not found, "\n".join(f"{m}: {', '.join(u)}" for m, u in found.items())
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_size(module: str) -> None:
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= 600, f"{module} has {lines} lines (at most 600): split it by responsibility"
+
+
+def _classes() -> list[tuple[str, type, int]]:
+    found = []
+    for module in MODULES:
+        if module.endswith("__main__"):  # runs the command line when imported
+            continue
+        mod = importlib.import_module(module)
+        for _, cls in inspect.getmembers(mod, inspect.isclass):
+            if cls.__module__ == module and issubclass(cls, (Callback, Strategy)):
+                source, _ = inspect.getsourcelines(cls)
+                found.append((f"{module}.{cls.__name__}", cls, len(source)))
+    return found
+
+
+def test_callbacks_and_strategies_are_thin() -> None:
+    classes = _classes()
+    assert any(name.endswith(".ActivationCheckpointing") for name, _, _ in classes)
+    fat = [f"{name}: {n} lines" for name, _, n in classes if n > 250]
+    assert not fat, "callback/strategy classes over 250 lines:\n" + "\n".join(fat)

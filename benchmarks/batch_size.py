@@ -36,11 +36,11 @@ sys.path.insert(0, str(ROOT))
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.step import loss_of  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import measure_step  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 from lightning_efficient.techniques.batch_size import (  # noqa: E402
-    _loss_of,
     candidate_sizes,
     choose_micro_batch,
     largest_fitting_batch,
@@ -77,7 +77,7 @@ def samples_per_s(n: int, seq: int, model_kwargs: dict) -> tuple[float, float]:
     with Silent(model):
 
         def step() -> None:
-            loss = _loss_of(model.training_step(batch, 0))
+            loss = loss_of(model.training_step(batch, 0))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -15,7 +15,6 @@ tensors on the CPU) run, so the two are compared on the same steps and categorie
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -28,6 +27,12 @@ from lightning_efficient.core._internals import (
     TorchDispatchMode,
     tree_flatten,
     tree_map,
+)
+from lightning_efficient.measure.step import (
+    autocast_for,
+    is_lightning_module,
+    loss_of,
+    silenced_logging,
 )
 from lightning_efficient.measure.types import (
     CATEGORIES,
@@ -184,60 +189,6 @@ class StorageTracker(TorchDispatchMode):
 
 
 # -- the training step both the estimate and the real measurement run -----------------------------
-def _is_lightning(model: nn.Module) -> bool:
-    try:
-        from lightning.pytorch import LightningModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, LightningModule)
-
-
-@contextlib.contextmanager
-def silenced_logging(model: nn.Module) -> Iterator[None]:
-    """``self.log``/``self.log_dict`` of a LightningModule do nothing inside (instance override).
-
-    Fake tensors must not reach Lightning's logging store (device mismatch, and logging outside
-    the loop raises); the estimate measures memory, not metrics.
-    """
-    if not _is_lightning(model):
-        yield
-        return
-    had = {name: name in vars(model) for name in ("log", "log_dict")}
-    saved = {name: vars(model)[name] for name, present in had.items() if present}
-    object.__setattr__(model, "log", lambda *a, **k: None)
-    object.__setattr__(model, "log_dict", lambda *a, **k: None)
-    try:
-        yield
-    finally:
-        for name, present in had.items():
-            if present:
-                object.__setattr__(model, name, saved[name])
-            else:
-                vars(model).pop(name, None)
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        return out["loss"]
-    loss = getattr(out, "loss", None)  # HF ModelOutput
-    if isinstance(loss, torch.Tensor):
-        return loss
-    raise TypeError(
-        "the training step must return a loss tensor or a dict with 'loss' (or an object with .loss); "
-        f"got {type(out).__name__}."
-    )
-
-
-def _autocast(precision: str) -> Any:
-    if precision == "bf16-mixed":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    if precision == "16-mixed":
-        return torch.autocast("cpu", dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:
     seen: set[int] = set()
     out = []
@@ -258,7 +209,7 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
     and its gradient freed as soon as it is accumulated.
     """
     model, batch = plan.model, plan.batch
-    lightning = _is_lightning(model) and plan.loss_fn is None
+    lightning = is_lightning_module(model) and plan.loss_fn is None
     params = _unique_params(model)
     trainable = [p for p in params if p.requires_grad]
     model.train()
@@ -299,14 +250,14 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
             for _ in range(steps):
                 for i in range(micro):
                     tracker.phase = "forward"
-                    with silenced_logging(model), _autocast(plan.precision):
+                    with silenced_logging(model), autocast_for(plan.precision):
                         if plan.loss_fn is not None:
                             out = plan.loss_fn(model, batch)
                         elif _takes_batch_idx(model.training_step):
                             out = model.training_step(batch, 0)
                         else:
                             out = model.training_step(batch)
-                    loss = _loss_of(out)
+                    loss = loss_of(out)
                     del out
                     tracker.end_forward()
                     if micro > 1:

@@ -39,6 +39,7 @@ from lightning_efficient.core.validate import (
     import_object,
     parse_bytes,
 )
+from lightning_efficient.measure.step import autocast_for, loss_of, silenced_logging
 
 __all__ = [
     "round_batch_size",
@@ -387,17 +388,6 @@ def chunk_weights(
     return [c / total for c in counts]
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    raise TypeError(
-        "micro-batch split needs the training step to return the loss tensor or a dict with a "
-        f"'loss' tensor; got {type(output).__name__}"
-    )
-
-
 def micro_batch_step(
     step_fn: Callable[[Any], Any],
     batch: Any,
@@ -426,7 +416,7 @@ def micro_batch_step(
     output: Any = None
     for i, (chunk, w) in enumerate(zip(chunks, weights)):
         output = step_fn(chunk)
-        loss = _loss_of(output) * w
+        loss = loss_of(output) * w
         if i < len(chunks) - 1 or backward_last:
             backward(loss * scale)
             loss = loss.detach()  # frees this micro-batch's graph before the next one runs
@@ -480,19 +470,6 @@ def _check_weighting(weighting: str, token_counter: Any) -> None:
             f"`token_counter` must be a callable, an import path or None; got {token_counter!r} "
             f"({type(token_counter).__name__})."
         )
-
-
-@contextlib.contextmanager
-def _silenced_logging(module: nn.Module) -> Iterator[None]:
-    had = {name: name in vars(module) for name in ("log", "log_dict")}
-    module.log = lambda *a, **k: None  # type: ignore[method-assign]
-    module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for name, was in had.items():
-            if not was:
-                vars(module).pop(name, None)
 
 
 class OOMRecovery(Technique):
@@ -772,7 +749,7 @@ class OOMRecovery(Technique):
             self._grow_split(trainer, batch, message, "backward")
             try:
                 # the loss Lightning holds keeps its (full-batch) value; the gradient is recomputed
-                with trainer.precision_plugin.train_step_context(), _silenced_logging(module):
+                with trainer.precision_plugin.train_step_context(), silenced_logging(module):
                     self._split_step(
                         trainer,
                         module,
@@ -1219,14 +1196,6 @@ def _make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return cls(params, lr=1e-3) if cls is torch.optim.SGD else cls(params)
 
 
-def _autocast(precision: str, device: torch.device):
-    if precision.startswith("bf16-mixed"):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision.startswith("16-mixed"):
-        return torch.autocast(device.type, dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def _scratch_step(module: nn.Module, device: torch.device) -> Iterator[Any]:
     """Run real steps on ``module`` and put it back exactly: weights, buffers, grads, device."""
@@ -1235,7 +1204,7 @@ def _scratch_step(module: nn.Module, device: torch.device) -> Iterator[Any]:
     was_training = module.training
     module.to(device).train()
     try:
-        with _silenced_logging(module):
+        with silenced_logging(module):
             yield
     finally:
         for p in module.parameters():
@@ -1262,8 +1231,8 @@ def trial_step(module: nn.Module, batch: Any, optimizer: str, trainer: Any) -> i
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        with _autocast(precision, device):
-            loss = _loss_of(module.training_step(batch, 0))
+        with autocast_for(precision, device.type):
+            loss = loss_of(module.training_step(batch, 0))
         loss.backward()
         opt.step()
         del loss, opt
@@ -1292,8 +1261,8 @@ def throughput(
             opt = _make_optimizer(optimizer, [p for p in module.parameters() if p.requires_grad])
 
             def forward_backward() -> None:
-                with _autocast(precision, device):
-                    loss = _loss_of(module.training_step(batch, 0))
+                with autocast_for(precision, device.type):
+                    loss = loss_of(module.training_step(batch, 0))
                 loss.backward()
 
             t_fb = time_fn(forward_backward, warmup=1, repeats=3, device=device)

@@ -1,0 +1,74 @@
+"""The pieces of a training step that the estimate, the real measurements and the techniques
+share: the loss out of a step's output, autocast for a Lightning precision string, and a
+LightningModule whose ``self.log`` is muted while the instrument runs its step."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["autocast_for", "is_lightning_module", "loss_of", "silenced_logging"]
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss of a training step's output: a tensor, a mapping with a ``"loss"`` tensor, or an
+    object with a ``.loss`` tensor (Hugging Face's ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise TypeError(
+        "the training step must return a loss tensor, a dict with a 'loss' tensor, or an object "
+        f"with a .loss tensor; got {type(output).__name__}."
+    )
+
+
+def autocast_for(precision: str, device_type: str = "cpu") -> Any:
+    """The autocast context of a Lightning precision string (``"bf16-mixed"`` -> bfloat16
+    autocast on ``device_type``; a ``*-true`` or ``32`` precision -> no autocast)."""
+    precision = str(precision)
+    if precision.startswith("bf16-mixed"):
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    if precision.startswith("16-mixed"):
+        return torch.autocast(device_type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def is_lightning_module(model: nn.Module) -> bool:
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, LightningModule)
+
+
+@contextlib.contextmanager
+def silenced_logging(model: nn.Module) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` of a LightningModule do nothing inside (an instance
+    override, removed on exit; an override the module had is put back).
+
+    Fake tensors must not reach Lightning's logging store (device mismatch, and logging outside
+    the loop raises); the instrument's steps measure memory and time, not metrics.
+    """
+    if not is_lightning_module(model):
+        yield
+        return
+    had = {name: name in vars(model) for name in ("log", "log_dict")}
+    saved = {name: vars(model)[name] for name, present in had.items() if present}
+    object.__setattr__(model, "log", lambda *a, **k: None)
+    object.__setattr__(model, "log_dict", lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for name, present in had.items():
+            if present:
+                object.__setattr__(model, name, saved[name])
+            else:
+                vars(model).pop(name, None)

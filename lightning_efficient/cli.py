@@ -17,12 +17,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 import lightning_efficient  # noqa: F401  (registers every callback and strategy for short names)
 from lightning_efficient.core._internals import set_option_type
+from lightning_efficient.core.validate import SettingsError
 
-__all__ = ["EfficientCLI", "main", "EXTRA_COMMANDS", "CONFIG_ERRORS"]
+__all__ = ["CONFIG_ERRORS", "EXTRA_COMMANDS", "EfficientCLI", "RunConfigSaver", "main"]
 
 #: Exceptions raised while building the objects of a config that are configuration mistakes.
 CONFIG_ERRORS = (ValueError, TypeError, MisconfigurationException, ImportError)
@@ -37,6 +38,18 @@ class _ShortErrorParser(LightningArgumentParser):
         _fail(f"{message.strip()}\n(run `lightning-efficient fit --help` for the options)")
 
 
+class RunConfigSaver(SaveConfigCallback):
+    """Saves the run's config under the logger's run folder (``version_N/config.yaml``), never
+    over an existing file, and not at all when the run has no logger (``logger: false``), where
+    Lightning would write ``./config.yaml`` into the working folder and replace whatever was
+    there (a user's own config included)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.logger is None:
+            return
+        super().setup(trainer, pl_module, stage)
+
+
 class EfficientCLI(LightningCLI):
     """LightningCLI over any LightningModule/DataModule (default: the TinyGPT demo)."""
 
@@ -46,7 +59,8 @@ class EfficientCLI(LightningCLI):
         kwargs.setdefault("datamodule_class", pl.LightningDataModule)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("save_config_callback", RunConfigSaver)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": False})
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(*args, **kwargs)
 
@@ -94,8 +108,25 @@ def classes_epilog() -> str:
     )
 
 
+_NOISE = ("Not a valid subclass", "Expected a", "Subclass types expect", "Does not validate")
+
+
+def reason_first(message: str) -> str:
+    """jsonargparse explains a bad value inside a Union with every subtype it tried; the line
+    that says what is wrong (e.g. "`every_n` must be >= 1; got -3.") goes first."""
+    lines = message.strip().splitlines()
+    reasons = [
+        line.strip()[2:]
+        for line in lines
+        if line.strip().startswith("- ") and not line.strip()[2:].startswith(_NOISE)
+    ]
+    if not reasons or lines[0].strip() == reasons[0]:
+        return message.strip()
+    return reasons[0] + "\n\ndetails:\n" + "\n".join("  " + line for line in lines)
+
+
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {reason_first(message)}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -157,7 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] in ("-h", "--help"):
         extra = "\n".join(f"  {name:<14}{help_}" for name, (help_, _) in EXTRA_COMMANDS.items())
         print(f"lightning-efficient extra commands:\n{extra}\n")
-    EfficientCLI(args=None if argv is None else args)
+    try:
+        EfficientCLI(args=None if argv is None else args)
+    except SettingsError as err:  # found at fit start: a short error, not a traceback
+        _fail(str(err))
     return 0
 
 

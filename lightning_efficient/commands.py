@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
+from lightning_efficient.measure.settings import estimate_settings
 
 __all__ = ["estimate_command", "config_workload", "fail"]
 
@@ -37,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=None, help="override the datamodule's batch_size"
     )
     p.add_argument(
-        "--optimizer", default="adamw", help="adamw | adam | sgd | a class path (default: adamw)"
+        "--optimizer",
+        default=None,
+        help="adamw | adam | sgd | an Optimizer class path (default: what the model's "
+        "configure_optimizers returns)",
     )
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default: 2)")
     p.add_argument(
@@ -87,23 +91,21 @@ def estimate_command(argv: Sequence[str]) -> int:
         return work
     model, batch, trainer, precision = work
     precision = args.precision or precision
-    techniques = [cb for cb in trainer.callbacks if hasattr(cb, "configure_estimate")]
-    if hasattr(trainer.strategy, "configure_estimate"):
-        techniques.append(trainer.strategy)
+    settings = estimate_settings(trainer)
+    settings["precision"] = precision
+    if args.optimizer is not None:
+        settings["optimizer"] = args.optimizer
     try:
         est = estimate_memory(
             model,
             batch,
-            optimizer=args.optimizer,
-            precision=precision,
-            callbacks=techniques,
             steps=args.steps,
-            cuda_rounding=args.cuda_rounding,
-            accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+            **{**settings, "cuda_rounding": args.cuda_rounding or settings["cuda_rounding"]},
         )
     except (EstimateError, ValueError, TypeError) as err:
         return fail(str(err))
-    title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {args.optimizer}"
+    optimizer = args.optimizer or "configured optimizer"
+    title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {optimizer}"
     if args.markdown:
         print(f"{title}\n\n{est.to_markdown()}")
     else:

@@ -24,6 +24,7 @@ from lightning_efficient.measure.estimate import (
     MemoryEstimate,
     estimate_memory,
 )
+from lightning_efficient.measure.settings import estimate_settings
 
 __all__ = ["Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
 
@@ -49,6 +50,15 @@ class PlanResult:
     budget_bytes: int
     tried: list[tuple[Rung, MemoryEstimate | None, str]] = field(default_factory=list)
     chosen: Rung | None = None
+    errors: list[EstimateError] = field(default_factory=list)
+
+    @property
+    def not_estimable(self) -> EstimateError | None:
+        """The estimate's own error when no rung could be estimated at all (the model, not the
+        budget, is the problem)."""
+        if self.tried and len(self.errors) == len(self.tried):
+            return self.errors[0]
+        return None
 
     def rows(self) -> list[tuple[str, str, str, str, str]]:
         out = []
@@ -109,8 +119,10 @@ def default_ladder(
     precision: str = "32-true",
     bf16: bool = True,
     accumulate_grad_batches: int = 1,
+    configured: Sequence[Any] = (),
 ) -> list[Rung]:
-    """The stacks the planner tries, cheapest first."""
+    """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
+    and strategy) the config already has; the first rung, "as configured", estimates them."""
     from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
     from lightning_efficient.techniques.optimizers import OptimizerSwap
     from lightning_efficient.techniques.zero_offload import ZeROOffload
@@ -125,7 +137,7 @@ def default_ladder(
             ActivationCheckpointing(budget=budget), **({"budget": budget} if budget else {})
         )
 
-    rungs = [Rung("as configured", precision, cost="none")]
+    rungs = [Rung("as configured", precision, lambda: list(configured), cost="none")]
     if low != precision:
         rungs.append(Rung(low, low, cost="none on bf16 hardware; loss within ~2% of fp32"))
     rungs += [
@@ -203,8 +215,9 @@ def plan_stack(
     *,
     precision: str = "32-true",
     bf16: bool = True,
-    optimizer: Any = "adamw",
+    optimizer: Any = None,
     accumulate_grad_batches: int = 1,
+    configured: Sequence[Any] = (),
     ladder: Sequence[Rung] | None = None,
     try_all: bool = False,
     cuda_rounding: bool = True,
@@ -213,7 +226,8 @@ def plan_stack(
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
     fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
     estimated (for the table); otherwise the walk stops at the first fit. ``model``, ``batch``,
-    ``optimizer`` and ``loss_fn`` are as for :func:`estimate_memory`."""
+    ``optimizer`` and ``loss_fn`` are as for :func:`estimate_memory` (``optimizer=None``: the
+    model's ``configure_optimizers``); ``configured`` as for :func:`default_ladder`."""
     budget_bytes = parse_bytes("budget", budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
@@ -225,6 +239,7 @@ def plan_stack(
             precision=precision,
             bf16=bf16,
             accumulate_grad_batches=accumulate_grad_batches,
+            configured=configured,
         )
     )
     result = PlanResult(budget_bytes)
@@ -244,6 +259,7 @@ def plan_stack(
             )
         except EstimateError as err:  # a rung the fake-tensor estimate cannot run
             result.tried.append((rung, None, f"not estimated: {_first_line(err)}"))
+            result.errors.append(err)
             continue
         except ValueError as err:  # e.g. a checkpointing budget no block count reaches
             result.tried.append((rung, None, f"does not fit: {_first_line(err)}"))
@@ -302,6 +318,7 @@ def plan_command(argv: Sequence[str]) -> int:
         return work
     model, batch, trainer, _ = work
     precision = args.precision or work[3]
+    settings = estimate_settings(trainer)
     result = plan_stack(
         model,
         batch,
@@ -309,8 +326,14 @@ def plan_command(argv: Sequence[str]) -> int:
         precision=precision,
         bf16=not args.no_bf16,
         try_all=args.all,
-        accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+        accumulate_grad_batches=settings["accumulate_grad_batches"],
+        optimizer=settings["optimizer"],
+        configured=settings["callbacks"],
     )
+    if result.not_estimable is not None:
+        return fail(
+            f"the model cannot be estimated, so no stack can be planned: {result.not_estimable}"
+        )
     Console().print(result.table())
     if result.chosen is None:
         return fail(

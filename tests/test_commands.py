@@ -21,7 +21,7 @@ def test_estimate_command_on_demo_config(capsys) -> None:
     assert "estimate" in EXTRA_COMMANDS
     assert main(["estimate", "--config", str(DEMO), "--batch-size", "2", "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "TinyGPT, batch 2x128, 32-true, adamw" in out
+    assert "TinyGPT, batch 2x128, 32-true, configured optimizer" in out
     peak = re.search(r"\*\*peak \((\w+)\)\*\* \| \*\*([0-9.]+ \w+)\*\*", out)
     assert peak, out
     # the same estimate made directly from the config's model arguments

@@ -82,7 +82,8 @@ def test_checkpointing_technique_via_protocol_tinygpt() -> None:
     plain = estimate_memory(model, _batch())
     ckpt = estimate_memory(model, _batch(), callbacks=[CheckpointBlocks("blocks")])
     assert "forward" not in vars(model.blocks[0])  # undone
-    assert ckpt.notes == ["checkpointed 2 blocks"]
+    assert ckpt.notes[0].startswith("optimizer as configured: AdamW")
+    assert ckpt.notes[1:] == ["checkpointed 2 blocks"]
     assert ckpt.by_category["activations"] < 0.5 * plain.by_category["activations"]
     assert ckpt.peak_bytes < plain.peak_bytes
     real = measure_step(copy.deepcopy(model), _batch(), callbacks=[CheckpointBlocks("blocks")])
@@ -336,3 +337,60 @@ def test_training_step_without_batch_idx() -> None:
 
     est = estimate_memory(NoIdx(**TINY_MODEL), _batch())
     assert est.peak_bytes == estimate_memory(tiny_model(), _batch()).peak_bytes
+
+
+# -- the optimizer the module configures -------------------------------------------------------
+class SingleTensorAdamW(type(tiny_model())):
+    """TinyGPT whose configure_optimizers returns a single-tensor AdamW in two groups."""
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-3, foreach=False)
+
+
+def test_estimate_uses_the_configured_optimizer() -> None:
+    """Without ``optimizer=``, the estimate builds what configure_optimizers returns (issue:
+    a single-tensor AdamW was estimated with foreach's parameter-sized temporaries)."""
+    from helpers import TINY_MODEL
+
+    model = SingleTensorAdamW(**TINY_MODEL)
+    est = estimate_memory(model, _batch())
+    assert est.notes == ["optimizer as configured: AdamW"]
+    real = measure_step(
+        copy.deepcopy(model), _batch(), lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=False)
+    )
+    assert est.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01), (str(est), str(real))
+    assert est.phase_peaks["optimizer"] == pytest.approx(real.phase_peaks["optimizer"], rel=0.01)
+    # the old default (foreach AdamW) holds a parameter-sized temporary in the optimizer phase
+    foreach = estimate_memory(model, _batch(), optimizer="adamw")
+    assert foreach.phase_peaks["optimizer"] > est.phase_peaks["optimizer"]
+
+
+def test_estimate_configured_optimizer_keeps_the_groups() -> None:
+    from helpers import TINY_MODEL
+
+    from lightning_efficient.measure.settings import configured_optimizer
+
+    model = SingleTensorAdamW(**TINY_MODEL)
+    factory, note = configured_optimizer(model)
+    built = factory([{"params": list(model.parameters())}])
+    assert [g["weight_decay"] for g in built.param_groups] == [0.1, 0.0]
+    assert sum(len(g["params"]) for g in built.param_groups) == len(list(model.parameters()))
+    assert built.defaults["foreach"] is False and "AdamW" in note
+
+
+class NeedsTrainer(type(tiny_model())):
+    def configure_optimizers(self):
+        total = self.trainer.estimated_stepping_batches  # raises without a trainer
+        return torch.optim.SGD(self.parameters(), lr=0.1 / total)
+
+
+def test_estimate_falls_back_when_configure_needs_a_trainer() -> None:
+    from helpers import TINY_MODEL
+
+    model = NeedsTrainer(**TINY_MODEL)
+    est = estimate_memory(model, _batch())
+    assert len(est.notes) == 1 and est.notes[0].startswith("optimizer 'adamw' (configure_optim")
+    assert est.peak_bytes == estimate_memory(model, _batch(), optimizer="adamw").peak_bytes

@@ -78,7 +78,9 @@ def _imports(module: str) -> set[str]:
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
             # `from pkg import sub` imports the submodule `pkg.sub` when there is one
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
         else:
             continue
         found |= {r for n in names if n.startswith(PACKAGE) and (r := _resolve(n))}

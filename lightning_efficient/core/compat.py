@@ -17,6 +17,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_efficient.core.validate import SettingsError
+
 __all__ = ["RULES", "check", "rule"]
 
 Rule = Callable[[Any, Sequence[Any]], "str | None"]
@@ -38,7 +40,7 @@ def check(trainer: Any, techniques: Sequence[Any]) -> None:
         return
     problems = [msg for fn in RULES if (msg := fn(trainer, techniques))]
     if problems:
-        raise ValueError("Incompatible settings:\n- " + "\n- ".join(problems))
+        raise SettingsError("Incompatible settings:\n- " + "\n- ".join(problems))
     _checked[trainer] = key
 
 

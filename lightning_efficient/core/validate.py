@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "SettingsError",
     "check_choice",
     "check_int",
     "check_float",
@@ -21,6 +22,13 @@ __all__ = [
     "import_object",
     "missing_extra",
 ]
+
+
+class SettingsError(ValueError):
+    """Settings that cannot work together or cannot be met, found when fit starts (a conflict
+    between techniques, a memory budget no setting reaches). The command line prints it as a
+    short ``error:`` line instead of a traceback."""
+
 
 _UNITS = {
     "": 1,
@@ -124,9 +132,7 @@ def parse_bytes(name: str, value: Any, *, allow_none: bool = False) -> int | Non
             f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}."
         )
     if isinstance(value, (int, float)):
-        if value <= 0 or value != value:
-            raise ValueError(f"`{name}` must be a positive number of bytes; got {value!r}.")
-        return int(value)
+        return _whole_bytes(name, value, repr(value))
     if isinstance(value, str):
         match = _BYTES_RE.match(value)
         unit = match.group(2).lower() if match else None
@@ -136,13 +142,22 @@ def parse_bytes(name: str, value: Any, *, allow_none: bool = False) -> int | Non
                 "with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of "
                 "1024), e.g. '24GiB' or '500MB'."
             )
-        size = float(match.group(1)) * _UNITS[unit]
-        if size <= 0:
-            raise ValueError(f"`{name}` must be a positive memory size; got {value!r}.")
-        return int(size)
+        return _whole_bytes(name, float(match.group(1)) * _UNITS[unit], repr(value))
     raise TypeError(
         f"`{name}` must be a number of bytes or a string like '24GiB'; got {_given(value)}."
     )
+
+
+def _whole_bytes(name: str, size: float, given: str) -> int:
+    """A size of at least one byte, finite (a fraction of a byte is not a budget)."""
+    if size != size or size in (float("inf"), float("-inf")):
+        raise ValueError(f"`{name}` must be a finite memory size; got {given}.")
+    if size < 1:
+        raise ValueError(
+            f"`{name}` must be a memory size of at least 1 byte; got {given}"
+            + (f" ({size:g} bytes)." if size > 0 else ".")
+        )
+    return int(size)
 
 
 def format_bytes(n: float) -> str:

@@ -27,6 +27,7 @@ from lightning_efficient.core._internals import (
     fake_tensor_errors,
     module_tensor_slots,
 )
+from lightning_efficient.measure.settings import configured_optimizer
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import (
     CATEGORIES,
@@ -164,7 +165,7 @@ def estimate_memory(
     model: nn.Module,
     batch: Any,
     *,
-    optimizer: Any = "adamw",
+    optimizer: Any = None,
     precision: str = "32-true",
     callbacks: Any = (),
     steps: int = 2,
@@ -180,8 +181,12 @@ def estimate_memory(
             on the ``meta`` device. It is restored unchanged afterwards.
         batch: An example batch: tensors (real or meta) or ``torch.Size`` shapes, nested in
             tuples/lists/dicts. Only shapes and dtypes are used.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (momentum 0.9), a class path, an
-            ``Optimizer`` class or a factory ``factory(param_groups) -> Optimizer``.
+        optimizer: ``None`` (default): what the LightningModule's ``configure_optimizers``
+            returns, with its class, options and param groups, as a fit builds it
+            (``foreach=None`` becomes the foreach path torch takes on CUDA); ``"adamw"`` for a
+            plain module or when ``configure_optimizers`` needs a trainer. Or ``"adamw"``,
+            ``"adam"``, ``"sgd"`` (momentum 0.9), a class path, an ``Optimizer`` class or a
+            factory ``factory(param_groups) -> Optimizer``.
         precision: ``"32-true"``, ``"bf16-mixed"`` / ``"16-mixed"`` (autocast: fp32 weights,
             low-precision activations), or ``"bf16-true"`` (bf16 weights and optimizer state).
         callbacks: Techniques of this package; those with ``configure_estimate(plan)`` change the
@@ -193,7 +198,11 @@ def estimate_memory(
         accumulate_grad_batches: Micro-batches per optimizer step.
     """
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
-    factory = resolve_optimizer(optimizer)
+    notes = []
+    if optimizer is None and hasattr(model, "configure_optimizers"):
+        optimizer, note = configured_optimizer(model, foreach_default=True)
+        notes.append(note if optimizer is not None else f"optimizer 'adamw' ({note})")
+    factory = resolve_optimizer("adamw" if optimizer is None else optimizer)
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     was_training = model.training
@@ -205,6 +214,7 @@ def estimate_memory(
             precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
             loss_fn=loss_fn,
+            notes=notes,
         )
         try:
             for cb in callbacks:

@@ -195,6 +195,12 @@ def resolve_optimizer(optimizer: Any) -> Callable[[list[dict]], torch.optim.Opti
                 f"'torch.optim.AdamW', an Optimizer class or a factory(param_groups); got {optimizer!r}."
             )
         optimizer = import_object("optimizer", optimizer)
+        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+            # a path names a class; any other importable callable (os.system...) is refused
+            raise TypeError(
+                f"`optimizer` path must name a torch.optim.Optimizer subclass; "
+                f"{type(optimizer).__name__} {optimizer!r} is not one."
+            )
     if isinstance(optimizer, type):
         if not issubclass(optimizer, torch.optim.Optimizer):
             raise TypeError(

@@ -25,7 +25,6 @@ Modes:
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +34,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import check_bool, check_int, format_bytes, parse_bytes
+from lightning_efficient.core.validate import (
+    SettingsError,
+    check_bool,
+    check_int,
+    format_bytes,
+    parse_bytes,
+)
+from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.techniques._blocks import check_policy, select_modules
 
 __all__ = [
@@ -314,7 +320,7 @@ def blocks_for_budget(
         if full.peak_bytes > budget_bytes:
             hint = " Without `selective` more is recomputed and less kept." if selective else ""
             hint += " With every_n=1 every block is checkpointed." if every_n > 1 else ""
-            raise ValueError(
+            raise SettingsError(
                 f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
                 f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
                 f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
@@ -468,7 +474,7 @@ class ActivationCheckpointing(Technique):
             self.policy,
             every_n=self.every_n,
             selective=self.selective,
-            **_estimate_kwargs(trainer),
+            **estimate_settings(trainer, exclude=[self]),
         )
         self._apply_and_report(trainer, pl_module, self.choice.num_blocks)
 
@@ -542,22 +548,3 @@ class ActivationCheckpointing(Technique):
 
 def _span(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-
-
-def _estimate_kwargs(trainer: Any) -> dict[str, Any]:
-    """The estimate settings of the running fit: precision, optimizer, accumulation."""
-    kwargs: dict[str, Any] = {
-        "precision": str(getattr(trainer, "precision", "32-true")),
-        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
-    }
-    optimizers = getattr(trainer, "optimizers", None) or []
-    if optimizers:
-        opt = optimizers[0]
-        cls = type(opt)
-        accepted = inspect.signature(cls).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
-        kwargs["optimizer"] = lambda groups: cls(groups, **defaults)
-    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
-    if getattr(device, "type", None) == "cuda":
-        kwargs["cuda_rounding"] = True
-    return kwargs

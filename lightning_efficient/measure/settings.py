@@ -1,0 +1,148 @@
+"""What an estimate needs to know about a fit, taken from the fit itself: the optimizer the module
+configures (class, options and param groups), the precision, the accumulation, the techniques
+that change the plan, and whether the device rounds allocations like CUDA.
+
+One place for it, used by the ``estimate``/``plan`` commands, the planner, activation
+checkpointing's budget search and the batch-size search, so that they all estimate the run the
+user configured.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_efficient.measure.types import PRECISIONS
+
+__all__ = ["configured_optimizer", "estimate_settings", "optimizer_factory_like"]
+
+
+def _first_optimizer(config: Any) -> torch.optim.Optimizer | None:
+    """The first optimizer in whatever ``configure_optimizers`` returned (any of Lightning's
+    forms: an optimizer, a list/tuple of them, a dict with ``"optimizer"``, ``([opts], [scheds])``
+    or a list of dicts)."""
+    if isinstance(config, torch.optim.Optimizer):
+        return config
+    if isinstance(config, Mapping):
+        return _first_optimizer(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        for item in config:
+            found = _first_optimizer(item)
+            if found is not None:
+                return found
+    return None
+
+
+def optimizer_factory_like(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    *,
+    foreach_default: bool | None = None,
+) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """A factory ``factory(param_groups) -> Optimizer`` that builds ``optimizer``'s class with its
+    options and puts each parameter it is given into the group its namesake had in
+    ``optimizer`` (matched by parameter name in ``model``, so the factory also serves the
+    fake-tensor copies of the parameters that the estimate swaps into ``model``).
+
+    Parameters ``optimizer`` did not train are left out (a fit would not step them).
+    ``foreach_default`` replaces ``foreach=None`` (torch's choice by device: on CUDA it picks the
+    list-wide foreach path, whose temporaries count at the peak).
+    """
+    cls = type(optimizer)
+    accepted = inspect.signature(cls).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    if "foreach" in accepted and defaults.get("foreach") is None and foreach_default is not None:
+        defaults["foreach"] = foreach_default
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    group_of: dict[str, int] = {}
+    options: list[dict[str, Any]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        options.append({k: v for k, v in group.items() if k != "params" and k in accepted})
+        for p in group["params"]:
+            if id(p) in names:
+                group_of[names[id(p)]] = index
+
+    def factory(param_groups: list[dict]) -> torch.optim.Optimizer:
+        current = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        grouped: dict[int, list[torch.Tensor]] = {}
+        for group in param_groups:
+            for p in group["params"]:
+                index = group_of.get(current.get(id(p), ""))
+                if index is not None:
+                    grouped.setdefault(index, []).append(p)
+        if not grouped:  # parameters the configured optimizer does not know: its defaults
+            return cls(param_groups, **defaults)
+        groups = [{**options[i], "params": ps} for i, ps in sorted(grouped.items())]
+        return cls(groups, **defaults)
+
+    factory.optimizer_class = cls  # type: ignore[attr-defined]
+    return factory
+
+
+def configured_optimizer(
+    model: nn.Module, *, foreach_default: bool | None = None
+) -> tuple[Callable[[list[dict]], torch.optim.Optimizer] | None, str]:
+    """The optimizer a fit of ``model`` would build, as an estimate factory, and a note.
+
+    Calls the LightningModule's ``configure_optimizers`` (an optimizer holds no state until it
+    steps, so this allocates nothing but the object). Returns ``(None, reason)`` when the module
+    has none, configures none, or needs a trainer to configure one.
+    """
+    configure = getattr(model, "configure_optimizers", None)
+    if configure is None:
+        return None, "the model has no configure_optimizers"
+    try:
+        config = configure()
+    except Exception as err:  # noqa: BLE001 - e.g. it reads self.trainer, which is not attached
+        return None, f"configure_optimizers failed without a trainer ({type(err).__name__}: {err})"
+    optimizer = _first_optimizer(config)
+    if optimizer is None:
+        return None, "configure_optimizers returned no optimizer"
+    factory = optimizer_factory_like(optimizer, model, foreach_default=foreach_default)
+    return factory, f"optimizer as configured: {type(optimizer).__name__}"
+
+
+def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str, Any]:
+    """``estimate_memory`` keyword arguments for the fit ``trainer`` runs (or will run).
+
+    - ``precision``: the trainer's (``"32-true"`` when the estimate does not know it);
+    - ``accumulate_grad_batches``;
+    - ``callbacks``: every callback (and the strategy) with ``configure_estimate``, except those
+      in ``exclude`` (a technique searching over its own setting excludes itself);
+    - ``optimizer``: during a fit, the trainer's optimizer (class, options, groups); before a
+      fit, ``None`` (the module's ``configure_optimizers``); when a technique swaps optimizers,
+      its ``configure_estimate`` sets the estimate's optimizer as it does for the fit;
+    - ``cuda_rounding``: True when the trainer runs on a CUDA device.
+    """
+    skip = {id(t) for t in exclude}
+    callbacks = [
+        cb
+        for cb in getattr(trainer, "callbacks", [])
+        if hasattr(cb, "configure_estimate") and id(cb) not in skip
+    ]
+    strategy = getattr(trainer, "strategy", None)
+    if hasattr(strategy, "configure_estimate") and id(strategy) not in skip:
+        callbacks.append(strategy)
+    device = getattr(getattr(strategy, "root_device", None), "type", "cpu")
+    precision = str(getattr(trainer, "precision", "32-true"))
+    settings: dict[str, Any] = {
+        "precision": precision if precision in PRECISIONS else "32-true",
+        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+        "callbacks": callbacks,
+        "cuda_rounding": device == "cuda",
+        "optimizer": None,
+    }
+    optimizers: Sequence[Any] = getattr(trainer, "optimizers", None) or []
+    swapped = any(getattr(cb, "swaps_optimizer", False) for cb in callbacks)
+    model = getattr(trainer, "lightning_module", None)
+    if swapped:  # the swapping technique's configure_estimate sets the estimate's optimizer
+        settings["optimizer"] = "adamw"
+    elif optimizers and model is not None:
+        settings["optimizer"] = optimizer_factory_like(
+            optimizers[0], model, foreach_default=device == "cuda"
+        )
+    return settings

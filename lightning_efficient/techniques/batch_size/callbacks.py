@@ -72,15 +72,8 @@ class OOMRecovery(Technique):
         self.ignore_index = ignore_index
         self.token_counter = token_counter
 
-    @property
-    def splits(self) -> int:
-        """Parts each batch is run in (1 until an out-of-memory error)."""
-        return self.recovery.splits
-
-    @property
-    def recoveries(self) -> int:
-        """Out-of-memory errors recovered from."""
-        return self.recovery.recoveries
+    splits = property(lambda self: self.recovery.splits, doc="Parts each batch is run in.")
+    recoveries = property(lambda self: self.recovery.recoveries, doc="OOM errors recovered from.")
 
     def state_dict(self) -> dict[str, Any]:
         return self.recovery.state_dict()
@@ -89,19 +82,11 @@ class OOMRecovery(Technique):
         self.recovery.load_state_dict(state_dict)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        on_split = lambda message: self._on_split(trainer, message)  # noqa: E731
-        if self.recovery.arm_if_supported(trainer, pl_module, self.no_effect, on_split):
+        if self.recovery.start(trainer, pl_module, self, lambda: self._report(trainer)):
             self._report(trainer)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def restore(self, trainer: Any, pl_module: Any) -> None:  # also at teardown
         self.recovery.disarm(pl_module)
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        self.recovery.disarm(pl_module)
-
-    def _on_split(self, trainer: Any, message: str) -> None:
-        self.warn(message)
-        self._report(trainer)
 
     def _report(self, trainer: Any) -> None:
         self.report(
@@ -202,15 +187,8 @@ class EfficientBatchSize(Technique):
         self._figures: dict[str, Any] = {}
         self._change = ""
 
-    @property
-    def splits(self) -> int:
-        """Parts each batch is run in since an out-of-memory error (1 before; see OOMRecovery)."""
-        return self.recovery.splits
-
-    @property
-    def recoveries(self) -> int:
-        """Out-of-memory errors recovered from."""
-        return self.recovery.recoveries
+    splits = property(lambda self: self.recovery.splits, doc="Parts each batch is run in.")
+    recoveries = property(lambda self: self.recovery.recoveries, doc="OOM errors recovered from.")
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -251,22 +229,13 @@ class EfficientBatchSize(Technique):
             self.report(trainer, self._change, **self._figures)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        on_split = lambda message: self._on_split(trainer, message)  # noqa: E731
-        armed = self.oom_recovery and self.recovery.arm_if_supported(
-            trainer, pl_module, self.no_effect, on_split
-        )
+        report = lambda: self._report(trainer)  # noqa: E731
+        armed = self.oom_recovery and self.recovery.start(trainer, pl_module, self, report)
         if self._change or armed:  # one row: the choice, plus the recovery figures
-            self._report(trainer)
+            report()
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def restore(self, trainer: Any, pl_module: Any) -> None:  # also at teardown
         self.recovery.disarm(pl_module)
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        self.recovery.disarm(pl_module)
-
-    def _on_split(self, trainer: Any, message: str) -> None:
-        self.warn(message)
-        self._report(trainer)
 
     def _report(self, trainer: Any) -> None:
         change = self._change or self.recovery.describe()

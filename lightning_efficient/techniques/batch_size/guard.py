@@ -110,18 +110,18 @@ class OOMGuard:
         return None
 
     # -- arming ----------------------------------------------------------------------------------
-    def arm_if_supported(
-        self,
-        trainer: Any,
-        module: Any,
-        no_effect: Callable[[str], None],
-        on_split: Callable[[str], None],
-    ) -> bool:
-        """:meth:`arm` where recovery can work (True); else say why with ``no_effect`` (False)."""
+    def start(self, trainer: Any, module: Any, technique: Any, report: Callable[[], None]) -> bool:
+        """Arm for this fit where recovery can work (True); else say why once through
+        ``technique.no_effect`` (False). After each split: ``technique.warn(message)``, ``report()``."""
         reason = self.unsupported(trainer, module)
         if reason:
-            no_effect(reason)
+            technique.no_effect(reason)
             return False
+
+        def on_split(message: str) -> None:
+            technique.warn(message)
+            report()
+
         self.arm(trainer, module, on_split)
         return True
 

@@ -40,7 +40,7 @@ from lightning_efficient.measure.step import loss_of  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import measure_step  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
-from lightning_efficient.techniques.batch_size import (  # noqa: E402
+from lightning_efficient.techniques.batch_size.sizing import (  # noqa: E402
     candidate_sizes,
     choose_micro_batch,
     largest_fitting_batch,

@@ -14,17 +14,19 @@ from lightning_efficient.techniques.activation_checkpointing import (
     checkpointed_blocks,
     remove_activation_checkpointing,
 )
-from lightning_efficient.techniques.batch_size import (
+from lightning_efficient.techniques.batch_size.sizing import (
     accumulation_for,
     choose_micro_batch,
-    chunk_weights,
     count_tokens,
     largest_fitting_batch,
     longest_sample,
-    micro_batch_step,
     round_batch_size,
-    split_batch,
     worst_case_batch,
+)
+from lightning_efficient.techniques.batch_size.split import (
+    chunk_weights,
+    micro_batch_step,
+    split_batch,
 )
 from lightning_efficient.techniques.compile import (
     compile_modules,

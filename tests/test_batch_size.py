@@ -536,3 +536,114 @@ def test_conflicts_are_refused(tmp_path) -> None:
         )
     with pytest.raises(ValueError, match="OOM recovery is on twice"):
         fit(tmp_path, [EfficientBatchSize(budget="1GiB"), OOMRecovery()], max_steps=1)
+
+
+class BatchCounter(Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches += 1
+
+
+@pytest.mark.parametrize("sizer_first", [False, True])
+def test_optimizer_in_backward_refuses_a_target_batch_size(tmp_path, sizer_first) -> None:
+    """Issue 21 item 2: the rule is checked against the accumulation EfficientBatchSize will set,
+    in either callback order, and the fit stops before its first step."""
+    from lightning_efficient.techniques.optimizers import OptimizerSwap
+
+    swap = OptimizerSwap("torch.optim.AdamW", optimizer_in_backward=True)
+    sizer = EfficientBatchSize(target_batch_size=8, budget="1GiB", max_batch_size=2)
+    counter = BatchCounter()
+    callbacks = [sizer, swap] if sizer_first else [swap, sizer]
+    with pytest.raises(
+        ValueError,
+        match=r"OptimizerSwap\(optimizer_in_backward=True\) cannot be combined with "
+        r"EfficientBatchSize, which sets accumulate_grad_batches during the fit",
+    ):
+        fit(tmp_path, [*callbacks, counter], max_steps=2, limit_val_batches=0)
+    assert counter.batches == 0 and sizer.micro_batch_size is None  # refused before choosing
+    # without a target the accumulation stays 1: the same pair trains
+    sizer = EfficientBatchSize(budget="1GiB", max_batch_size=2)
+    trainer, _, _ = fit(tmp_path, [swap, sizer], max_steps=2, limit_val_batches=0)
+    assert trainer.global_step == 2 and trainer.accumulate_grad_batches == 1
+
+
+# -- composition: EfficientBatchSize holds OOM recovery, and says so publicly ---------------------
+def test_efficient_batch_size_composes_oom_recovery() -> None:
+    from lightning_efficient.core import compat
+    from lightning_efficient.techniques.batch_size import OOMGuard
+
+    cb = EfficientBatchSize(target_batch_size=8)
+    assert not isinstance(cb, OOMRecovery) and isinstance(cb.recovery, OOMGuard)
+    assert cb.sets_accumulation and cb.recovers_from_oom and OOMRecovery().recovers_from_oom
+    off = EfficientBatchSize(oom_recovery=False)
+    assert not off.sets_accumulation and not off.recovers_from_oom
+    # the rule reads the declared attributes: two recoveries are refused, one is not
+    trainer = pl.Trainer(accelerator="cpu", logger=False)
+    assert "OOM recovery is on twice" in compat._batch_size_accumulation(
+        trainer, [EfficientBatchSize(), OOMRecovery()]
+    )
+    assert compat._batch_size_accumulation(trainer, [off, OOMRecovery()]) is None
+    # state: the splitter's, with the choice
+    cb.recovery.load_state_dict({"splits": 4, "recoveries": 2})
+    assert (cb.splits, cb.recoveries) == (4, 2) and cb.state_dict()["splits"] == 4
+
+
+# -- the pure splitter: a step given as callables, no trainer ---------------------------------------
+def _oom_above(limit: int, model, log: list):
+    def step(chunk):
+        x, y = chunk
+        log.append(x.shape[0])
+        if x.shape[0] > limit:
+            torch.empty(2**60, dtype=torch.uint8)  # a real CPU allocation failure
+        return F.mse_loss(model(x), y)
+
+    return step
+
+
+def test_splitter_reruns_split_with_the_full_batch_gradient() -> None:
+    from lightning_efficient.techniques.batch_size import OOMSplitter, StepCalls
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    F.mse_loss(model(x), y).backward()
+    expected = model.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+
+    splitter, sizes, said = OOMSplitter(), [], []
+    calls = StepCalls(
+        step=_oom_above(2, model, sizes),
+        backward=lambda t: t.backward(),
+        zero_grad=lambda: model.zero_grad(set_to_none=True),
+        step_index=5,
+        on_split=said.append,
+    )
+    loss = splitter.run((x, y), calls)
+    loss.backward()  # the caller's backward completes the accumulation
+    assert (splitter.splits, splitter.recoveries) == (4, 2)
+    assert sizes == [8, 4, 2, 2, 2, 2]  # whole, half (OOM), then four parts of 2
+    assert said[0].startswith("out of memory in the forward at step 5") and "split in 4" in said[1]
+    torch.testing.assert_close(model.weight.grad, expected)
+    torch.testing.assert_close(loss.detach(), F.mse_loss(model(x), y).detach())
+    assert not splitter.take_zero_grad() and splitter.take_zero_grad()  # skipped once
+
+
+def test_splitter_refuses_what_it_cannot_rerun_exactly() -> None:
+    from lightning_efficient.techniques.batch_size import OOMSplitter, StepCalls
+
+    model = torch.nn.Linear(3, 1)
+    batch = (torch.randn(4, 3), torch.randn(4, 1))
+    calls = StepCalls(
+        step=_oom_above(0, model, []),
+        backward=lambda t: t.backward(),
+        zero_grad=lambda: None,
+        step_index=3,
+    )
+    with pytest.raises(OutOfMemoryRecoveryError, match="at step 3 even with micro-batch 1"):
+        OOMSplitter().run(batch, calls)
+    # a backward OOM later in an accumulation window: earlier gradients are held
+    later = StepCalls(calls.step, calls.backward, calls.zero_grad, first_of_window=False)
+    with pytest.raises(OutOfMemoryRecoveryError, match="in the backward of a micro-batch"):
+        OOMSplitter().recover_backward(batch, later, "CUDA out of memory")

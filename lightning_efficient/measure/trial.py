@@ -1,0 +1,165 @@
+"""Real trial steps: one training step of a module on a device, measured by the instrument.
+
+Where the fake-tensor estimate cannot answer (a confirmation on the real device, a model the
+estimate cannot run, samples/s), a technique runs a *real* step here. The peak comes from the
+instrument: the CUDA caching allocator's statistics on a GPU, the :class:`StorageTracker` (live
+storage bytes of real tensors) anywhere else. The module is put back exactly afterwards (weights,
+buffers, gradients, device, train mode), and ``self.log`` is muted during the step.
+
+- :func:`trial_step`: peak bytes of forward + backward + optimizer step.
+- :func:`throughput`: samples/s of (forward + backward) x accumulation + one optimizer step,
+  timed with :func:`~lightning_efficient.measure.timing.time_fn`; ``None`` on out-of-memory.
+- :func:`is_out_of_memory` / :func:`free_memory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_efficient.measure.step import autocast_for, loss_of, silenced_logging
+from lightning_efficient.measure.timing import time_fn
+from lightning_efficient.measure.track import StorageTracker
+from lightning_efficient.measure.types import resolve_optimizer
+
+__all__ = ["free_memory", "is_out_of_memory", "scratch_step", "throughput", "trial_step"]
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for CUDA OOM (``torch.OutOfMemoryError``), cuDNN's OOM-in-disguise and a CPU
+    allocation failure (``DefaultCPUAllocator: can't allocate memory``)."""
+    from lightning.pytorch.utilities.memory import is_oom_error
+
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
+        torch.cuda, "OutOfMemoryError", None
+    )
+    if oom_type is not None and isinstance(err, oom_type):
+        return True
+    if isinstance(err, RuntimeError) and err.args and isinstance(err.args[0], str):
+        message = err.args[0]
+        if "out of memory" in message.lower() or "can't allocate memory" in message:
+            return True
+    return is_oom_error(err)
+
+
+def free_memory() -> None:
+    """Collect garbage and return cached CUDA blocks to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def scratch_step(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run real steps on ``module`` and put it back exactly: weights, buffers, grads, device."""
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+    home = next((p.device for p in module.parameters()), torch.device("cpu"))
+    was_training = module.training
+    module.to(device).train()
+    try:
+        with silenced_logging(module):
+            yield
+    finally:
+        for p in module.parameters():
+            p.grad = None
+        module.load_state_dict(saved)
+        module.to(home).train(was_training)
+        free_memory()
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    return move_data_to_device(batch, device)
+
+
+def _optimizer(optimizer: Any, module: nn.Module) -> torch.optim.Optimizer:
+    return resolve_optimizer(optimizer)(
+        [{"params": [p for p in module.parameters() if p.requires_grad]}]
+    )
+
+
+def trial_step(
+    module: nn.Module,
+    batch: Any,
+    optimizer: Any = "adamw",
+    *,
+    device: torch.device | str = "cpu",
+    precision: str = "32-true",
+) -> int:
+    """One real training step (forward, backward, optimizer step) of ``module`` on ``device``;
+    returns its peak bytes (CUDA: ``max_memory_allocated``; else the storage tracker's peak of
+    the parameters, buffers, batch and everything the step allocates). Leaves the module
+    unchanged. Raises what the step raises (an out-of-memory error included).
+
+    ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"``, a class path, an Optimizer class or a
+    factory, as for the estimate. ``precision``: a Lightning precision string (autocast for the
+    ``*-mixed`` ones).
+    """
+    device = torch.device(device)
+    precision = str(precision)
+    with scratch_step(module, device):
+        batch = _to(batch, device)
+        opt = _optimizer(optimizer, module)
+
+        def step() -> None:
+            with autocast_for(precision, device.type):
+                loss = loss_of(module.training_step(batch, 0))
+            loss.backward()
+            opt.step()
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device))
+        tracker = StorageTracker(fake=False)
+        with tracker:
+            tracker.label(list(module.parameters()), "parameters")
+            tracker.label(list(module.buffers()), "parameters")
+            tracker.label(batch, "activations")
+            step()
+        return tracker.summary().peak_bytes
+
+
+def throughput(
+    module: nn.Module,
+    batch: Any,
+    optimizer: Any = "adamw",
+    *,
+    device: torch.device | str = "cpu",
+    precision: str = "32-true",
+    samples: int,
+    accumulation: int = 1,
+) -> float | None:
+    """Samples/s of training with micro-batch ``batch``: ``(forward + backward) x accumulation``
+    plus one optimizer step, each timed with the instrument's ``time_fn`` (median of 3 after one
+    warm-up); ``None`` when the step runs out of memory. ``samples``: the micro-batch's number of
+    samples."""
+    device = torch.device(device)
+    precision = str(precision)
+    try:
+        with scratch_step(module, device):
+            batch = _to(batch, device)
+            opt = _optimizer(optimizer, module)
+
+            def forward_backward() -> None:
+                with autocast_for(precision, device.type):
+                    loss = loss_of(module.training_step(batch, 0))
+                loss.backward()
+
+            t_fb = time_fn(forward_backward, warmup=1, repeats=3, device=device)
+            t_opt = time_fn(opt.step, warmup=1, repeats=3, device=device)
+            del opt
+    except BaseException as err:  # noqa: BLE001 - only OOM is handled, the rest re-raised
+        if not is_out_of_memory(err):
+            raise
+        free_memory()
+        return None
+    return samples * accumulation / (accumulation * t_fb + t_opt)

@@ -1,0 +1,307 @@
+"""The micro-batch and accumulation for a running fit: what :class:`EfficientBatchSize` decides.
+
+Reads what the trainer knows (the batch-size holder, the train DataLoader's dataset, the device,
+the precision, the world size), measures with the instrument (the fake-tensor estimate; real
+trial steps on a GPU) and combines the pure maths of :mod:`.sizing` into a :class:`Choice`. The
+callback only decides when to call :func:`choose_batch_size` and applies the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.measure.trial import free_memory, is_out_of_memory, throughput, trial_step
+from lightning_efficient.techniques.batch_size.sizing import (
+    candidate_sizes,
+    choose_micro_batch,
+    fastest,
+    first_fitting,
+    largest_fitting_batch,
+    longest_sample,
+    resize_batch,
+    search_cap,
+    settle_accumulation,
+    worst_case_batch,
+)
+from lightning_efficient.techniques.batch_size.split import OutOfMemoryRecoveryError
+
+__all__ = [
+    "Choice",
+    "SizingSettings",
+    "available_host_memory",
+    "choose_batch_size",
+    "read_batch_size",
+]
+
+
+@dataclass(frozen=True)
+class SizingSettings:
+    """What the user asked for (the arguments of :class:`EfficientBatchSize`)."""
+
+    target_batch_size: int | None = None
+    multiple_of: int | str = "auto"
+    mode: str = "max_fit"
+    margin: float = 0.1
+    max_batch_size: int | None = None
+    budget_bytes: int | None = None
+    batch_arg_name: str = "batch_size"
+    optimizer: str = "adamw"
+    probe_samples: int = 10_000
+
+
+@dataclass
+class Choice:
+    """The decision: micro-batch x accumulation x world size, how it was found, and what to say."""
+
+    micro: int
+    accumulation: int
+    world: int
+    how: str  # "estimate" or "trial steps"
+    figures: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def read_batch_size(trainer: Any, pl_module: Any, name: str) -> int:
+    """The current batch size where Lightning's BatchSizeFinder finds it; a clear error when
+    there is none, or when the train DataLoader cannot be rebuilt with a new one."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+
+    if not lightning_hasattr(pl_module, name):
+        where = (
+            type(trainer.datamodule).__name__ if trainer.datamodule is not None else "no datamodule"
+        )
+        raise ValueError(
+            f"EfficientBatchSize: no `{name}` found on the LightningModule "
+            f"({type(pl_module).__name__}), its hparams, or the datamodule ({where}) or its "
+            f"hparams. Add a `{name}` attribute that `train_dataloader()` uses, "
+            "or set `batch_arg_name` to the attribute's name."
+        )
+    if trainer.datamodule is None and not is_overridden("train_dataloader", pl_module):
+        raise ValueError(
+            "EfficientBatchSize: the train DataLoader was passed to `trainer.fit` directly, so "
+            "it cannot be rebuilt with a new batch size. Build it in a LightningDataModule's or "
+            "the LightningModule's `train_dataloader()` from its `batch_size` attribute."
+        )
+    value = lightning_getattr(pl_module, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EfficientBatchSize: `{name}` is {value!r}; expected a positive int.")
+    return value
+
+
+def available_host_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _hardware(trainer: Any) -> dict[str, Any]:
+    device = trainer.strategy.root_device
+    hw: dict[str, Any] = {"precision": str(trainer.precision), "device_type": device.type}
+    if device.type == "cuda":
+        hw["capability"] = torch.cuda.get_device_capability(device)
+        hw["device_name"] = torch.cuda.get_device_name(device)
+    return hw
+
+
+def _budget(trainer: Any, budget_bytes: int | None) -> int:
+    if budget_bytes is not None:
+        return budget_bytes
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = available_host_memory()
+    if available is None:
+        raise ValueError(
+            "EfficientBatchSize: cannot read the available memory; pass `budget=` (e.g. '16GiB')."
+        )
+    return available
+
+
+def _worst_case(loader: Any, probe_samples: int) -> tuple[Callable[[int], Any], int | None]:
+    """``make_batch(n)``: the largest batch of ``n`` the data can give; and the dataset size."""
+    dataset, collate = loader.dataset, loader.collate_fn
+    try:
+        n_data = len(dataset)
+    except TypeError:
+        n_data = None
+    if n_data is not None:
+        index, _ = longest_sample(dataset, max_samples=probe_samples)
+        return (lambda n: worst_case_batch(dataset, collate, n, index=index)), n_data
+    first = next(iter(loader))  # iterable dataset: its first batch, rows repeated
+    return (lambda n: resize_batch(first, n)), n_data
+
+
+def choose_batch_size(
+    trainer: Any, pl_module: Any, settings: SizingSettings, exclude: Any = None
+) -> Choice:
+    """Search, round, confirm and (``mode="throughput"``) time; the same choice on every
+    process. ``exclude``: a callback not to apply to the estimate (the caller itself)."""
+    s = settings
+    world = trainer.world_size
+    source = trainer.datamodule if trainer.datamodule is not None else pl_module
+    loader = source.train_dataloader()
+    hw = _hardware(trainer)
+    budget = _budget(trainer, s.budget_bytes)
+    usable = int(budget * (1 - s.margin))
+    make_batch, n_data = _worst_case(loader, s.probe_samples)
+    cap = search_cap(s.max_batch_size, n_data, world, s.target_batch_size)
+    notes: list[str] = []
+    estimate_fn, how = _estimator(trainer, pl_module, make_batch, s, exclude, notes)
+    largest, seen = largest_fitting_batch(estimate_fn, usable, cap)
+    if largest == 0:
+        raise OutOfMemoryRecoveryError(
+            f"EfficientBatchSize: even a micro-batch of 1 needs {format_bytes(seen.get(1, 0))} "
+            f"({how}), more than the budget {format_bytes(usable)} ({format_bytes(budget)} less "
+            f"margin {s.margin:.0%}). Save memory first: ActivationCheckpointing, "
+            "precision='bf16-mixed', OptimizerSwap('adamw8bit') or ZeRO offload."
+        )
+    figures: dict[str, Any] = {}
+    micro = choose_micro_batch(largest, s.target_batch_size, world, s.multiple_of, **hw)[0]
+    if hw["device_type"] == "cuda" and how == "estimate":  # one real step confirms it
+        below = [c for c in candidate_sizes(micro, s.multiple_of, **hw) if c <= micro]
+        found = first_fitting(below, lambda m: _trial_peak(trainer, pl_module, make_batch(m), s))
+        if found is None:
+            raise OutOfMemoryRecoveryError(
+                "EfficientBatchSize: a real step runs out of memory even at micro-batch 1."
+            )
+        micro, figures["trial_peak_bytes"] = found[0], int(found[1])
+    timings: dict[int, float] = {}
+    if s.mode == "throughput":
+        best, timings = fastest(
+            candidate_sizes(largest, s.multiple_of, **hw),
+            lambda m: _rate(trainer, pl_module, make_batch(m), m, s, world),
+        )
+        if best is None:
+            raise OutOfMemoryRecoveryError(
+                "EfficientBatchSize: every candidate micro-batch ran out of memory."
+            )
+        micro = best
+        figures["candidates"] = ", ".join(f"{m}: {r:.1f}/s" for m, r in timings.items())
+    accumulation, effective, exact = settle_accumulation(
+        s.target_batch_size, micro, world, trainer.accumulate_grad_batches
+    )
+    warnings = []
+    if not exact:
+        warnings.append(
+            f"target_batch_size={s.target_batch_size} cannot be reached exactly with world size "
+            f"{world} and a micro-batch <= {largest}; using micro-batch {micro} x accumulation "
+            f"{accumulation} x world size {world} = {effective}, the nearest."
+        )
+    if s.target_batch_size is not None and trainer.accumulate_grad_batches not in (1, accumulation):
+        warnings.append(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is replaced by {accumulation}."
+        )
+    # the same choice on every process (device trials may differ slightly between ranks)
+    micro, accumulation = trainer.strategy.broadcast((micro, accumulation), src=0)
+    if how == "estimate" and micro not in seen:
+        seen[micro] = estimate_fn(micro)
+    peak = seen.get(micro)
+    figures = {
+        **figures,
+        "micro_batch": micro,
+        "accumulation": accumulation,
+        "effective_batch": micro * accumulation * world,
+        "largest_fitting": largest,
+        "budget_bytes": usable,
+        **({"estimated_peak_bytes": int(peak)} if peak is not None and math.isfinite(peak) else {}),
+        **({"samples_per_s": round(timings[micro], 2)} if micro in timings else {}),
+    }
+    return Choice(micro, accumulation, world, how, figures, notes, warnings)
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def _estimator(
+    trainer: Any,
+    pl_module: Any,
+    make_batch: Callable[[int], Any],
+    s: SizingSettings,
+    exclude: Any,
+    notes: list[str],
+) -> tuple[Callable[[int], float], str]:
+    try:
+        from lightning_efficient.measure.estimate import estimate_memory
+    except ImportError:
+        estimate_memory = None
+    others = [
+        cb for cb in trainer.callbacks if cb is not exclude and hasattr(cb, "configure_estimate")
+    ]
+    precision = str(trainer.precision)
+
+    world = trainer.world_size
+
+    def estimate(n: int) -> float:
+        # with accumulation, gradients stay live through the next micro-batch's forward
+        accumulating = (s.target_batch_size or 0) > n * world or trainer.accumulate_grad_batches > 1
+        result = estimate_memory(
+            pl_module,
+            make_batch(n),
+            optimizer=s.optimizer,
+            precision=precision,
+            callbacks=others,
+            cuda_rounding=trainer.strategy.root_device.type == "cuda",
+            accumulate_grad_batches=2 if accumulating else 1,
+        )
+        return result.peak_bytes
+
+    if estimate_memory is not None:
+        try:
+            estimate(1)
+            return estimate, "estimate"
+        except Exception as err:  # noqa: BLE001 - a model the fake-tensor estimate cannot run
+            reason = f"{type(err).__name__}: {err}"
+    else:
+        reason = "the instrument's estimate is not available"
+    if trainer.strategy.root_device.type == "cuda":
+        notes.append(f"estimate failed ({reason[:200]}); searching with real trial steps")
+        return (lambda n: _trial_peak(trainer, pl_module, make_batch(n), s)), "trial steps"
+    raise RuntimeError(
+        f"EfficientBatchSize: the memory estimate cannot run this model on CPU ({reason[:500]})."
+    )
+
+
+def _trial_peak(trainer: Any, pl_module: Any, batch: Any, s: SizingSettings) -> float:
+    """Peak bytes of one real step; ``inf`` when it runs out of memory."""
+    try:
+        return float(
+            trial_step(
+                pl_module,
+                batch,
+                s.optimizer,
+                device=trainer.strategy.root_device,
+                precision=str(trainer.precision),
+            )
+        )
+    except BaseException as err:  # noqa: BLE001
+        if not is_out_of_memory(err):
+            raise
+    free_memory()
+    return math.inf
+
+
+def _rate(
+    trainer: Any, pl_module: Any, batch: Any, micro: int, s: SizingSettings, world: int
+) -> float | None:
+    """Samples/s of micro-batch ``micro`` with the accumulation the target needs; None on OOM."""
+    return throughput(
+        pl_module,
+        batch,
+        s.optimizer,
+        device=trainer.strategy.root_device,
+        precision=str(trainer.precision),
+        samples=micro,
+        accumulation=settle_accumulation(s.target_batch_size, micro, world)[0],
+    )

@@ -1,0 +1,205 @@
+"""OOM recovery inside a Lightning fit: the :class:`OOMSplitter` wired to a LightningModule.
+
+:class:`OOMGuard` is not a callback: :class:`OOMRecovery` and :class:`EfficientBatchSize` each
+hold one. For the duration of training it wraps the module's ``training_step``, ``backward`` and
+``optimizer_zero_grad`` *on the instance* (the class and the state_dict keys are untouched) and
+hands each step to the splitter as callables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_efficient.core.validate import check_choice, check_int, import_object
+from lightning_efficient.measure.step import silenced_logging
+from lightning_efficient.measure.trial import is_out_of_memory
+from lightning_efficient.techniques.batch_size.sizing import count_tokens
+from lightning_efficient.techniques.batch_size.split import (
+    OOMSplitter,
+    OutOfMemoryRecoveryError,
+    StepCalls,
+    chunk_backward,
+    oom_message,
+)
+
+__all__ = ["OOMGuard"]
+
+
+def _check_token_counter(token_counter: Any) -> None:
+    if (
+        token_counter is not None
+        and not isinstance(token_counter, str)
+        and not callable(token_counter)
+    ):
+        raise TypeError(
+            f"`token_counter` must be a callable, an import path or None; got {token_counter!r} "
+            f"({type(token_counter).__name__})."
+        )
+
+
+class OOMGuard:
+    """Reruns a training step split when it runs out of memory (see :class:`OOMSplitter`).
+
+    Args:
+        loss_weighting: ``"samples"`` or ``"tokens"``.
+        ignore_index: Target value that does not count as a token.
+        token_counter: ``fn(batch) -> int`` or its import path (resolved when first used).
+    """
+
+    def __init__(
+        self,
+        loss_weighting: str = "samples",
+        ignore_index: int = -100,
+        token_counter: str | Callable[[Any], int] | None = None,
+    ) -> None:
+        check_choice("loss_weighting", loss_weighting, ("samples", "tokens"))
+        _check_token_counter(token_counter)
+        self.ignore_index = check_int("ignore_index", ignore_index)
+        self.token_counter = token_counter
+        self.splitter = OOMSplitter(loss_weighting, token_counter=self._count_tokens)
+        self._armed: weakref.ref | None = None
+        self._current: tuple[Any, int] | None = None
+
+    def _count_tokens(self, batch: Any) -> int:
+        if self.token_counter is None:
+            return count_tokens(batch, self.ignore_index)
+        if isinstance(self.token_counter, str):
+            return import_object("token_counter", self.token_counter)(batch)
+        return self.token_counter(batch)
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def splits(self) -> int:
+        """Parts each batch is run in (1 until an out-of-memory error)."""
+        return self.splitter.splits
+
+    @property
+    def recoveries(self) -> int:
+        """Out-of-memory errors recovered from."""
+        return self.splitter.recoveries
+
+    def state_dict(self) -> dict[str, int]:
+        return {"splits": self.splits, "recoveries": self.recoveries}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.splitter.splits = int(state_dict.get("splits", 1))
+        self.splitter.recoveries = int(state_dict.get("recoveries", 0))
+
+    def describe(self) -> str:
+        """The report's line for recovery alone."""
+        return (
+            f"OOM recovery armed ({self.splitter.weighting}-weighted split); batches split in "
+            f"{self.splits}"
+        )
+
+    @staticmethod
+    def unsupported(trainer: Any, pl_module: Any) -> str | None:
+        """Why recovery cannot work in this fit, or None."""
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        if not pl_module.automatic_optimization:
+            return "the module uses manual optimization; OOM recovery needs automatic optimization"
+        if type(trainer.strategy) not in (SingleDeviceStrategy, DDPStrategy):
+            return f"OOM recovery supports single-device and DDP strategies, not {type(trainer.strategy).__name__}"
+        return None
+
+    # -- arming ----------------------------------------------------------------------------------
+    def start(self, trainer: Any, module: Any, technique: Any, report: Callable[[], None]) -> bool:
+        """Arm for this fit where recovery can work (True); else say why once through
+        ``technique.no_effect`` (False). After each split: ``technique.warn(message)``, ``report()``."""
+        reason = self.unsupported(trainer, module)
+        if reason:
+            technique.no_effect(reason)
+            return False
+
+        def on_split(message: str) -> None:
+            technique.warn(message)
+            report()
+
+        self.arm(trainer, module, on_split)
+        return True
+
+    def arm(self, trainer: Any, module: Any, on_split: Callable[[str], None]) -> None:
+        """Wrap ``module``'s step methods on the instance; ``on_split(message)`` after each split."""
+        if self._armed is not None and self._armed() is module:
+            return
+        cls = type(module)
+        orig_step = cls.training_step.__get__(module)
+        orig_backward = cls.backward.__get__(module)
+        orig_zero_grad = cls.optimizer_zero_grad.__get__(module)
+        splitter = self.splitter
+
+        def calls(batch_idx: int, args: tuple, kwargs: dict) -> StepCalls:
+            accumulation = trainer.accumulate_grad_batches
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            return StepCalls(
+                step=lambda chunk: orig_step(chunk, batch_idx, *args, **kwargs),
+                backward=chunk_backward(
+                    [p for p in module.parameters() if p.requires_grad],
+                    scale=scaler.scale if scaler is not None else None,
+                    bypass_reducer=isinstance(trainer.model, nn.parallel.DistributedDataParallel),
+                ),
+                zero_grad=lambda: orig_zero_grad(
+                    trainer.current_epoch, batch_idx, trainer.optimizers[0]
+                ),
+                first_of_window=batch_idx % accumulation == 0,
+                accumulation=accumulation,
+                step_index=trainer.global_step,
+                on_split=on_split,
+            )
+
+        @contextlib.contextmanager
+        def rerun_context() -> Iterator[None]:
+            with trainer.precision_plugin.train_step_context(), silenced_logging(module):
+                yield
+
+        def training_step(batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+            self._current = (batch, batch_idx)
+            return splitter.run(batch, calls(batch_idx, args, kwargs))
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            try:
+                orig_backward(loss, *args, **kwargs)
+                return
+            except BaseException as err:  # noqa: BLE001
+                if not is_out_of_memory(err):
+                    raise
+                message = oom_message(err)
+            del loss
+            if self._current is None:
+                raise OutOfMemoryRecoveryError(
+                    f"Out of memory in backward outside a training step ({message})."
+                )
+            if isinstance(trainer.model, nn.parallel.DistributedDataParallel):
+                raise OutOfMemoryRecoveryError(
+                    f"Out of memory in the backward at step {trainer.global_step} under DDP "
+                    f"({message}): the gradient reduction was interrupted on this process and "
+                    "cannot be resumed. Use a smaller micro-batch (EfficientBatchSize) or save "
+                    "memory before training."
+                )
+            batch, batch_idx = self._current
+            splitter.recover_backward(batch, calls(batch_idx, (), {}), message, rerun_context)
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            if splitter.take_zero_grad():  # else zeroed already, before the batch's first part
+                orig_zero_grad(*args, **kwargs)
+
+        module.training_step = training_step
+        module.backward = backward
+        module.optimizer_zero_grad = optimizer_zero_grad
+        self._armed = weakref.ref(module)
+
+    def disarm(self, module: Any) -> None:
+        """Remove the wrappers from ``module`` (safe to call twice)."""
+        if self._armed is None or self._armed() is not module:
+            return
+        for name in ("training_step", "backward", "optimizer_zero_grad"):
+            vars(module).pop(name, None)
+        self._armed = None
+        self._current = None

@@ -1,0 +1,72 @@
+"""measure/trial.py: real trial steps measured by the instrument (the storage tracker on a CPU,
+the CUDA allocator on a GPU), leaving the module as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import params_of, tiny_model
+
+from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.track import measure_step
+from lightning_efficient.measure.trial import is_out_of_memory, throughput, trial_step
+
+
+def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, 256, (n, 32), generator=torch.Generator().manual_seed(n))
+    return x, x
+
+
+def test_trial_step_peak_on_cpu_is_the_trackers_and_leaves_the_module_unchanged() -> None:
+    torch.manual_seed(0)
+    model = tiny_model().train(False)
+    before = params_of(model)
+    peaks = {n: trial_step(model, _batch(n), "adamw") for n in (2, 8)}
+    # the module is put back: weights, no gradients, eval mode
+    assert all(torch.equal(before[k], v) for k, v in params_of(model).items())
+    assert all(p.grad is None for p in model.parameters()) and not model.training
+    # the same step as the instrument's real measurement and its fake-tensor estimate
+    for n, peak in peaks.items():
+        measured = measure_step(tiny_model(), _batch(n), "adamw", steps=1).peak_bytes
+        estimated = estimate_memory(tiny_model(), _batch(n), optimizer="adamw", steps=1).peak_bytes
+        assert peak == pytest.approx(measured, rel=0.01) and peak == pytest.approx(
+            estimated, rel=0.01
+        )
+    assert peaks[8] > peaks[2] > sum(p.numel() * 4 for p in model.parameters())
+
+
+class Greedy(torch.nn.Module):
+    """A model whose step asks the allocator for 2**60 bytes: a real CPU allocation failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        torch.empty(2**60, dtype=torch.uint8)
+
+
+def test_throughput_samples_per_second_and_none_on_oom() -> None:
+    model = tiny_model()
+    rate = throughput(model, _batch(4), "adamw", samples=4, accumulation=2)
+    assert rate is not None and rate > 0
+    assert throughput(Greedy(), (torch.randn(2, 4),), "sgd", samples=2) is None
+    with pytest.raises(RuntimeError) as err:  # trial_step raises what the step raised
+        trial_step(Greedy(), (torch.randn(2, 4),), "sgd")
+    assert is_out_of_memory(err.value)
+
+
+@pytest.mark.gpu
+def test_trial_step_on_cuda_reads_the_allocator() -> None:
+    model = tiny_model()
+    peak = trial_step(model, _batch(8), "adamw", device="cuda", precision="bf16-mixed")
+    estimated = estimate_memory(
+        tiny_model(),
+        _batch(8),
+        optimizer="adamw",
+        precision="bf16-mixed",
+        steps=1,
+        cuda_rounding=True,
+    ).peak_bytes
+    assert peak > 0 and peak == pytest.approx(estimated, rel=0.25)
+    assert next(model.parameters()).device.type == "cpu"  # put back where it was

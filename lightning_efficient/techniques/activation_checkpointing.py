@@ -557,6 +557,15 @@ def _estimate_kwargs(trainer: Any) -> dict[str, Any]:
         accepted = inspect.signature(cls).parameters
         defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
         kwargs["optimizer"] = lambda groups: cls(groups, **defaults)
+    # the fit's other techniques change the estimate as they change the fit; OptimizerSwap's
+    # hook also models 8-bit states on fake tensors (bitsandbytes itself reads values)
+    others = [
+        cb
+        for cb in getattr(trainer, "callbacks", None) or []
+        if hasattr(cb, "configure_estimate") and not isinstance(cb, ActivationCheckpointing)
+    ]
+    if others:
+        kwargs["callbacks"] = others
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     if getattr(device, "type", None) == "cuda":
         kwargs["cuda_rounding"] = True

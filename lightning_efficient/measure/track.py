@@ -228,10 +228,12 @@ def _loss_of(out: Any) -> torch.Tensor:
 
 
 def _autocast(precision: str) -> Any:
+    # as Lightning's MixedPrecision plugin: without autocast's weight cache, so the low-precision
+    # copies of the weights live only as long as something (autograd) keeps them
     if precision == "bf16-mixed":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
     if precision == "16-mixed":
-        return torch.autocast("cpu", dtype=torch.float16)
+        return torch.autocast("cpu", dtype=torch.float16, cache_enabled=False)
     return contextlib.nullcontext()
 
 

@@ -521,6 +521,8 @@ def _status(res: dict[str, Any]) -> str:
         return f"skipped: {res['error']}"
     if res.get("oom"):
         return "out of memory"
+    if res.get("timeout"):
+        return f"timeout: {res['error']}"
     return f"error: {res.get('error')}"
 
 

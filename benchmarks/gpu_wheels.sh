@@ -27,6 +27,7 @@ binary=(
   "pydantic-core==$(version pydantic-core)"
   "annotated-types==$(version annotated-types)"
   "typing-inspection==$(version typing-inspection)"
+  "typing-extensions==$(version typing-extensions)"
   "hjson==$(version hjson)"
   "jsonargparse==$(version jsonargparse)"
   "docstring-parser==$(version docstring-parser)"

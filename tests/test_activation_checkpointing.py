@@ -491,6 +491,34 @@ def test_budget_callback_in_fit(tmp_path) -> None:
         )
 
 
+def test_budget_callback_with_8bit_optimizer_in_fit(tmp_path) -> None:
+    """The planner's rung "adamw8bit + checkpoint fewest blocks": the budget search at the first
+    batch estimates with the swapped optimizer modelled (bitsandbytes cannot step fake tensors)."""
+    pytest.importorskip("bitsandbytes")
+    from lightning_efficient.techniques.optimizers import OptimizerSwap
+
+    # width 64: the matrices pass bitsandbytes' min_8bit_size, so the states are really 8-bit
+    model, batch = gpt(n_layer=4, n_embd=64), batch_for()
+    swap = [OptimizerSwap("adamw8bit")]
+    full = _estimate(model, batch, callbacks=[*swap, ActivationCheckpointing()]).peak_bytes
+    plain = _estimate(model, batch, callbacks=swap).peak_bytes
+    cb = ActivationCheckpointing(budget=(full + plain) // 2)
+    trainer, _, _ = fit(
+        tmp_path,
+        [OptimizerSwap("adamw8bit"), cb],
+        model=gpt(n_layer=4, n_embd=64),
+        max_steps=2,
+        limit_val_batches=0,
+    )
+    assert trainer.global_step == 2
+    assert 0 < cb.choice.num_blocks < 4 and cb.choice.peak_bytes <= cb.budget
+    # the 8-bit states were estimated, not the AdamW states of the module's own optimizer (the
+    # fit's two param groups change the optimizer temporaries by a few bytes)
+    adamw = _estimate(model, batch).peak_bytes
+    assert cb.choice.plain_peak_bytes == pytest.approx(plain, rel=0.01)
+    assert cb.choice.plain_peak_bytes < 0.95 * adamw
+
+
 # -- with TorchCompile (branch `speed`), in both orders -------------------------------------------
 def _torch_compile_cls():
     try:

@@ -34,10 +34,12 @@ def autocast_for(precision: str, device_type: str = "cpu") -> Any:
     """The autocast context of a Lightning precision string (``"bf16-mixed"`` -> bfloat16
     autocast on ``device_type``; a ``*-true`` or ``32`` precision -> no autocast)."""
     precision = str(precision)
+    # as Lightning's MixedPrecision plugin: without autocast's weight cache, so the low-precision
+    # copies of the weights live only as long as something (autograd) keeps them
     if precision.startswith("bf16-mixed"):
-        return torch.autocast(device_type, dtype=torch.bfloat16)
+        return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False)
     if precision.startswith("16-mixed"):
-        return torch.autocast(device_type, dtype=torch.float16)
+        return torch.autocast(device_type, dtype=torch.float16, cache_enabled=False)
     return contextlib.nullcontext()
 
 

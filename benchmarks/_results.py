@@ -1,0 +1,100 @@
+"""What every benchmark script writes: a Markdown table, the environment, the .md/.json pair.
+
+``save_results(path, text, data)`` prints ``text`` and writes ``path.md`` (the text) and
+``path.json`` (``data``); ``table(columns, rows)`` makes the Markdown table; ``environment()``
+names the hardware and the versions. Standard library only, so a script's parent process can
+use it without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PACKAGES", "environment", "fmt_bytes", "save_results", "table", "version_of"]
+
+#: Distributions whose versions a result names.
+PACKAGES = ("torch", "lightning", "deepspeed", "bitsandbytes", "transformers", "triton")
+
+
+def version_of(dist: str) -> str:
+    """The installed version of distribution ``dist``, or ``"not installed"``."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Binary size as the package writes it (``3.00 GiB``); ``-`` for ``None``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _host_ram_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def environment(packages: Iterable[str] = PACKAGES) -> dict[str, str]:
+    """Python, host CPU cores and RAM, and the versions of ``packages`` (no import needed)."""
+    env = {
+        "python": platform.python_version(),
+        "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    }
+    ram = _host_ram_bytes()
+    if ram:
+        env["host RAM"] = fmt_bytes(ram)
+    for dist in packages:
+        env[dist] = version_of(dist)
+    return env
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
+    """A Markdown table. ``align`` has one letter per column: ``l`` (default) or ``r``."""
+    cols = list(columns)
+    marks = [("---:" if (align[i : i + 1] == "r") else "---") for i in range(len(cols))]
+    lines = ["| " + " | ".join(map(_cell, cols)) + " |", "|" + "|".join(marks) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def save_results(
+    path: str | os.PathLike, text: str, data: dict[str, Any], *, echo: bool = True
+) -> tuple[Path, Path]:
+    """Print ``text`` (unless ``echo`` is false) and write ``path.md`` and ``path.json``.
+
+    ``path`` is the stem (``benchmarks/results/compile``); missing folders are created. Values
+    JSON cannot hold are written with ``str``. Returns the two paths written.
+    """
+    stem = Path(path)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    md, js = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+    if echo:
+        print(text)
+    md.write_text(text.rstrip("\n") + "\n")
+    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return md, js

@@ -297,6 +297,16 @@ def test_fit_resume_with_worker_processes(tmp_path) -> None:
         assert torch.equal(a, b)
 
 
+def test_reloaded_loader_continues_the_curriculum(tmp_path) -> None:
+    make = lambda: Curriculum("entropy", start_fraction=0.25, duration=8)  # noqa: E731
+    kw = dict(max_steps=8, limit_train_batches=4)
+    once, reloaded = Batches(), Batches()
+    fit(tmp_path / "a", [make(), once], **kw)
+    fit(tmp_path / "b", [make(), reloaded], reload_dataloaders_every_n_epochs=1, **kw)
+    for (_, a), (_, b) in zip(once.seen, reloaded.seen, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fit_start_refuses_bad_difficulty(tmp_path) -> None:
     with pytest.raises(ValueError, match="Curriculum: .*no field 'level'.*tuple"):
         fit(tmp_path, [Curriculum("field:level")], max_steps=1)

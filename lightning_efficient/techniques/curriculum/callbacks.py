@@ -108,6 +108,8 @@ class Curriculum(Technique):
         super().setup(trainer, pl_module, stage)
         if stage != "fit" or self._wrapped is not None:
             return
+        # a new fit: forget the last one (a checkpoint's state is loaded after setup)
+        self.sampler, self._state, self._batches, self._epoch_start = None, None, 0, 0
         owner = _loader_owner(trainer, pl_module)
         if owner is None:
             self.no_effect(
@@ -151,10 +153,13 @@ class Curriculum(Technique):
             accumulate_grad_batches=accumulate,
         )
         sampler.duration = duration_in_steps(self.duration, total, self.name)
-        if self._state is not None:  # resumed with this callback's state
-            self._batches = int(self._state.get("batches", 0))
-            self._epoch_start = int(self._state.get("epoch_start", 0))
-            sampler.load_state_dict(self._state)
+        # rebuilt loader (a reload, or another caller of train_dataloader): continue where the
+        # current sampler is; else a resumed run's state
+        state = self.state_dict() if self.sampler is not None else self._state
+        if state is not None:
+            self._batches = int(state.get("batches", 0))
+            self._epoch_start = int(state.get("epoch_start", 0))
+            sampler.load_state_dict(state)
         elif trainer.global_step > 0:  # resumed from a checkpoint written without it
             self._batches = self._epoch_start = trainer.global_step * accumulate
             sampler.epoch, sampler.start_batch = trainer.current_epoch, self._batches
@@ -216,9 +221,8 @@ class Curriculum(Technique):
             return dict(self._state or {})
         epoch, epoch_start = s.epoch, self._epoch_start
         in_epoch = self._batches - epoch_start
-        if in_epoch >= min(
-            s.batches_per_epoch, self._epoch_length
-        ):  # the epoch was complete: the next one starts fresh
+        # a complete epoch (Lightning's length may be cut by limit_train_batches): start the next
+        if in_epoch >= min(s.batches_per_epoch, self._epoch_length):
             epoch, epoch_start, in_epoch = epoch + 1, self._batches, 0
         return {
             "seed": s.seed,
@@ -293,6 +297,7 @@ class SequenceLengthWarmup(Technique):
         super().setup(trainer, pl_module, stage)
         if stage != "fit" or self._wrapped is not None:
             return
+        self.lengths, self._recompiles = {}, 0  # a new fit (a checkpoint's state comes later)
         owner = _batch_hook_owner(trainer, pl_module)
         original = owner.on_after_batch_transfer
 

@@ -165,6 +165,34 @@ def compile_part(cfg: dict, backend: str) -> dict:
     }
 
 
+def compile_line(comp: dict) -> str:
+    n = comp["warmup_recompiles"]
+    return (
+        f"Compile (`{comp['backend']}`, regional TorchCompile) with a warm-up of "
+        f"{comp['distinct_lengths']} distinct lengths: **{n} recompilation{'' if n == 1 else 's'} "
+        f"during the warm-up** (goal: at most one per distinct length); "
+        f"{comp['recompiles_whole_fit']} in the whole fit, compile time {comp['compile_s']:.1f} s."
+    )
+
+
+def compile_only(cfg: dict, args) -> dict:
+    comp = compile_part(cfg, args.backend)
+    meta = {
+        "command": f"python benchmarks/curriculum.py --compile-only --backend {args.backend}",
+        "model": "TinyGPT n_layer={n_layer} n_embd={n_embd} seq_len={seq_len}".format(
+            **cfg["model"]
+        ),
+        "versions": f"torch {torch.__version__}, lightning {lightning.__version__}",
+    }
+    table = f"{compile_line(comp)} {meta['model']}, batch 16; {meta['versions']}. Command: `{meta['command']}`."
+    print(table)
+    out = Path(args.out or RESULTS / f"curriculum_compile_{args.backend}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "compile": comp}, indent=2))
+    return comp
+
+
 def variants(seq: int) -> dict:
     step = seq // 8
     return {
@@ -204,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", type=float, default=None, help="target validation perplexity")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
     ap.add_argument("--backend", default="aot_eager", help="TorchCompile backend (compile part)")
+    ap.add_argument("--compile-only", action="store_true", help="only the compile part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -217,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
         "val_every": 20,
         "val_batches": 4 if args.quick else 8,
     }
+    if args.compile_only:
+        return compile_only(cfg, args)
     named = variants(seq)
     print(f"{len(named)} variants x {args.seeds} seed(s), {cfg['steps']} steps each", flush=True)
     run("untimed warm-up of the process", [], {**cfg, "steps": 10, "val_batches": 0}, 0)
@@ -298,10 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         "Times to target are means over the seeds that reached it (`-`: a seed did not reach it).",
         "",
-        f"Compile (`{comp['backend']}`, regional TorchCompile) with a warm-up of "
-        f"{comp['distinct_lengths']} distinct lengths: **{comp['warmup_recompiles']} "
-        f"recompilation(s) during the warm-up** (goal: at most one per distinct length); "
-        f"{comp['recompiles_whole_fit']} in the whole fit, compile time {comp['compile_s']:.1f} s.",
+        compile_line(comp),
     ]
     table = "\n".join(lines)
     print(table)

@@ -185,6 +185,68 @@ CASES += [
     ),
 ]
 
+# -- curriculum (issue 15): another order / shorter sequences, so not the plain run's maths; at
+# initialisation every batch's loss is close to ln(256), so the first losses stay within 10%
+from lightning_efficient.techniques.curriculum import (  # noqa: E402
+    PACINGS,
+    Curriculum,
+    SequenceLengthWarmup,
+)
+
+CASES += [
+    Case(
+        Curriculum,
+        init_args={"difficulty": "entropy", "start_fraction": 0.25, "duration": 4},
+        bad_args=[
+            ({"difficulty": "hardness"}, "difficulty"),
+            ({"difficulty": "entropy", "pacing": "cosine"}, "pacing"),
+            ({"difficulty": "entropy", "start_fraction": 0.0}, "start_fraction"),
+            ({"difficulty": "entropy", "duration": 1.5}, "duration"),
+            ({"difficulty": "entropy", "duration": -1}, "duration"),
+            ({"difficulty": "fn:os.path.no_such_function"}, "difficulty"),
+        ],
+        fuzz={
+            "pacing": st.text(max_size=10).filter(lambda s: s not in PACINGS) | st.integers(),
+            "start_fraction": st.floats().filter(lambda f: not 0 < f <= 1) | st.text(max_size=3),
+            "duration": st.integers(max_value=-1)
+            | st.floats().filter(lambda f: not 0 < f <= 1)
+            | st.text(max_size=3),
+            "difficulty": st.text(max_size=8).filter(
+                lambda s: (
+                    s not in ("entropy", "length")
+                    and not s.startswith(("attr:", "field:", "file:"))
+                )
+            )
+            | st.integers(),
+        },
+        stateful=True,
+        same_maths=False,
+        rtol=0.1,
+    ),
+    Case(
+        SequenceLengthWarmup,
+        init_args={"duration": 4, "start_length": 8, "multiple_of": 8},
+        bad_args=[
+            ({"mode": "crop"}, "mode"),
+            ({"pacing": "cosine"}, "pacing"),
+            ({"multiple_of": 0}, "multiple_of"),
+            ({"start_length": "short"}, "start_length"),
+            ({"duration": 2.0}, "duration"),
+            ({"full_length": 0}, "full_length"),
+        ],
+        fuzz={
+            "mode": st.text(max_size=10).filter(lambda s: s not in ("truncate", "reshape")),
+            "pacing": st.text(max_size=10).filter(lambda s: s not in PACINGS) | st.integers(),
+            "start_length": st.integers(max_value=0) | st.floats() | st.text(max_size=3),
+            "multiple_of": st.integers(max_value=0) | st.floats() | st.text(max_size=3),
+            "duration": st.integers(max_value=-1) | st.floats().filter(lambda f: not 0 < f <= 1),
+        },
+        stateful=True,
+        same_maths=False,
+        rtol=0.1,
+    ),
+]
+
 from lightning_efficient.techniques.zero_offload import ZeROOffload  # noqa: E402
 
 CASES.append(

@@ -8,6 +8,11 @@ from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.compile import TorchCompile
+from lightning_efficient.techniques.curriculum import (
+    Curriculum,
+    CurriculumSampler,
+    SequenceLengthWarmup,
+)
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
@@ -31,9 +36,15 @@ TECHNIQUES: list[type] = [
     DataLoaderTuning,
     DevicePreload,
     InputStallMonitor,
+    Curriculum,
+    SequenceLengthWarmup,
     ZeROOffload,
 ]
 
-__all__ = ["Technique", "NoEffectWarning", "TECHNIQUES", "LengthBucketSampler"] + [
-    c.__name__ for c in TECHNIQUES
-]
+__all__ = [
+    "Technique",
+    "NoEffectWarning",
+    "TECHNIQUES",
+    "LengthBucketSampler",
+    "CurriculumSampler",
+] + [c.__name__ for c in TECHNIQUES]

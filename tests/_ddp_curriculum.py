@@ -1,0 +1,70 @@
+"""One epoch under DDP (2 CPU processes, gloo) with the Curriculum callback on a module whose
+loader has a plain shuffle; each rank writes the sample ids it trained on, per step, to
+OUT_DIR/rank<r>.json.
+
+Usage: python tests/_ddp_curriculum.py OUT_DIR  (Lightning re-launches this script for rank 1)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_efficient.techniques import Curriculum
+
+N, BATCH, DURATION = 48, 3, 6
+SCORES = [float((i * 29) % N) for i in range(N)]  # a permutation of 0..47: sample i's difficulty
+
+
+class Ids(Dataset):
+    scores = SCORES
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return torch.tensor(i), torch.tensor([float(i)])
+
+
+class Module(pl.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.out, self.seen = out, []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].tolist())
+        return self.layer(batch[1]).pow(2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(Ids(), batch_size=BATCH, shuffle=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_end(self) -> None:
+        sampler = self.trainer.train_dataloader.sampler
+        record = {
+            "seen": self.seen,
+            "sampler": type(sampler).__name__,
+            "world": sampler.num_replicas,
+        }
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Curriculum("attr:scores", start_fraction=0.25, duration=DURATION, seed=5)],
+    )
+    trainer.fit(Module(sys.argv[1]))

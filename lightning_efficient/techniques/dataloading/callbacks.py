@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
+from lightning_efficient.measure.host import available_bytes
+from lightning_efficient.measure.step_rate import estimated_step_rate
 from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preload_to_device
 from lightning_efficient.techniques.dataloading.rebuild import (
     _check_num_workers,
@@ -25,7 +28,12 @@ from lightning_efficient.techniques.dataloading.rebuild import (
     auto_num_workers,
     rebuild_dataloader,
 )
-from lightning_efficient.techniques.dataloading.workers import TuneResult, tune_num_workers
+from lightning_efficient.techniques.dataloading.workers import (
+    TuneResult,
+    default_max_workers,
+    kept_training_state,
+    tune_num_workers,
+)
 
 __all__ = ["DataLoaderTuning", "DevicePreload"]
 
@@ -103,20 +111,33 @@ class DataLoaderTuning(_LoaderRebuilder):
     are rebuilt with ``rebuild_dataloader``: same dataset, sampler, batch sampler, collate_fn,
     batch_size and drop_last, so the same samples in the same order; workers are seeded per rank.
 
+    By default (``num_workers="auto"``) the worker count is measured when the train loader is
+    first built (``tune_num_workers``): 0, 1, 2, 4, ... workers while loading gets faster,
+    bounded by host memory, by ``default_max_workers`` and by the rate the model can consume
+    batches (``estimated_step_rate`` of a forward pass, x 1.5 headroom; single-device and DDP
+    runs with automatic optimization). Loads that wait (storage, network, decoding that
+    releases the GIL) get more workers than cores; CPU-bound ones about the core count.
+    Validation loaders get the train loader's count once it is known (before that, the rule).
+
     Args:
-        num_workers: Worker processes per loader: an integer >= 0, or ``"auto"``
-            (``auto_num_workers(trainer.num_devices)``: the CPU cores per device minus one).
+        num_workers: Worker processes per loader: an integer >= 0, or ``"auto"`` (measured, or
+            with ``tune=False`` the rule ``auto_num_workers(trainer.num_devices)``: the CPU
+            cores per device minus one).
         pin_memory: Page-locked host batches for faster copies to the GPU; ``"auto"``: on when
             training on CUDA.
         persistent_workers: Keep the workers alive between epochs (only with workers).
         prefetch_factor: Batches each worker loads ahead (None: PyTorch's default of 2); needs
             workers.
-        tune: Measure batches/s for a few worker counts when fit starts and keep the fastest
-            (``tune_num_workers``); ``num_workers`` is then only the fallback.
+        tune: Measure the worker count when fit starts. ``None`` (default): when
+            ``num_workers="auto"``; ``True``: always (``num_workers`` is then not used);
+            ``False``: never (``"auto"`` is the rule).
         tune_time_s: Cap on the time spent measuring.
     """
 
     loads_in_workers = True
+    #: The loading rate kept above the model's estimated step rate (the estimate is rough, and
+    #: workers load slower next to training than alone).
+    TARGET_HEADROOM = 1.5
 
     def __init__(
         self,
@@ -124,7 +145,7 @@ class DataLoaderTuning(_LoaderRebuilder):
         pin_memory: bool | str = "auto",
         persistent_workers: bool = True,
         prefetch_factor: int | None = None,
-        tune: bool = False,
+        tune: bool | None = None,
         tune_time_s: float = 10.0,
     ) -> None:
         super().__init__()
@@ -132,7 +153,7 @@ class DataLoaderTuning(_LoaderRebuilder):
         self.pin_memory = _check_pin(pin_memory)
         self.persistent_workers = check_bool("persistent_workers", persistent_workers)
         self.prefetch_factor = _check_prefetch(prefetch_factor, num_workers)
-        self.tune = check_bool("tune", tune)
+        self.tune = tune if tune is None else check_bool("tune", tune)
         self.tune_time_s = check_float("tune_time_s", tune_time_s, minimum=0.0)
         if self.tune_time_s <= 0:
             raise ValueError(f"`tune_time_s` must be > 0 seconds; got {tune_time_s!r}.")
@@ -140,26 +161,63 @@ class DataLoaderTuning(_LoaderRebuilder):
         self._tuned: TuneResult | None = None
         self._changes: dict[str, str] = {}
 
+    @property
+    def measures(self) -> bool:
+        """Whether the worker count is measured (``tune``, or ``None`` with ``"auto"``)."""
+        return self.num_workers == "auto" if self.tune is None else self.tune
+
     def _start(self) -> None:
         self._chosen, self._tuned, self._changes = None, None, {}
 
-    def _workers(self, trainer: Any, loader: DataLoader) -> int:
-        if self._chosen is None:
-            if self.tune:
-                devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
-                auto = auto_num_workers(devices)
-                candidates = sorted({0, 1, auto, 2 * auto})
-                self._tuned = tune_num_workers(
-                    loader, candidates, self.tune_time_s, rank=trainer.global_rank
-                )
-                self._chosen = self._tuned.best
-            elif self.num_workers == "auto":
-                self._chosen = auto_num_workers(
-                    max(1, int(getattr(trainer, "num_devices", 1) or 1))
-                )
-            else:
-                self._chosen = int(self.num_workers)
+    def _workers(self, trainer: Any, loader: DataLoader, hook: str) -> int:
+        if self._chosen is not None:
+            return self._chosen
+        devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+        if self.measures and hook == "train_dataloader":
+            free = available_bytes()
+            self._tuned = tune_num_workers(
+                loader,
+                None,
+                self.tune_time_s,
+                rank=trainer.global_rank,
+                max_workers=default_max_workers(devices),
+                target_batches_per_s=self._target(trainer, loader),
+                max_worker_bytes=None if free is None else free // (2 * devices),
+            )
+            self._chosen = self._tuned.best
+            return self._chosen
+        if self.measures or self.num_workers == "auto":  # measured later, with the train loader
+            workers = auto_num_workers(devices)
+            if not self.measures:
+                self._chosen = workers
+            return workers
+        self._chosen = int(self.num_workers)
         return self._chosen
+
+    def _target(self, trainer: Any, loader: DataLoader) -> float | None:
+        """Batches/s worth loading: the model's estimated step rate x headroom (None: unknown)."""
+        strategy, module = trainer.strategy, trainer.lightning_module
+        plain = isinstance(strategy, SingleDeviceStrategy) or (
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+        )
+        if not plain or not module.automatic_optimization:
+            self.note(
+                "the worker search is bounded by loading speed and memory only (the model's "
+                f"step rate is estimated for single-device and DDP runs with automatic "
+                f"optimization; this is {type(strategy).__name__})."
+            )
+            return None
+        try:
+            with kept_training_state(loader):
+                batch = next(iter(rebuild_dataloader(loader, num_workers=0)))
+            batch = strategy.batch_to_device(batch)
+            rate = estimated_step_rate(
+                module, batch, precision=str(trainer.precision), device=strategy.root_device
+            )
+        except Exception as err:  # noqa: BLE001 - the bound is optional; say why it is missing
+            self.note(f"could not time the model's forward for the worker search ({err!r}).")
+            return None
+        return self.TARGET_HEADROOM * rate
 
     def _rebuild(self, trainer: Any, loader: DataLoader, hook: str) -> DataLoader:
         if isinstance(loader.dataset, IterableDataset):
@@ -167,7 +225,7 @@ class DataLoaderTuning(_LoaderRebuilder):
                 f"{hook}: an iterable-style dataset keeps its {loader.num_workers} workers (more "
                 "workers would each replay the whole stream unless the dataset shards itself)."
             )
-        workers = self._workers(trainer, loader)
+        workers = self._workers(trainer, loader, hook)
         pin = self.pin_memory
         if pin == "auto":
             pin = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
@@ -184,11 +242,17 @@ class DataLoaderTuning(_LoaderRebuilder):
             f"{loader.pin_memory}->{new.pin_memory}, persistent_workers {new.persistent_workers}"
         )
         figures: dict[str, Any] = {"num_workers": new.num_workers}
-        if self._tuned is not None:
+        tuned = self._tuned
+        if tuned is not None:
             figures.update(
-                {f"batches_per_s_w{w}": round(r, 2) for w, r in self._tuned.batches_per_s.items()}
+                {f"batches_per_s_w{w}": round(r, 2) for w, r in tuned.batches_per_s.items()}
             )
-            figures["tune_s"] = self._tuned.measured_s
+            figures["tune_s"] = tuned.measured_s
+            if tuned.target_batches_per_s is not None:
+                figures["step_rate_bound"] = round(tuned.target_batches_per_s, 2)
+            if hook == "train_dataloader":
+                rates = ", ".join(f"{w}: {r:.1f}" for w, r in tuned.batches_per_s.items())
+                self._changes[hook] += f" (measured batches/s by workers {rates}; {tuned.stopped})"
         self.report(trainer, "; ".join(self._changes.values()), **figures)
         self.note(self._changes[hook])
         return new

@@ -17,7 +17,7 @@ in the same order as the plain run. It then measures the padding that ``LengthBu
 saves when the corpus's paragraphs (variable-length text, up to 512 bytes) are batched and
 padded to the longest sample of each batch.
 
-    python benchmarks/data_pipeline.py            # default (about 6 minutes on 2 CPU cores)
+    python benchmarks/data_pipeline.py            # default (about 8 minutes on 2 busy CPU cores)
     python benchmarks/data_pipeline.py --quick    # a smoke run
 
 Prints a table and saves ``benchmarks/results/data_pipeline.{md,json}``.

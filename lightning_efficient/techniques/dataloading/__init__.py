@@ -7,7 +7,8 @@ Pure functions (no Lightning needed, exported from ``lightning_efficient.functio
   worker/pinning settings and deterministic worker seeding (``WorkerSeeder``); it yields the same
   samples in the same order. ``auto_num_workers(devices)``: the usable CPU cores per device, minus
   one for the main process.
-- ``tune_num_workers(loader, ...)`` (``workers.py``): batches/s per worker count, measured.
+- ``tune_num_workers(loader, ...)`` (``workers.py``): batches/s per worker count, measured (0, 1,
+  2, 4, ... while loading gets faster, bounded by memory and the model's step rate).
 - ``preload_to_device(loader, device, max_bytes)`` (``preload.py``): the whole dataset collated
   once onto the device; batches are served by indexing device tensors (no per-step
   host-to-device copy).
@@ -32,13 +33,20 @@ from lightning_efficient.techniques.dataloading.rebuild import (
     auto_num_workers,
     rebuild_dataloader,
 )
-from lightning_efficient.techniques.dataloading.workers import TuneResult, tune_num_workers
+from lightning_efficient.techniques.dataloading.workers import (
+    TuneResult,
+    default_max_workers,
+    kept_training_state,
+    tune_num_workers,
+)
 
 __all__ = [
     "rebuild_dataloader",
     "auto_num_workers",
     "tune_num_workers",
     "TuneResult",
+    "default_max_workers",
+    "kept_training_state",
     "preload_to_device",
     "PreloadedBatches",
     "PreloadRefused",

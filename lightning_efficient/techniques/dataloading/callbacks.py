@@ -172,6 +172,8 @@ class DataLoaderTuning(_LoaderRebuilder):
     def _workers(self, trainer: Any, loader: DataLoader, hook: str) -> int:
         if self._chosen is not None:
             return self._chosen
+        if isinstance(loader.dataset, IterableDataset):  # keeps its workers: nothing to measure
+            return loader.num_workers
         devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
         if self.measures and hook == "train_dataloader":
             free = available_bytes()

@@ -110,8 +110,8 @@ def tune_num_workers(
     """Measure batches/s of ``loader`` per worker count and return the count to train with.
 
     ``candidates=None`` searches 0, 1, 2, 4, ... up to ``max_workers`` (``None``:
-    ``default_max_workers()``) and stops early when a count is not ``tolerance`` faster than the
-    best smaller one, when loading reaches ``target_batches_per_s``, or when twice the workers
+    ``default_max_workers()``) and stops early when two counts in a row are not ``tolerance``
+    faster than the best smaller one, when loading reaches ``target_batches_per_s``, or when twice the workers
     would need more than ``max_worker_bytes`` of host memory (``None``: half of the memory
     available now; the private memory of the measured workers is the per-worker cost). A list
     of ``candidates`` measures exactly those counts.
@@ -161,6 +161,7 @@ def tune_num_workers(
         # torch warns of more workers than cores: finding out whether they help is the point
         warnings.filterwarnings("ignore", ".*worker processes in total", UserWarning)
         todo = list(dict.fromkeys(candidates))
+        misses, previous = 0, 0
         for k, c in enumerate(todo):
             if time.perf_counter() >= cap:
                 result.stopped = f"tune_time_s={time_cap_s:g} spent before {c} workers"
@@ -195,8 +196,13 @@ def tune_num_workers(
                 )
                 break
             if earlier and rate < (1 + tolerance) * max(earlier):
-                result.stopped = f"{c} workers were not faster than fewer"
-                break
+                misses += 1  # one more count is tried: a single slow reading may be noise
+                if misses == 2:
+                    result.stopped = f"{previous} and {c} workers were not faster than fewer"
+                    break
+            else:
+                misses = 0
+            previous = c
         else:
             if search:
                 result.stopped = f"reached max_workers={limit}"

@@ -1,19 +1,23 @@
 """Data pipeline benchmark: plain loading vs DataLoaderTuning vs DevicePreload, and bucketing.
 
-A TinyGPT trains on the demo corpus through a dataset that sleeps ``--decode-ms`` per sample (a
-stand-in for reading and decoding: it costs wall time, not CPU, like storage or network latency).
-In one run it measures training throughput (samples/s over the steps after warm-up) for
+A TinyGPT trains on the demo corpus through a dataset that sleeps per sample (a stand-in for
+reading and decoding: it costs wall time, not CPU, like storage or network latency). In one run
+it measures training throughput (samples/s over the steps after warm-up) on two workloads:
 
-- plain loading (``num_workers=0``, every sample decoded in the training process),
-- ``DataLoaderTuning(num_workers="auto")`` and ``DataLoaderTuning(tune=True)``,
-- ``DevicePreload`` (the dataset decoded once and served from device memory): the compute-bound
-  limit of this model and batch,
+- ``decode``: ``--decode-ms`` per sample, TinyGPT 2 x 64 (the card's main table);
+- ``input-bound``: ``--io-decode-ms`` (3 ms) per sample, batch 16, a TinyGPT of 1 layer x 32
+  (issue 20, item 3: the default ``DataLoaderTuning()`` must fix it, goal >= 1.5x),
 
-each with ``InputStallMonitor`` attached (its stall fraction is printed). It then measures the
-padding that ``LengthBucketSampler`` saves when the corpus's paragraphs (variable-length text,
-up to 512 bytes) are batched and padded to the longest sample of each batch.
+each with plain loading (``num_workers=0``), ``DataLoaderTuning(tune=False)`` (the rule:
+cores - 1 workers), ``DataLoaderTuning()`` (the default: worker counts measured) and
+``DevicePreload`` (the dataset decoded once and served from device memory: the compute-bound
+limit), with ``InputStallMonitor`` attached (its stall fraction is printed). The speed-up is the
+ratio to plain loading in the same round, and every run is checked to train on the same batches
+in the same order as the plain run. It then measures the padding that ``LengthBucketSampler``
+saves when the corpus's paragraphs (variable-length text, up to 512 bytes) are batched and
+padded to the longest sample of each batch.
 
-    python benchmarks/data_pipeline.py            # default (about 2 minutes on 2 CPU cores)
+    python benchmarks/data_pipeline.py            # default (about 8 minutes on 2 busy CPU cores)
     python benchmarks/data_pipeline.py --quick    # a smoke run
 
 Prints a table and saves ``benchmarks/results/data_pipeline.{md,json}``.
@@ -97,15 +101,18 @@ class DecodedText(pl.LightningDataModule):
 
 
 class Throughput(Callback):
-    """Times the steps after ``warmup`` with the instrument's StepTimer (one region)."""
+    """Times the steps after ``warmup`` with the instrument's StepTimer (one region) and keeps a
+    fingerprint of every training batch (to check that the runs see the same batches)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.timer, self.steps, self.samples = warmup, None, 0, 0
+        self.batches: list[int] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.timer = StepTimer(trainer.strategy.root_device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(hash(batch[0].cpu().numpy().tobytes()))
         if trainer.global_step == self.warmup:
             self.timer.start("steps")
 
@@ -120,13 +127,14 @@ class Throughput(Callback):
         return self.samples / self.timer.totals()["steps"]
 
 
-def run(name: str, technique: Callback | None, args: argparse.Namespace) -> dict:
+def run(name: str, technique: Callback | None, w: dict, args: argparse.Namespace) -> dict:
+    """One fit of workload ``w`` (decode_ms, n_layer, n_embd, seq_len) with ``technique``."""
     pl.seed_everything(0, verbose=False)
     model = TinyGPT(
-        seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, dropout=0.0
+        seq_len=w["seq_len"], n_layer=w["n_layer"], n_embd=w["n_embd"], n_head=4, dropout=0.0
     )
     samples = args.batch_size * (args.steps + args.warmup + 1)
-    data = DecodedText(samples, args.seq_len, args.batch_size, args.decode_ms / 1000)
+    data = DecodedText(samples, w["seq_len"], args.batch_size, w["decode_ms"] / 1000)
     meter, monitor = Throughput(args.warmup), InputStallMonitor(check_after=max(1, args.steps // 2))
     callbacks = [c for c in (technique, monitor, meter) if c is not None]
     trainer = pl.Trainer(
@@ -145,21 +153,94 @@ def run(name: str, technique: Callback | None, args: argparse.Namespace) -> dict
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=data)
     stall_warning = next(
-        (str(w.message) for w in caught if "InputStallMonitor" in str(w.message)), None
+        (str(m.message) for m in caught if "InputStallMonitor" in str(m.message)), None
     )
     wall = time.perf_counter() - start
     report = report_for(trainer).to_dict()
     loader = trainer.train_dataloader
+    tune_s = (report.get("DataLoaderTuning") or {}).get("tune_s")
     return {
         "loading": name,
         "samples_per_s": meter.samples_per_s(),
         "stall_fraction": monitor.stall_fraction,
         "num_workers": getattr(loader, "num_workers", None),
         "fit_wall_s": wall,
+        "tune_s": tune_s,
+        "batches": meter.batches,
         "stall_warning": stall_warning,
         "report": report,
         "device": str(trainer.strategy.root_device),
     }
+
+
+CONFIGS: list[tuple[str, Callable[[argparse.Namespace], Callback | None]]] = [
+    ("plain (num_workers=0)", lambda args: None),
+    ("DataLoaderTuning(tune=False) (rule: cores - 1)", lambda args: DataLoaderTuning(tune=False)),
+    (
+        "DataLoaderTuning() (default: measured)",
+        lambda args: DataLoaderTuning(tune_time_s=args.tune_time_s),
+    ),
+    ("DevicePreload() (compute-bound limit)", lambda args: DevicePreload()),
+]
+PLAIN, LIMIT = 0, len(CONFIGS) - 1
+
+
+def compare(w: dict, args: argparse.Namespace) -> tuple[list[dict], list[list[dict]]]:
+    """Every loading of ``CONFIGS`` on workload ``w``, in rounds that interleave them (rotated
+    order), so that load from other processes on a shared machine hits them alike; each figure
+    is the median over the rounds, each ratio the median of the per-round ratios."""
+    n = len(CONFIGS)
+    runs: list[list[dict]] = [[] for _ in CONFIGS]
+    for r in range(args.rounds):
+        for k in range(n):
+            i = (k + r) % n
+            runs[i].append(run(CONFIGS[i][0], CONFIGS[i][1](args), w, args))
+    rows = []
+    for i in range(n):
+        row = {k: v for k, v in runs[i][0].items() if k != "batches"}
+        row["samples_per_s"] = statistics.median(x["samples_per_s"] for x in runs[i])
+        row["samples_per_s_rounds"] = [round(x["samples_per_s"], 2) for x in runs[i]]
+        row["num_workers_rounds"] = [x["num_workers"] for x in runs[i]]
+        stalls = [x["stall_fraction"] for x in runs[i] if x["stall_fraction"] is not None]
+        row["stall_fraction"] = statistics.median(stalls) if stalls else None
+        tunes = [x["tune_s"] for x in runs[i] if x["tune_s"] is not None]
+        row["tune_s"] = statistics.median(tunes) if tunes else None
+        for key, ref in (("of_limit", LIMIT), ("vs_plain", PLAIN)):
+            row[key] = statistics.median(
+                runs[i][r]["samples_per_s"] / runs[ref][r]["samples_per_s"]
+                for r in range(args.rounds)
+            )
+        row["same_batches_as_plain"] = all(
+            runs[i][r]["batches"] == runs[PLAIN][r]["batches"] for r in range(args.rounds)
+        )
+        rows.append(row)
+    # within-run figure, insensitive to the machine's load level: the share of step time not
+    # spent waiting, against the same share of the preloaded run
+    for row in rows:
+        stall, stall_limit = row["stall_fraction"], rows[LIMIT]["stall_fraction"]
+        ok = stall is not None and stall_limit is not None
+        row["of_limit_by_stall"] = (1 - stall) / (1 - stall_limit) if ok else None
+    return rows, runs
+
+
+def table(rows: list[dict]) -> list[str]:
+    md = [
+        "| Loading | workers | samples/s | vs plain (same round) | of compute-bound limit | "
+        "stall fraction (InputStallMonitor) | of the limit by stall fraction | tuning s | "
+        "same batches as plain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        stall = "n/a" if r["stall_fraction"] is None else f"{r['stall_fraction']:.1%}"
+        workers = "/".join(str(w) for w in dict.fromkeys(r["num_workers_rounds"]))
+        by_stall = "n/a" if r["of_limit_by_stall"] is None else f"{r['of_limit_by_stall']:.2f}"
+        tune = "" if r["tune_s"] is None else f"{r['tune_s']:.1f}"
+        same = "yes" if r["same_batches_as_plain"] else "NO"
+        md.append(
+            f"| {r['loading']} | {workers} | {r['samples_per_s']:.1f} | {r['vs_plain']:.2f}x | "
+            f"{r['of_limit']:.2f} | {stall} | {by_stall} | {tune} | {same} |"
+        )
+    return md
 
 
 def padding(args: argparse.Namespace) -> dict:
@@ -198,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument(
+        "--io-decode-ms", type=float, default=3.0, help="input-bound workload: decode per sample"
+    )
+    parser.add_argument("--io-seq-len", type=int, default=32)
+    parser.add_argument("--io-n-layer", type=int, default=1)
+    parser.add_argument("--io-n-embd", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
@@ -207,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="interleaved repetitions (median reported)"
     )
     parser.add_argument(
-        "--tune-time-s", type=float, default=5.0, help="DataLoaderTuning(tune=True) time cap"
+        "--tune-time-s", type=float, default=10.0, help="DataLoaderTuning(tune_time_s=...)"
     )
     parser.add_argument("--out", default=str(RESULTS / "data_pipeline"))
     args = parser.parse_args(argv)
@@ -217,42 +304,20 @@ def main(argv: list[str] | None = None) -> int:
     # processes and make a step ~10x slower (measured here: 0.058 s vs 0.57 s per step)
     torch.set_num_threads(args.threads)
 
-    configs: list[tuple[str, Callable[[], Callback | None]]] = [
-        ("plain (num_workers=0)", lambda: None),
-        ("DataLoaderTuning(num_workers='auto')", lambda: DataLoaderTuning(num_workers="auto")),
-        (
-            "DataLoaderTuning(tune=True)",
-            lambda: DataLoaderTuning(tune=True, tune_time_s=args.tune_time_s),
+    workloads = {
+        "decode": dict(
+            decode_ms=args.decode_ms, n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len
         ),
-        ("DevicePreload() (compute-bound limit)", DevicePreload),
-    ]
-    n, limit_i = len(configs), len(configs) - 1
-    # rounds interleave the loadings (rotated order), so that load from other processes on a
-    # shared machine hits them alike; each figure is the median over the rounds
-    runs: list[list[dict]] = [[] for _ in configs]
-    for r in range(args.rounds):
-        for k in range(n):
-            i = (k + r) % n
-            runs[i].append(run(configs[i][0], configs[i][1](), args))
-    rows = []
-    for i in range(n):
-        row = dict(runs[i][0])
-        row["samples_per_s"] = statistics.median(x["samples_per_s"] for x in runs[i])
-        row["samples_per_s_rounds"] = [round(x["samples_per_s"], 2) for x in runs[i]]
-        row["num_workers_rounds"] = [x["num_workers"] for x in runs[i]]
-        stalls = [x["stall_fraction"] for x in runs[i] if x["stall_fraction"] is not None]
-        row["stall_fraction"] = statistics.median(stalls) if stalls else None
-        row["of_limit"] = statistics.median(
-            runs[i][r]["samples_per_s"] / runs[limit_i][r]["samples_per_s"]
-            for r in range(args.rounds)
-        )
-        rows.append(row)
-    # within-run figure, insensitive to the machine's load level: the share of step time not
-    # spent waiting, against the same share of the preloaded run
-    for row in rows:
-        stall, stall_limit = row["stall_fraction"], rows[limit_i]["stall_fraction"]
-        ok = stall is not None and stall_limit is not None
-        row["of_limit_by_stall"] = (1 - stall) / (1 - stall_limit) if ok else None
+        "input-bound": dict(
+            decode_ms=args.io_decode_ms,
+            n_layer=args.io_n_layer,
+            n_embd=args.io_n_embd,
+            seq_len=args.io_seq_len,
+        ),
+    }
+    results = {name: compare(w, args) for name, w in workloads.items()}
+    rows, runs = results["decode"]
+    io_rows, _ = results["input-bound"]
     pad = padding(args)
     env = {
         "command": "python benchmarks/data_pipeline.py "
@@ -268,46 +333,47 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }
+    d, io = workloads["decode"], workloads["input-bound"]
     md = [
         "# Data pipeline benchmark",
         "",
-        f"`{env['command'].strip()}` on {env['device']} ({env['gpu'] or 'no GPU'}), {env['cpu_cores']} CPU cores, "
-        f"torch {env['torch']}, lightning {env['lightning']}, Python {env['python']}.",
-        f"TinyGPT n_layer={args.n_layer} n_embd={args.n_embd} seq_len={args.seq_len}, batch {args.batch_size}, "
-        f"{args.decode_ms:g} ms simulated decode per sample (sleep), {args.steps} timed steps after {args.warmup} warm-up, "
-        f"{args.threads} torch thread(s) in the training process.",
-        f"Median of {args.rounds} interleaved rounds (ratio: median of the per-round ratios). The last column is "
-        "(1 - stall) / (1 - stall of DevicePreload): the same ratio from the time split inside each run, which the "
-        "load of other processes moves less than it moves samples/s.",
+        f"`{env['command'].strip()}` on {env['device']} ({env['gpu'] or 'no GPU'}), "
+        f"{env['cpu_cores']} CPU cores, torch {env['torch']}, lightning {env['lightning']}, "
+        f"Python {env['python']}. Batch {args.batch_size}, {args.steps} timed steps after "
+        f"{args.warmup} warm-up, {args.threads} torch thread(s) in the training process. "
+        f"Median of {args.rounds} interleaved rounds (ratios: median of the per-round ratios). "
+        "The column 'of the limit by stall fraction' is (1 - stall) / (1 - stall of "
+        "DevicePreload): the same ratio from the time split inside each run, which the load of "
+        "other processes moves less than it moves samples/s. 'same batches as plain': every "
+        "training batch equal to the plain run's, in the same order, in every round.",
         "",
-        "| Loading | workers | samples/s | of compute-bound limit | stall fraction (InputStallMonitor) | "
-        "of the limit by stall fraction |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"## Input-bound: {io['decode_ms']:g} ms wait per sample, TinyGPT n_layer={io['n_layer']} "
+        f"n_embd={io['n_embd']} seq_len={io['seq_len']}",
+        "",
+        *table(io_rows),
+        "",
+        f"## Decode: {d['decode_ms']:g} ms wait per sample, TinyGPT n_layer={d['n_layer']} "
+        f"n_embd={d['n_embd']} seq_len={d['seq_len']}",
+        "",
+        *table(rows),
     ]
-    for r in rows:
-        stall = "n/a" if r["stall_fraction"] is None else f"{r['stall_fraction']:.1%}"
-        workers = "/".join(str(w) for w in dict.fromkeys(r["num_workers_rounds"]))
-        by_stall = "n/a" if r["of_limit_by_stall"] is None else f"{r['of_limit_by_stall']:.2f}"
-        md.append(
-            f"| {r['loading']} | {workers} | {r['samples_per_s']:.1f} | {r['of_limit']:.2f} | {stall} | {by_stall} |"
-        )
-    plain_warning = next((x["stall_warning"] for x in runs[0] if x["stall_warning"]), None)
+    plain_warning = next((x["stall_warning"] for x in runs[PLAIN] if x["stall_warning"]), None)
     md += [
         "",
-        "InputStallMonitor's warning on the plain run (first round):",
+        "InputStallMonitor's warning on the plain run of the decode workload (first round):",
         "",
         f"    {plain_warning}",
     ]
     md += [
         "",
-        f"Padding to the longest sample per batch, {pad['samples']} paragraphs of the corpus (<= 512 bytes), "
-        f"batch {pad['batch_size']}:",
+        f"Padding to the longest sample per batch, {pad['samples']} paragraphs of the corpus "
+        f"(<= 512 bytes), batch {pad['batch_size']}:",
         "",
         "| Batching | padding share of the padded tokens | padded tokens |",
         "|---|---:|---:|",
         f"| random | {pad['plain_padding_fraction']:.1%} | {pad['plain_padded_tokens']} |",
-        f"| LengthBucketSampler(bucket_size={pad['bucket_size']}) | {pad['bucketed_padding_fraction']:.1%} | "
-        f"{pad['bucketed_padded_tokens']} |",
+        f"| LengthBucketSampler(bucket_size={pad['bucket_size']}) | "
+        f"{pad['bucketed_padding_fraction']:.1%} | {pad['bucketed_padded_tokens']} |",
         "",
         f"LengthBucketSampler cuts the padded tokens by {pad['tokens_saved_fraction']:.1%} "
         f"(real tokens: {pad['real_tokens']}).",
@@ -317,9 +383,25 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
-    slim = [{k: v for k, v in r.items() if k != "report"} for r in rows]
+
+    def slim(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "report"} for r in rs]
+
+    tuned = [x["report"].get("DataLoaderTuning") for x in results["input-bound"][1][2]]
     out.with_suffix(".json").write_text(
-        json.dumps({"env": env, "throughput": slim, "padding": pad}, indent=2) + "\n"
+        json.dumps(
+            {
+                "env": env,
+                "workloads": workloads,
+                "throughput": slim(rows),
+                "input_bound": slim(io_rows),
+                "input_bound_tuning_reports": tuned,
+                "padding": pad,
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
     )
     print(f"\nsaved {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0

@@ -145,7 +145,7 @@ CASES.append(
     )
 )
 
-# -- data pipeline (techniques/dataloading.py) --------------------------------------------------
+# -- data pipeline (techniques/dataloading/) -----------------------------------------------------
 from lightning_efficient.techniques.dataloading import (  # noqa: E402
     DataLoaderTuning,
     DevicePreload,

@@ -153,6 +153,39 @@ def test_tune_measures_each_count_and_restores_state() -> None:
         tune_num_workers(loader, [0], time_cap_s=0)
 
 
+def test_tune_search_doubles_and_stops_at_each_bound() -> None:
+    # a loader whose samples wait (like storage): more workers load faster, so the search climbs
+    sampler = RandomSampler(range(48), generator=torch.Generator().manual_seed(7))
+    loader = DataLoader(Numbered(48, delay_s=0.01), batch_size=4, sampler=sampler)
+    order = [b[0].tolist() for b in loader]
+    sampler.generator.manual_seed(7)
+    climb = tune_num_workers(loader, time_cap_s=6.0, max_workers=4, max_batches=12)
+    assert list(climb.batches_per_s) == [0, 1, 2, 4][: len(climb.batches_per_s)]
+    assert len(climb.batches_per_s) >= 3, climb.stopped  # 2 workers load twice as fast as 1
+    assert climb.best > 1 and climb.worker_bytes and climb.worker_bytes > 0
+    assert [b[0].tolist() for b in loader] == order  # the sampler's own generator was restored
+    # loading as fast as training consumes batches: more workers gain nothing
+    bound = tune_num_workers(loader, time_cap_s=3.0, target_batches_per_s=1.0, max_batches=6)
+    assert list(bound.batches_per_s) == [0, 1] and "as fast as training" in bound.stopped
+    assert bound.in_training(1) == 1.0 and bound.in_training(0) < 1.0  # 0 workers: in turns
+    # memory: one worker's private memory times the next count exceeds the budget
+    tight = tune_num_workers(loader, time_cap_s=3.0, max_worker_bytes=1, max_batches=6)
+    assert list(tight.batches_per_s) == [0, 1] and tight.stopped.startswith("memory")
+    with pytest.raises(ValueError, match="max_workers"):
+        tune_num_workers(loader, max_workers=0)
+    with pytest.raises(ValueError, match="max_worker_bytes"):
+        tune_num_workers(loader, max_worker_bytes="lots")
+
+
+def test_tune_argument_decides_when_counts_are_measured() -> None:
+    assert DataLoaderTuning().measures  # the default: measured
+    assert not DataLoaderTuning(tune=False).measures  # the rule, cores - 1
+    assert not DataLoaderTuning(num_workers=2).measures  # a count given is used as given
+    assert DataLoaderTuning(num_workers=2, tune=True).measures
+    with pytest.raises(TypeError, match="tune"):
+        DataLoaderTuning(tune="yes")  # type: ignore[arg-type]
+
+
 # -- DataLoaderTuning and DevicePreload in a real fit ---------------------------------------
 class BatchRecorder(Callback):
     def __init__(self) -> None:
@@ -198,6 +231,66 @@ def test_tuning_with_tune_picks_a_measured_count(tmp_path) -> None:
         int(k.removeprefix("batches_per_s_w")) for k in figures if k.startswith("batches_per_s_w")
     }
     assert len(measured) >= 2 and rec.loader.num_workers in measured
+
+
+class SleepyData(pl.LightningDataModule):
+    """The tiny corpus behind a ``__getitem__`` that waits (like storage; releases the GIL),
+    shuffled by the global RNG."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def train_dataloader(self) -> DataLoader:
+        inner = tiny_data()
+        inner.setup("fit")
+        data, delay = inner.train_set, self.delay_s
+
+        class Waits(Dataset):
+            def __len__(self) -> int:
+                return len(data)
+
+            def __getitem__(self, i: int):
+                time.sleep(delay)
+                return data[i]
+
+        return DataLoader(Waits(), batch_size=4, shuffle=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*InputStallMonitor")
+@pytest.mark.filterwarnings("ignore:.*worker processes in total")
+def test_default_tuning_fixes_a_waiting_loader_same_batches(tmp_path) -> None:
+    # issue 20, item 3: by rule DataLoaderTuning() gave 1 worker on 2 cores to a loader whose
+    # samples wait; the default now measures and takes more workers than cores
+    def run(callbacks):
+        rec, monitor = BatchRecorder(), InputStallMonitor(check_after=100)
+        trainer, _, losses = fit(
+            tmp_path,
+            [*callbacks, monitor, rec],
+            data=SleepyData(0.01),
+            max_steps=20,
+            limit_val_batches=0,
+        )
+        return trainer, rec, monitor.measured()[0], losses.losses
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benchmark: 2 threads on 2 busy cores make steps erratic
+    try:
+        _, plain, plain_wait, plain_losses = run([])
+        trainer, tuned, tuned_wait, tuned_losses = run([DataLoaderTuning(tune_time_s=5.0)])
+    finally:
+        torch.set_num_threads(threads)
+    assert plain.loader.num_workers == 0 and tuned.loader.num_workers > 1
+    assert len(plain.batches) == len(tuned.batches) == 20  # over an epoch boundary (16 a epoch)
+    assert all(torch.equal(a, b) for a, b in zip(plain.batches, tuned.batches))
+    torch.testing.assert_close(torch.tensor(tuned_losses), torch.tensor(plain_losses))
+    # not slower: plain waits 4 x 10 ms of sleep for most batches; the workers hide most of it
+    assert plain_wait >= 10 * 4 * 0.01
+    assert tuned_wait < plain_wait
+    entry = report_for(trainer)["DataLoaderTuning"]
+    assert entry.figures["num_workers"] == tuned.loader.num_workers
+    assert "measured batches/s by workers 0:" in entry.change
+    assert entry.figures["step_rate_bound"] > 0  # the model's step rate bounded the search
 
 
 def test_preload_same_batches_as_plain_and_served_from_device(tmp_path) -> None:

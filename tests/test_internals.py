@@ -119,3 +119,18 @@ def test_scheduler_step_tracking() -> None:
 def test_moved_names_fail_with_the_version(package: str) -> None:
     err = I._moved(package, "some._name")
     assert package in str(err) and "some._name" in str(err) and "tested with" in str(err)
+
+
+def test_kept_iterator_of_a_dataloader() -> None:
+    from torch.utils.data import DataLoader
+
+    plain = DataLoader(range(4), batch_size=2)
+    list(plain)
+    assert I.kept_iterator(plain) is None  # nothing kept without persistent workers
+    persistent = DataLoader(range(4), batch_size=2, num_workers=1, persistent_workers=True)
+    assert I.kept_iterator(persistent) is None
+    first = iter(persistent)
+    assert [b.tolist() for b in first] == [[0, 1], [2, 3]]
+    kept = I.kept_iterator(persistent)
+    assert kept is first and iter(persistent) is kept  # reused: the workers live on
+    del first, kept, persistent

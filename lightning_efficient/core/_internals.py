@@ -34,6 +34,7 @@ __all__ = [
     "guard_failure_reasons",
     "inductor_modes",
     "is_dynamo_error",
+    "kept_iterator",
     "module_tensor_slots",
     "set_compiled_call",
     "set_option_type",
@@ -212,3 +213,12 @@ def step_was_called(optimizer: Any) -> bool:
 def mark_step_called(optimizer: Any) -> None:
     """Record that ``optimizer.step`` ran (carried over when a scheduler changes optimizer)."""
     optimizer._opt_called = True
+
+
+# --- torch: DataLoader ------------------------------------------------------------------------
+def kept_iterator(loader: Any) -> Any:
+    """The iterator a DataLoader keeps for reuse (``persistent_workers=True`` after the first
+    ``iter()``); ``None`` when it keeps none, so the next ``iter()`` starts workers afresh."""
+    if "_iterator" not in vars(loader):  # pragma: no cover - depends on torch
+        raise _moved("torch", "DataLoader._iterator")
+    return loader._iterator

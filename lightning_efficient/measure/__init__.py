@@ -6,6 +6,7 @@
 
 from lightning_efficient.core.report import EfficiencyReport, ReportEntry, report_for
 from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.input_stall import InputStallMonitor
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.timing import StepTimer, time_fn
 from lightning_efficient.measure.track import StorageTracker, measure_step
@@ -15,6 +16,7 @@ __all__ = [
     "CATEGORIES",
     "EfficiencyReport",
     "EstimatePlan",
+    "InputStallMonitor",
     "MemoryBreakdown",
     "MemoryEstimate",
     "ReportEntry",

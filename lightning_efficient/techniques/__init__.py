@@ -4,6 +4,7 @@
 """
 
 from lightning_efficient.core.technique import NoEffectWarning, Technique
+from lightning_efficient.measure.input_stall import InputStallMonitor
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
@@ -16,7 +17,6 @@ from lightning_efficient.techniques.curriculum import (
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
-    InputStallMonitor,
     LengthBucketSampler,
 )
 from lightning_efficient.techniques.optimizers import OptimizerSwap

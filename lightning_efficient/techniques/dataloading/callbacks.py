@@ -1,0 +1,305 @@
+"""The data-pipeline callbacks: they only decide *when* the loaders are rebuilt.
+
+``DataLoaderTuning`` and ``DevicePreload`` rebuild the loaders that the datamodule's (or
+module's) ``train_dataloader``/``val_dataloader`` return, by wrapping those hooks in ``setup``:
+Lightning calls them later (the train loader after ``on_fit_start``), inside its
+argument-capturing context, so the rebuilt loader still gets Lightning's ``DistributedSampler``
+under DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
+from lightning_efficient.measure.host import available_bytes
+from lightning_efficient.measure.step_rate import estimated_step_rate
+from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preload_to_device
+from lightning_efficient.techniques.dataloading.rebuild import (
+    _check_num_workers,
+    _check_pin,
+    _check_prefetch,
+    auto_num_workers,
+    rebuild_dataloader,
+)
+from lightning_efficient.techniques.dataloading.workers import (
+    TuneResult,
+    default_max_workers,
+    kept_training_state,
+    tune_num_workers,
+)
+
+__all__ = ["DataLoaderTuning", "DevicePreload"]
+
+_HOOKS = ("train_dataloader", "val_dataloader")
+
+
+class _LoaderRebuilder(Technique):
+    """Wraps the datamodule's (or module's) dataloader hooks in ``setup`` so that every loader they
+    return passes through ``self._rebuild(trainer, loader, hook)``; restored in ``teardown``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wrapped: list[tuple[Any, str]] = []
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self._wrapped:
+            return
+        self._start()
+        datamodule = trainer.datamodule
+        for hook in _HOOKS:
+            source = None
+            if datamodule is not None and is_overridden(hook, datamodule):
+                source = datamodule
+            elif datamodule is None and is_overridden(hook, pl_module):
+                source = pl_module
+            if source is None:
+                continue
+            original = getattr(source, hook)
+
+            def wrapped(_original: Callable[[], Any] = original, _hook: str = hook) -> Any:
+                return self._rebuild_all(trainer, _original(), _hook)
+
+            setattr(source, hook, wrapped)
+            self._wrapped.append((source, hook))
+        if not any(h == "train_dataloader" for _, h in self._wrapped) and stage == "fit":
+            self.no_effect(
+                "the train DataLoader was not returned by a LightningDataModule or LightningModule "
+                "`train_dataloader()` (loaders passed to trainer.fit directly cannot be rebuilt); "
+                "return it from `train_dataloader()`, or rebuild it yourself with "
+                "lightning_efficient.functional."
+            )
+
+    def _start(self) -> None:
+        """Forget what an earlier fit decided (a new trainer may differ)."""
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for source, hook in self._wrapped:
+            if hook in vars(source):
+                delattr(source, hook)
+        self._wrapped = []
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # a failed fit leaves the hooks as they were
+
+    def _rebuild_all(self, trainer: Any, loaders: Any, hook: str) -> Any:
+        if isinstance(loaders, DataLoader):
+            return self._rebuild(trainer, loaders, hook)
+        if isinstance(loaders, (list, tuple)):
+            return type(loaders)(self._rebuild_all(trainer, x, hook) for x in loaders)
+        if isinstance(loaders, dict):
+            return {k: self._rebuild_all(trainer, v, hook) for k, v in loaders.items()}
+        return loaders
+
+    def _rebuild(
+        self, trainer: Any, loader: DataLoader, hook: str
+    ) -> DataLoader:  # pragma: no cover
+        raise NotImplementedError
+
+
+class DataLoaderTuning(_LoaderRebuilder):
+    """Rebuild the train and validation DataLoaders with worker processes, pinning and prefetching.
+
+    The loaders that the datamodule's (or module's) ``train_dataloader``/``val_dataloader`` return
+    are rebuilt with ``rebuild_dataloader``: same dataset, sampler, batch sampler, collate_fn,
+    batch_size and drop_last, so the same samples in the same order; workers are seeded per rank.
+
+    By default (``num_workers="auto"``) the worker count is measured when the train loader is
+    first built (``tune_num_workers``): 0, 1, 2, 4, ... workers while loading gets faster,
+    bounded by host memory, by ``default_max_workers`` and by the rate the model can consume
+    batches (``estimated_step_rate`` of a forward pass, x 1.5 headroom; single-device and DDP
+    runs with automatic optimization). Loads that wait (storage, network, decoding that
+    releases the GIL) get more workers than cores; CPU-bound ones about the core count.
+    Validation loaders get the train loader's count once it is known (before that, the rule).
+
+    Args:
+        num_workers: Worker processes per loader: an integer >= 0, or ``"auto"`` (measured, or
+            with ``tune=False`` the rule ``auto_num_workers(trainer.num_devices)``: the CPU
+            cores per device minus one).
+        pin_memory: Page-locked host batches for faster copies to the GPU; ``"auto"``: on when
+            training on CUDA.
+        persistent_workers: Keep the workers alive between epochs (only with workers).
+        prefetch_factor: Batches each worker loads ahead (None: PyTorch's default of 2); needs
+            workers.
+        tune: Measure the worker count when fit starts. ``None`` (default): when
+            ``num_workers="auto"``; ``True``: always (``num_workers`` is then not used);
+            ``False``: never (``"auto"`` is the rule).
+        tune_time_s: Cap on the time spent measuring.
+    """
+
+    loads_in_workers = True
+    #: The loading rate kept above the model's estimated step rate (the estimate is rough, and
+    #: workers load slower next to training than alone).
+    TARGET_HEADROOM = 1.5
+
+    def __init__(
+        self,
+        num_workers: int | str = "auto",
+        pin_memory: bool | str = "auto",
+        persistent_workers: bool = True,
+        prefetch_factor: int | None = None,
+        tune: bool | None = None,
+        tune_time_s: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.num_workers = _check_num_workers("num_workers", num_workers, allow_auto=True)
+        self.pin_memory = _check_pin(pin_memory)
+        self.persistent_workers = check_bool("persistent_workers", persistent_workers)
+        self.prefetch_factor = _check_prefetch(prefetch_factor, num_workers)
+        self.tune = tune if tune is None else check_bool("tune", tune)
+        self.tune_time_s = check_float("tune_time_s", tune_time_s, minimum=0.0)
+        if self.tune_time_s <= 0:
+            raise ValueError(f"`tune_time_s` must be > 0 seconds; got {tune_time_s!r}.")
+        self._chosen: int | None = None
+        self._tuned: TuneResult | None = None
+        self._changes: dict[str, str] = {}
+
+    @property
+    def measures(self) -> bool:
+        """Whether the worker count is measured (``tune``, or ``None`` with ``"auto"``)."""
+        return self.num_workers == "auto" if self.tune is None else self.tune
+
+    def _start(self) -> None:
+        self._chosen, self._tuned, self._changes = None, None, {}
+
+    def _workers(self, trainer: Any, loader: DataLoader, hook: str) -> int:
+        if self._chosen is not None:
+            return self._chosen
+        if isinstance(loader.dataset, IterableDataset):  # keeps its workers: nothing to measure
+            return loader.num_workers
+        devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+        if self.measures and hook == "train_dataloader":
+            free = available_bytes()
+            self._tuned = tune_num_workers(
+                loader,
+                None,
+                self.tune_time_s,
+                rank=trainer.global_rank,
+                max_workers=default_max_workers(devices),
+                target_batches_per_s=self._target(trainer, loader),
+                max_worker_bytes=None if free is None else free // (2 * devices),
+            )
+            self._chosen = self._tuned.best
+            return self._chosen
+        if self.measures or self.num_workers == "auto":  # measured later, with the train loader
+            workers = auto_num_workers(devices)
+            if not self.measures:
+                self._chosen = workers
+            return workers
+        self._chosen = int(self.num_workers)
+        return self._chosen
+
+    def _target(self, trainer: Any, loader: DataLoader) -> float | None:
+        """Batches/s worth loading: the model's estimated step rate x headroom (None: unknown)."""
+        strategy, module = trainer.strategy, trainer.lightning_module
+        plain = isinstance(strategy, SingleDeviceStrategy) or (
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+        )
+        if not plain or not module.automatic_optimization:
+            self.note(
+                "the worker search is bounded by loading speed and memory only (the model's "
+                f"step rate is estimated for single-device and DDP runs with automatic "
+                f"optimization; this is {type(strategy).__name__})."
+            )
+            return None
+        try:
+            with kept_training_state(loader):
+                batch = next(iter(rebuild_dataloader(loader, num_workers=0)))
+            batch = strategy.batch_to_device(batch)
+            rate = estimated_step_rate(
+                module, batch, precision=str(trainer.precision), device=strategy.root_device
+            )
+        except Exception as err:  # noqa: BLE001 - the bound is optional; say why it is missing
+            self.note(f"could not time the model's forward for the worker search ({err!r}).")
+            return None
+        return self.TARGET_HEADROOM * rate
+
+    def _rebuild(self, trainer: Any, loader: DataLoader, hook: str) -> DataLoader:
+        if isinstance(loader.dataset, IterableDataset):
+            self.no_effect(
+                f"{hook}: an iterable-style dataset keeps its {loader.num_workers} workers (more "
+                "workers would each replay the whole stream unless the dataset shards itself)."
+            )
+        workers = self._workers(trainer, loader, hook)
+        pin = self.pin_memory
+        if pin == "auto":
+            pin = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
+        new = rebuild_dataloader(
+            loader,
+            num_workers=workers,
+            pin_memory=bool(pin),
+            persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            rank=trainer.global_rank,
+        )
+        self._changes[hook] = (
+            f"{hook}: num_workers {loader.num_workers}->{new.num_workers}, pin_memory "
+            f"{loader.pin_memory}->{new.pin_memory}, persistent_workers {new.persistent_workers}"
+        )
+        figures: dict[str, Any] = {"num_workers": new.num_workers}
+        tuned = self._tuned
+        if tuned is not None:
+            figures.update(
+                {f"batches_per_s_w{w}": round(r, 2) for w, r in tuned.batches_per_s.items()}
+            )
+            figures["tune_s"] = tuned.measured_s
+            if tuned.target_batches_per_s is not None:
+                figures["step_rate_bound"] = round(tuned.target_batches_per_s, 2)
+            if hook == "train_dataloader":
+                rates = ", ".join(f"{w}: {r:.1f}" for w, r in tuned.batches_per_s.items())
+                self._changes[hook] += f" (measured batches/s by workers {rates}; {tuned.stopped})"
+        self.report(trainer, "; ".join(self._changes.values()), **figures)
+        self.note(self._changes[hook])
+        return new
+
+
+class DevicePreload(_LoaderRebuilder):
+    """Collate the whole (small) dataset onto the training device once; serve batches by index.
+
+    The train and validation loaders are replaced by ``preload_to_device`` loaders: same sampler,
+    batch_size and drop_last, so the same samples in the same order (and Lightning's
+    DistributedSampler under DDP); no worker processes and no host-to-device copy of the data per
+    step. Each DDP rank holds the whole dataset. A dataset larger than ``max_bytes`` (all
+    preloaded loaders together) is refused with its size and the limit.
+
+    Args:
+        max_bytes: Most device memory the preloaded data may take, e.g. ``"2GiB"`` or bytes.
+    """
+
+    preloads_to_device = True
+
+    def __init__(self, max_bytes: int | str = "2GiB") -> None:
+        super().__init__()
+        parse_bytes("max_bytes", max_bytes)
+        self.max_bytes = max_bytes
+        self._used: dict[str, int] = {}
+
+    def _start(self) -> None:
+        self._used = {}
+
+    def _rebuild(self, trainer: Any, loader: DataLoader, hook: str) -> DataLoader:
+        limit = parse_bytes("max_bytes", self.max_bytes)
+        used = sum(b for h, b in self._used.items() if h != hook)
+        device = trainer.strategy.root_device
+        try:
+            new = preload_to_device(loader, device, max(1, limit - used))
+        except PreloadRefused as err:
+            if "more than max_bytes" in str(err):
+                raise PreloadRefused(f"DevicePreload ({hook}): {err}") from err
+            self.no_effect(f"{hook} is loaded as before: {err}")
+            return loader
+        self._used[hook] = new.dataset.nbytes
+        self.report(
+            trainer,
+            f"{', '.join(self._used)} preloaded onto {device}; batches served by index",
+            preloaded_bytes=sum(self._used.values()),
+            max_bytes=limit,
+        )
+        return new

@@ -21,10 +21,12 @@ def python_blocks(card: Path) -> list[str]:
 def test_every_technique_module_has_a_card() -> None:
     import lightning_efficient.techniques as techniques
 
-    modules = [
-        p.stem for p in Path(techniques.__file__).parent.glob("*.py") if not p.stem.startswith("_")
-    ]
-    assert modules and all((DOCS / f"{m}.md").exists() for m in modules), modules
+    folder = Path(techniques.__file__).parent
+    modules = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")]
+    modules += [p.parent.name for p in folder.glob("*/__init__.py")]  # packages count too
+    assert {"batch_size", "dataloading", "activation_checkpointing"} <= set(modules), modules
+    missing = [m for m in modules if not (DOCS / f"{m}.md").exists()]
+    assert not missing, f"techniques without a method card in docs/: {missing}"
 
 
 @pytest.mark.parametrize("card", CARDS, ids=[c.stem for c in CARDS])

@@ -8,14 +8,20 @@ CPU mode (default, no GPU needed; figures from the memory estimate, fake tensors
   2. GPT-2-shaped models (TinyGPT with vocabulary 50257, context 1024, head size 64) at batch
      1 x 1024, fp32: the largest of a ladder of sizes whose estimated device peak (CUDA
      allocator rounding) fits the cap, for each setting. --quick tries GPT-2 124M only.
+  3. Host memory: what DeepSpeed really allocates on the host for a model of 8 Linear(1024, 1024)
+     layers (8.4M parameters, fp32 AdamW), from a real ZeRO run on the CPU (gloo, one process,
+     2 steps): the growth of live tensor bytes and of resident memory (RSS) over
+     ``deepspeed.initialize`` and the steps, next to the memory estimate's host bytes and
+     DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs`` / ``..._zero3_...``,
+     with and without their 1.5x buffer factor). Each setting runs in a fresh process.
 GPU mode (--gpu; needs CUDA): the same ladder trained for real, 2 steps each, with plain
   Lightning and with ZeROOffload stage 2 and stage 3 under
   ``torch.cuda.set_per_process_memory_fraction(cap / total)``; each size runs in a fresh
   subprocess and the largest that trains (no OOM) is reported. Host RAM bounds the largest
-  offloaded model (about 16 bytes per parameter on the host at fp32).
+  offloaded model (about 20-24 bytes per parameter on the host at fp32, table 3).
 
 Run:  python benchmarks/zero_offload.py           (CPU estimates, a few minutes on 2 cores)
-      python benchmarks/zero_offload.py --quick   (TinyGPT table and GPT-2 124M only)
+      python benchmarks/zero_offload.py --quick   (TinyGPT table, GPT-2 124M only, host table)
       python benchmarks/zero_offload.py --gpu     (real training on a CUDA device)
 Writes benchmarks/results/zero_offload{,_quick,_gpu}.{md,json}.
 """
@@ -29,6 +35,7 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +181,143 @@ def ladder_estimates(cap: int, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+# -- CPU mode: host memory of a real DeepSpeed run -------------------------------------------------
+HOST_SETTINGS = {
+    "stage 2, optimizer offload": {"stage": 2},
+    "stage 3, optimizer + parameter offload": {"stage": 3, "offload_parameters": True},
+}
+
+
+def _host_once(setting_name: str, width: int = 1024, layers: int = 8) -> dict[str, Any]:
+    """Child process: one ZeRO setting trained for 2 steps on the CPU; host bytes it allocated.
+
+    Measured over ``deepspeed.initialize`` + 2 steps, after the model, the process group and
+    DeepSpeed's CPU Adam exist: the growth of live CPU tensor bytes (unique storages reachable
+    from Python) and of the resident set (after ``malloc_trim``). On a CPU, DeepSpeed's
+    "device" buffers are host memory too: the measured growth also holds one gradient bucket
+    and, at stage 2, one parameter-sized device buffer; with parameter offload the parameters'
+    host partition replaces the module's own storage (counted before), so the estimate is
+    compared without its parameter bytes.
+    """
+    import ctypes
+    import gc
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    import deepspeed
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from torch import nn
+
+    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.techniques.zero_offload import (
+        ZeROOffload,
+        ensure_extensions,
+        scale_buckets,
+        to_deepspeed_optimizer,
+        zero_offload_config,
+    )
+
+    libc = ctypes.CDLL("libc.so.6")
+
+    def rss() -> int:
+        gc.collect()
+        libc.malloc_trim(0)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def live() -> int:
+        storages = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance on lazily imported modules may warn
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                    storage = obj.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def train(model: nn.Module, config: dict[str, Any], x: torch.Tensor) -> Any:
+        optimizer = to_deepspeed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        for _ in range(2):
+            loss = engine(x).sum()
+            engine.backward(loss)
+            engine.step()
+        return engine
+
+    setting = HOST_SETTINGS[setting_name]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    n = sum(p.numel() for p in model.parameters())
+    x = torch.randn(4, width)
+    est = estimate_memory(
+        model, x, callbacks=[ZeROOffload(**setting)], loss_fn=lambda m, b: m(b).sum()
+    )
+    ensure_extensions()
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = scale_buckets(zero_offload_config(**setting), n)
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    # once per process, DeepSpeed's first engine maps buffers and thread pools whose size does
+    # not depend on the model: pay them on a tiny model first, and report them apart
+    tiny = nn.Sequential(nn.Linear(8, 8))
+    t0 = rss()
+    warm = train(tiny, config, torch.randn(4, 8))
+    t1 = rss()
+    model(x).sum().backward()  # autograd's own first-use allocations, outside the measurement
+    model.zero_grad(set_to_none=True)
+    r0, l0 = rss(), live()
+    engine = train(model, config, x)
+    r1, l1 = rss(), live()
+    del warm, engine
+    stage3 = setting["stage"] == 3
+    offp = setting.get("offload_parameters", False)
+    if stage3:
+        largest = width * width + width
+        ds = estimate_zero3_model_states_mem_needs(
+            n, largest, 1, 1, cpu_offload=True, cpu_offload_params=offp, zero_init=False
+        )
+        ds_base = estimate_zero3_model_states_mem_needs(
+            n, largest, 1, 1, True, offp, False, additional_buffer_factor=1.0
+        )
+    else:
+        ds = estimate_zero2_model_states_mem_needs(n, 1, 1, cpu_offload=True)
+        ds_base = estimate_zero2_model_states_mem_needs(n, 1, 1, True, additional_buffer_factor=1.0)
+    compared = est.host_bytes - (4 * n if offp else 0)
+    return {
+        "setting": setting_name,
+        "parameters": n,
+        "estimate_host_bytes": est.host_bytes,
+        "estimate_compared_bytes": compared,
+        "deepspeed_estimator_bytes": ds[0],
+        "deepspeed_estimator_base_bytes": ds_base[0],
+        "live_growth_bytes": l1 - l0,
+        "rss_growth_bytes": r1 - r0,
+        "rss_once_per_process_bytes": t1 - t0,
+    }
+
+
+def host_table() -> list[dict[str, Any]]:
+    rows = []
+    for name in HOST_SETTINGS:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child-host", name],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            raise SystemExit(f"host measurement of {name!r} failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][7:]))
+        print(f"  host: {name} measured", flush=True)
+    return rows
+
+
 # -- GPU mode: real training ---------------------------------------------------------------------
 def _train_once(args: argparse.Namespace) -> None:
     """Child process: train one (size, setting) for 2 steps under the cap; print a JSON line."""
@@ -296,6 +440,36 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{mib(r['gradients_bytes'])} | {mib(r['optimizer_state_bytes'])} | {mib(r['activations_bytes'])} | {r['device_peak_ratio']:.3f}x |"
             )
         out.append("")
+    if result.get("host"):
+        per = lambda r, k: r[k] / r["parameters"]  # noqa: E731
+        out += [
+            "## Host memory of a real DeepSpeed run on the CPU (8 x Linear(1024, 1024), "
+            f"{result['host'][0]['parameters'] / 1e6:.1f}M parameters, fp32 AdamW, 2 steps), "
+            "bytes per parameter",
+            "",
+            "| Setting | Estimate: host | Estimate: compared | Measured: live tensors | "
+            "Measured: RSS | DeepSpeed estimator (x1.5 buffers) | DeepSpeed estimator, base |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in result["host"]:
+            out.append(
+                f"| {r['setting']} | {per(r, 'estimate_host_bytes'):.1f} | "
+                f"{per(r, 'estimate_compared_bytes'):.1f} | {per(r, 'live_growth_bytes'):.1f} | "
+                f"{per(r, 'rss_growth_bytes'):.1f} | {per(r, 'deepspeed_estimator_bytes'):.1f} | "
+                f"{per(r, 'deepspeed_estimator_base_bytes'):.1f} |"
+            )
+        out += [
+            "",
+            "DeepSpeed's first engine in a process also maps about "
+            f"{result['host'][0]['rss_once_per_process_bytes'] / 2**20:.0f} MiB that do not depend "
+            "on the model (measured on a tiny model first, not in the table). "
+            "Compared: the estimate's host bytes without the parameters when they are offloaded "
+            "(their host partition replaces the module's own storage, which existed before the "
+            "measurement). Measured: growth over `deepspeed.initialize` + 2 steps; on a CPU it "
+            "also holds DeepSpeed's device-side buffers (one gradient bucket, one parameter-sized "
+            "buffer at stage 2).",
+            "",
+        ]
     if result.get("ladder"):
         src = (
             "trained for real"
@@ -336,9 +510,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="GPU mode: seconds per size")
     parser.add_argument("--child-size", help=argparse.SUPPRESS)
     parser.add_argument("--child-setting", help=argparse.SUPPRESS)
+    parser.add_argument("--child-host", help=argparse.SUPPRESS)
+    parser.add_argument("--host-width", type=int, default=1024, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_size:
         return _train_once(args)
+    if args.child_host:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        print("RESULT " + json.dumps(_host_once(args.child_host, args.host_width)), flush=True)
+        return None
     cap = parse_bytes("--cap", args.cap)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     command = (
@@ -370,6 +550,7 @@ def main() -> None:
             "environment": environment(),
             "tinygpt": tinygpt_table(),
             "ladder": ladder_estimates(cap, args.quick),
+            "host": host_table(),
         }
         result["seconds"] = time.perf_counter() - t
         suffix = "_quick" if args.quick else ""

@@ -168,8 +168,12 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
         "lightning_efficient.planner:plan_command",
     ),
     "export-zero": (
-        "consolidate a ZeRO checkpoint dir into a plain state_dict (CKPT_DIR OUT)",
-        "lightning_efficient.techniques.zero_offload:export_zero_command",
+        "consolidate a ZeRO checkpoint dir into a plain state_dict (CKPT_DIR OUT [--force])",
+        "lightning_efficient.techniques.zero_offload.commands:export_zero_command",
+    ),
+    "prepare": (
+        "build DeepSpeed's CPU extensions ahead of time (once per machine; CI, Dockerfiles)",
+        "lightning_efficient.techniques.zero_offload.commands:prepare_command",
     ),
 }
 

@@ -71,6 +71,7 @@ from lightning_efficient.techniques.precision import (
 from lightning_efficient.techniques.zero_offload import (
     export_fp32,
     full_state_dict,
+    host_buffers,
     load_zero_optimizer_state,
     offloaded_categories,
     rebind_schedulers,
@@ -131,6 +132,7 @@ __all__ = [
     "tune_num_workers",
     "export_fp32",
     "full_state_dict",
+    "host_buffers",
     "load_zero_optimizer_state",
     "offloaded_categories",
     "rebind_schedulers",

@@ -15,10 +15,39 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def _needs_deepspeed_extensions(item) -> bool:
+    return "ZeROOffload" in item.nodeid or item.get_closest_marker("deepspeed") is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # two-process DDP fits spawn fresh interpreters (imports, process group): the slowest
+        # tests of the suite; `-m "not slow"` is the quick local loop, CI runs everything
+        if getattr(item, "originalname", "") == "test_ddp_two_processes":
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_extensions():
+    """DeepSpeed's CPU extensions, built once per session before a test needs them and outside
+    any timed part (a fresh machine compiles them for minutes), by the function that
+    `lightning-efficient prepare` runs; in the folder the tests will use ($TORCH_EXTENSIONS_DIR
+    or the user's cache)."""
+    pytest.importorskip("deepspeed")
+    from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
+
+    return ensure_extensions()
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_extensions_before_timed_tests(request):
+    # ZeROOffload's contract cases (a 2-process DDP run under a timeout among them) and tests
+    # marked `deepspeed` get the extensions first
+    if _needs_deepspeed_extensions(request.node):
+        request.getfixturevalue("deepspeed_extensions")

@@ -86,3 +86,15 @@ def fit(
 
 def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def subprocess_timeout(seconds: float) -> float:
+    """A generous timeout for a subprocess that takes about ``seconds / 4`` on 2 idle cores,
+    scaled up on a busy machine (load per core above 1) and by ``LE_TEST_TIMEOUT_SCALE``."""
+    import os
+
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:  # pragma: no cover - platforms without a load average
+        load = 1.0
+    return seconds * max(1.0, load) * float(os.environ.get("LE_TEST_TIMEOUT_SCALE", "1"))

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import SaveAt, fit, params_of, tiny_model
+from helpers import SaveAt, fit, params_of, subprocess_timeout, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -626,7 +626,7 @@ def test_ddp_two_processes(case: Case, tmp_path) -> None:
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=subprocess_timeout(600),
     )
     if case.ddp is True:
         assert proc.returncode == 0, proc.stderr[-4000:]

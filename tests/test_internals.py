@@ -134,3 +134,75 @@ def test_kept_iterator_of_a_dataloader() -> None:
     kept = I.kept_iterator(persistent)
     assert kept is first and iter(persistent) is kept  # reused: the workers live on
     del first, kept, persistent
+
+
+# --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------
+def test_deepspeed_strategy_hooks_exist() -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    I.check_deepspeed_strategy_hooks()
+    for name in I.DEEPSPEED_STRATEGY_HOOKS:
+        assert callable(getattr(DeepSpeedStrategy, name)), name
+    import inspect
+
+    params = inspect.signature(DeepSpeedStrategy._restore_zero_state).parameters
+    assert list(params)[1:] == ["ckpt", "strict"]
+
+
+def test_deepspeed_strategy_hooks_route_to_public_methods() -> None:
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch import LightningModule, Trainer
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters())
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+    calls = []
+
+    class Recording(I.DeepSpeedStrategyHooks):
+        def after_launcher_configured(self) -> None:
+            calls.append("launcher")
+
+        def convert_optimizer(self, optimizer, scheduler_config):
+            calls.append(type(optimizer).__name__)
+            return "converted", scheduler_config
+
+    trainer = Trainer(strategy=Recording(), accelerator="cpu", devices=1, logger=False)
+    assert calls == ["launcher"]  # the trainer's connector configured the launcher
+    model = Module()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    optimizer, scheduler_config = trainer.strategy._init_optimizers()
+    assert calls == ["launcher", "AdamW"] and optimizer == "converted"
+    assert type(scheduler_config.scheduler).__name__ == "StepLR"  # passed through
+
+
+def test_zero_optimizer_state_linking() -> None:
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    assert callable(DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state)
+    import inspect
+
+    assert "self._hp_optimizer_states_linked = False" in inspect.getsource(
+        DeepSpeedZeroOptimizer.__init__
+    )
+    # a plain optimizer needs no linking (ZeRO-2 fits link for real: tests/test_zero_offload.py)
+    assert not I.link_zero_optimizer_states(torch.optim.SGD([nn.Parameter(torch.zeros(1))], 0.1))
+    assert deepspeed.__version__
+
+
+def test_torch_extension_dir(tmp_path, monkeypatch) -> None:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert I.torch_extension_dir("cpu_adam") == str(tmp_path / "cpu_adam")
+    assert (tmp_path / "cpu_adam").is_dir()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    default = I.torch_extension_dir("cpu_adam")
+    assert default.startswith(get_default_build_root()) and default.endswith("cpu_adam")

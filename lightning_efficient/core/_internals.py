@@ -41,6 +41,11 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "DEEPSPEED_STRATEGY_HOOKS",
+    "DeepSpeedStrategyHooks",
+    "check_deepspeed_strategy_hooks",
+    "link_zero_optimizer_states",
+    "torch_extension_dir",
 ]
 
 #: Versions the package is tested with: (lowest, highest) release, inclusive by minor version.
@@ -222,3 +227,98 @@ def kept_iterator(loader: Any) -> Any:
     if "_iterator" not in vars(loader):  # pragma: no cover - depends on torch
         raise _moved("torch", "DataLoader._iterator")
     return loader._iterator
+
+
+# --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------
+from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402  (imports no deepspeed)
+
+#: Private hooks of Lightning's ``DeepSpeedStrategy`` that ``DeepSpeedStrategyHooks`` overrides
+#: or calls; a Lightning release without one of them fails at strategy construction, by name.
+DEEPSPEED_STRATEGY_HOOKS = (
+    "_configure_launcher",
+    "_init_optimizers",
+    "_auto_select_batch_size",
+    "_restore_zero_state",
+)
+
+
+def check_deepspeed_strategy_hooks() -> None:
+    """Raise ``InternalsError`` when Lightning's ``DeepSpeedStrategy`` lacks a hook we override:
+    an override of a renamed hook would never run (the optimizer would not be converted)."""
+    for name in DEEPSPEED_STRATEGY_HOOKS:
+        if not callable(getattr(DeepSpeedStrategy, name, None)):
+            raise _moved("lightning", f"DeepSpeedStrategy.{name}")
+
+
+class DeepSpeedStrategyHooks(DeepSpeedStrategy):
+    """Lightning's ``DeepSpeedStrategy`` with its private hooks routed to public methods, so a
+    subclass (``ZeROOffload``) overrides only public names:
+
+    - ``after_launcher_configured()``: the launcher is configured, fit has not launched yet.
+    - ``convert_optimizer(optimizer, scheduler_config)``: the module's optimizer and scheduler
+      config before DeepSpeed wraps them; returns the pair DeepSpeed gets.
+    - ``restore_zero_state(checkpoint, strict)``: Lightning's gathered ZeRO-3 ``load_state_dict``.
+    - The batch size read from the loader for DeepSpeed's throughput logging falls back to 1 for
+      loaders without a batch sampler (Lightning raises there).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_deepspeed_strategy_hooks()
+        super().__init__(*args, **kwargs)
+
+    def after_launcher_configured(self) -> None:
+        """Called once the launcher is configured, before fit launches the processes."""
+
+    def convert_optimizer(self, optimizer: Any, scheduler_config: Any) -> tuple[Any, Any]:
+        """The optimizer (and scheduler config) DeepSpeed wraps; unchanged by default."""
+        return optimizer, scheduler_config
+
+    def restore_zero_state(self, checkpoint: Any, strict: bool) -> None:
+        """Load ``checkpoint["state_dict"]`` into a ZeRO-3 partitioned module (collective)."""
+        self._restore_zero_state(checkpoint, strict=strict)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self.after_launcher_configured()
+
+    def _init_optimizers(self) -> tuple[Any, Any]:
+        return self.convert_optimizer(*super()._init_optimizers())
+
+    def _auto_select_batch_size(self) -> int:
+        try:
+            return super()._auto_select_batch_size() or 1
+        except (AttributeError, TypeError):
+            return 1
+
+
+def link_zero_optimizer_states(zero_optimizer: Any) -> bool:
+    """Link each parameter of a ZeRO-1/2 optimizer to its slice of the optimizer state again.
+
+    DeepSpeed links them lazily after the first step but one param group at a time, so groups
+    2+ stay unlinked (``safe_get_full_optimizer_state`` then finds nothing). Returns False for
+    optimizers that need no linking (ZeRO-3, plain optimizers)."""
+    if not hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        with contextlib.suppress(ImportError):
+            from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+            if isinstance(zero_optimizer, DeepSpeedZeroOptimizer):  # pragma: no cover
+                raise _moved(
+                    "deepspeed", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state"
+                )
+        return False
+    if not hasattr(zero_optimizer, "_hp_optimizer_states_linked"):  # pragma: no cover
+        raise _moved("deepspeed", "DeepSpeedZeroOptimizer._hp_optimizer_states_linked")
+    zero_optimizer._hp_optimizer_states_linked = False
+    zero_optimizer._lazy_init_hp_params_optimizer_state()
+    return True
+
+
+def torch_extension_dir(name: str) -> str:
+    """The folder where ``torch.utils.cpp_extension.load(name=...)`` builds and caches ``name``
+    (``$TORCH_EXTENSIONS_DIR/name`` or the user cache's ``py311_cpu/name``); created if absent."""
+    from torch.utils import cpp_extension
+
+    get = getattr(cpp_extension, "_get_build_directory", None)
+    if get is None:  # pragma: no cover - depends on torch
+        raise _moved("torch", "torch.utils.cpp_extension._get_build_directory")
+    return get(name, verbose=False)

@@ -1,0 +1,368 @@
+"""``ZeROOffload``: Lightning's DeepSpeed strategy with the ZeRO-Offload decisions made."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from torch.optim import Optimizer
+
+from lightning_efficient.core._internals import DeepSpeedStrategyHooks
+from lightning_efficient.core.validate import check_choice
+from lightning_efficient.techniques.zero_offload.config import (
+    ESTIMATE_TRACKS,
+    SAVE_FORMATS,
+    host_buffers,
+    offloaded_categories,
+    scale_buckets,
+    zero_offload_config,
+)
+from lightning_efficient.techniques.zero_offload.convert import (
+    CPU_EXTENSIONS,
+    import_deepspeed,
+    rebind_schedulers,
+    to_deepspeed_optimizer,
+)
+from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
+from lightning_efficient.techniques.zero_offload.loading import (
+    check_checkpoint_directory,
+    load_checkpoint_file,
+    weights_only_loading,
+)
+from lightning_efficient.techniques.zero_offload.state import (
+    full_state_dict,
+    load_zero_optimizer_state,
+    zero_optimizer_state,
+)
+
+__all__ = ["ZeROOffload"]
+
+# what Lightning and DeepSpeed export to os.environ when they start the process group
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+_TRUST_HINT = "pass weights_only=False to trainer.fit (or validate/test/predict) with ckpt_path"
+
+
+class ZeROOffload(DeepSpeedStrategyHooks):
+    """DeepSpeed ZeRO stage 2/3 with the optimizer (and parameters) offloaded to host memory.
+
+    ``Trainer(strategy=ZeROOffload())`` trains an unmodified LightningModule: its Adam/AdamW (or
+    Adagrad) becomes ``DeepSpeedCPUAdam`` (``DeepSpeedCPUAdagrad``) with the same param groups,
+    lr, betas, eps and weight decay, and its LR schedulers keep driving it. In yaml:
+    ``strategy: zero_offload`` (stage 2, CPU offload) or ``class_path: ZeROOffload``. With
+    ``devices > 1`` the same strategy partitions the state across the processes (ZeRO's data
+    parallelism); nothing else changes. Runs on a CPU too (gloo), which is how it is tested.
+    DeepSpeed's CPU extensions are built on first use, announced, with a stale build lock
+    removed (``lightning-efficient prepare`` builds them ahead of time). Checkpoint files load
+    with ``weights_only=True`` unless the caller passes ``weights_only=False``.
+
+    Args:
+        stage: ZeRO stage, 2 (optimizer state and gradients partitioned/offloaded) or 3
+            (parameters too). Stage 1 is refused.
+        offload_optimizer: Where the optimizer state, fp32 master weights and gradient partition
+            live: ``"cpu"``, ``"nvme"`` (needs ``nvme_path``) or ``None`` (stay on the device).
+        offload_parameters: Stage 3 only: keep the parameters in host memory (on NVMe when
+            ``offload_optimizer="nvme"``) and fetch them layer by layer.
+        nvme_path: Writable directory on a local NVMe drive, for ``offload_optimizer="nvme"``.
+        pin_memory: Page-locked host buffers (faster transfers, more host memory pinned).
+        config: Extra DeepSpeed settings merged into the built config; it may not contradict a
+            named argument (a conflict raises and names both). ``"optimizer"`` here makes
+            DeepSpeed build its config optimizer instead of converting the module's.
+        save_format: ``"plain"`` writes one Lightning checkpoint file with the full fp32
+            ``state_dict`` and the optimizer state in the original optimizer's layout, loadable
+            and resumable without DeepSpeed; ``"zero"`` writes DeepSpeed's sharded checkpoint
+            directory (consolidate with :func:`export_fp32` / ``lightning-efficient
+            export-zero``); ``"auto"``: plain on one process, zero on several.
+    """
+
+    strategy_name = "zero_offload"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: str | None = "cpu",
+        offload_parameters: bool = False,
+        nvme_path: str | None = None,
+        pin_memory: bool = True,
+        config: dict[str, Any] | None = None,
+        save_format: str = "auto",
+    ) -> None:
+        built = zero_offload_config(
+            stage, offload_optimizer, offload_parameters, nvme_path, pin_memory, config
+        )
+        check_choice("save_format", save_format, SAVE_FORMATS)
+        import_deepspeed()
+        super().__init__(config=copy.deepcopy(built), logging_level=logging.WARN)
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_parameters = offload_parameters
+        self.nvme_path = None if nvme_path is None else os.fspath(nvme_path)
+        self.pin_memory = pin_memory
+        self.user_config = copy.deepcopy(dict(config)) if config else None
+        self.save_format = save_format
+        self._template: dict[str, Any] | None = None
+        self._loaded_plain = False
+        self._converted = ""
+        self._env_before: dict[str, str | None] | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "zero_offload",
+            cls,
+            description="lightning-efficient ZeRO-2 with the optimizer offloaded to CPU",
+            override=True,
+        )
+        strategy_registry.register(
+            "zero_offload_stage_3",
+            cls,
+            description="lightning-efficient ZeRO-3 with optimizer and parameters offloaded to CPU",
+            stage=3,
+            offload_parameters=True,
+            override=True,
+        )
+
+    # -- devices: DeepSpeed runs on a CPU too (gloo) ----------------------------------------------
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return DeepSpeedStrategy.parallel_devices.fget(self)
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        # DeepSpeed addresses processes by device index; CPU devices carry none, so number them
+        if devices is not None and all(d.type == "cpu" for d in devices):
+            devices = [torch.device("cpu", i) for i in range(len(devices))]
+        DeepSpeedStrategy.parallel_devices.fset(self, devices)
+
+    def setup_environment(self) -> None:
+        from lightning.pytorch.accelerators import CPUAccelerator
+        from lightning.pytorch.strategies import DDPStrategy
+
+        ensure_extensions(["shm_comm"])  # DeepSpeed's process group loads it
+        if isinstance(self.accelerator, CPUAccelerator):
+            DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check
+        else:
+            super().setup_environment()
+
+    def after_launcher_configured(self) -> None:
+        # before fit's launch exports the group's address, port and ranks to os.environ
+        self._env_before = {k: os.environ.get(k) for k in _DIST_ENV}
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.world_size == 1 and self._env_before is not None:
+            # one process: the launcher and DeepSpeed exported the group's address, port and
+            # ranks to os.environ, where processes started later (a DDP launch, tests) would
+            # inherit a port this process still listens on. Put the environment back.
+            for key, value in self._env_before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def setup(self, trainer: Any) -> None:
+        if self.config is not None and self.lightning_module is not None:
+            n = sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters())
+            self.config = scale_buckets(self.config, max(1, n))
+        super().setup(trainer)
+
+    # -- optimizer: the module's torch optimizer -> its DeepSpeed CPU counterpart ------------------
+    def convert_optimizer(self, optimizer: Optimizer, scheduler_config: Any) -> tuple[Any, Any]:
+        self._template = {
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"}
+                for g in optimizer.state_dict()["param_groups"]
+            ],
+            "params": [list(g["params"]) for g in optimizer.param_groups],
+        }
+        if self.offload_optimizer is not None and type(optimizer) in CPU_EXTENSIONS:
+            ensure_extensions([CPU_EXTENSIONS[type(optimizer)]])
+        new = to_deepspeed_optimizer(optimizer, self.offload_optimizer)
+        if new is not optimizer:
+            if scheduler_config is not None:
+                rebind_schedulers([scheduler_config.scheduler], optimizer, new)
+            self._converted = f"{type(optimizer).__name__} -> {type(new).__name__}"
+        return new, scheduler_config
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _plain_format(self) -> bool:
+        return self.save_format == "plain" or (self.save_format == "auto" and self.world_size == 1)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._plain_format() and self.lightning_module is not None:
+            return full_state_dict(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._plain_format() and self._template is not None:
+            return zero_optimizer_state(optimizer, self._template)
+        return super().optimizer_state(optimizer)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._plain_format():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        checkpoint["zero_offload"] = {
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+        }
+        Strategy.save_checkpoint(self, checkpoint, self.broadcast(filepath), storage_options)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # weights_only=True unless the caller passes False (None: the safe default)
+        trusted = weights_only is False
+        if os.path.isdir(checkpoint_path):
+            self._loaded_plain = False
+            check_checkpoint_directory(checkpoint_path, trusted=trusted, how_to_trust=_TRUST_HINT)
+            with weights_only_loading(force=not trusted):  # DeepSpeed's loader passes False
+                return super().load_checkpoint(checkpoint_path, weights_only)
+        self._loaded_plain = True
+        return load_checkpoint_file(
+            checkpoint_path,
+            trusted=trusted,
+            how_to_trust=_TRUST_HINT,
+            load=lambda path, safe: Strategy.load_checkpoint(self, path, weights_only=safe),
+        )
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return self._loaded_plain or super().lightning_restore_optimizer
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._loaded_plain:
+            return super().load_model_state_dict(checkpoint, strict)
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        module = self.lightning_module
+        state = checkpoint["state_dict"]
+        if self.zero_stage_3:
+            self.restore_zero_state(checkpoint, strict=strict)
+        else:
+            module.load_state_dict(state, strict=strict)
+        for name, p in module.named_parameters():
+            if name in state and p.requires_grad:
+                safe_set_full_fp32_param(p, state[name].float().flatten())
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._loaded_plain or self._template is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        load_zero_optimizer_state(
+            self.optimizers[0], self._template, checkpoint["optimizer_states"][0]
+        )
+
+    # -- the efficiency report and the memory estimate ------------------------------------------
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        from lightning_efficient.core.report import report_for
+
+        change = f"ZeRO stage {self.stage}, optimizer state on {self.offload_optimizer or 'device'}"
+        if self.offload_parameters:
+            change += ", parameters offloaded"
+        if self._converted:
+            change += f" ({self._converted})"
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters())
+        report_for(self.lightning_module.trainer).add(
+            type(self).__name__, change, world_size=self.world_size, parameters=n
+        )
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        from lightning_efficient.core.report import report_for
+
+        trainer = self.lightning_module.trainer
+        report_for(trainer).show(trainer)
+
+    def configure_estimate(self, plan: Any) -> None:
+        """Count what this strategy keeps in host memory as host bytes in the memory estimate:
+        the offloaded categories, plus DeepSpeed's other host buffers (``host_buffers``)."""
+        configure_offload_estimate(plan, self.config or {})
+
+
+def configure_offload_estimate(plan: Any, config: Mapping[str, Any]) -> None:
+    """Change an ``EstimatePlan`` for a ZeRO ``config``: the offloaded categories count as host
+    memory, the optimizer steps one tensor at a time (its step runs on the host), and each
+    parameter's optimizer state gains DeepSpeed's other host buffers (fp32 master copy,
+    transfer buffers: :func:`host_buffers`), so that the host figure is what DeepSpeed holds."""
+    offload = getattr(plan, "offload", None)
+    if offload is None:
+        offload = plan.offload = {}
+    moved = [c for c, on in offloaded_categories(config).items() if on]
+    for category in moved:
+        offload[category] = True
+    if "optimizer_state" in moved:
+        # the step runs on the host (DeepSpeedCPUAdam, element-wise): the device sees none of
+        # a foreach step's whole-model temporaries; step one tensor at a time instead, so the
+        # temporaries left (counted on the device) are one parameter's worth at most
+        make = plan.optimizer
+        accumulate = getattr(plan, "accumulate_grad_batches", 1)
+        largest = max((p.numel() for p in plan.model.parameters() if p.requires_grad), default=0)
+        once = {"gradient buffer": largest}  # one buffer of the largest parameter's size
+        plan.optimizer = lambda groups: _with_host_buffers(
+            _per_tensor(make(groups)), config, accumulate, once
+        )
+    if moved and hasattr(plan, "note"):
+        plan.note(
+            f"ZeROOffload: {', '.join(moved)} counted in host memory with DeepSpeed's other host "
+            "buffers (fp32 master weights, transfer buffers), optimizer step per tensor (it runs "
+            "on the host); one gradient bucket stays on the device, and with parameter offload "
+            "each layer's weights visit the device while it runs."
+        )
+
+
+def _per_tensor(optimizer: Optimizer) -> Optimizer:
+    for group in optimizer.param_groups:
+        if "foreach" in group:
+            group["foreach"] = False
+        if group.get("fused"):
+            group["fused"] = False
+    return optimizer
+
+
+def _with_host_buffers(
+    optimizer: Optimizer, config: Mapping[str, Any], accumulate: int, once: dict[str, int]
+) -> Optimizer:
+    """After each step, give every parameter's state one byte buffer the size of DeepSpeed's
+    host buffers for it that the estimate does not track otherwise (counted as optimizer state,
+    which offload puts in host memory). ``once["gradient buffer"]``: the largest parameter's
+    size, given (once, then cleared) to the first parameter of that size."""
+    step = optimizer.step
+
+    def step_and_add_buffers(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state[p]
+                if not state or "zero_host_buffers" in state:
+                    continue
+                largest = once["gradient buffer"] if p.numel() == once["gradient buffer"] else 0
+                if largest:
+                    once["gradient buffer"] = 0
+                buffers = host_buffers(
+                    config,
+                    p.numel(),
+                    largest_parameter=largest,
+                    param_bytes=p.element_size(),
+                    accumulate_grad_batches=accumulate,
+                )
+                extra = sum(v for k, v in buffers.items() if k not in ESTIMATE_TRACKS)
+                state["zero_host_buffers"] = torch.empty(extra, dtype=torch.uint8, device=p.device)
+        return out
+
+    optimizer.step = step_and_add_buffers  # type: ignore[method-assign]
+    return optimizer
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ZeROOffload.register_strategies(StrategyRegistry)
+
+
+_register()

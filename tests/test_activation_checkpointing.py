@@ -552,3 +552,132 @@ def test_with_torch_compile_both_orders(order: str, tmp_path) -> None:
     )
     assert seen.blocks == {"blocks.0": "full", "blocks.1": "full"}
     assert set(model.state_dict()) == set(gpt(n_layer=2).state_dict())
+
+
+# -- any model: BatchNorm, container arguments, leaf layers ----------------------------------------
+class ConvBlock(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+class SmallCNN(nn.Module):
+    """Conv2d + BatchNorm2d + ReLU blocks, plus a stem and a head."""
+
+    def __init__(self, ch: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, ch, 3, padding=1)
+        self.blocks = nn.Sequential(*[ConvBlock(ch) for _ in range(n)])
+        self.head = nn.Linear(ch, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def _train_two_steps(model: nn.Module) -> dict[str, torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    grads: dict[str, torch.Tensor] = {}
+    for _ in range(2):
+        x = torch.randn(4, 3, 8, 8, generator=gen)
+        y = torch.randint(0, 4, (4,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return grads
+
+
+def test_batchnorm_statistics_update_once_per_forward() -> None:
+    torch.manual_seed(0)
+    plain = SmallCNN()
+    ckpt = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(ckpt, ConvBlock) == [f"blocks.{i}" for i in range(3)]
+    counter = ForwardCounter(ckpt.blocks[0].bn)
+    grads_plain, grads_ckpt = _train_two_steps(plain), _train_two_steps(ckpt)
+    assert counter.calls == 4  # 2 steps, each with a recompute in backward
+    for n in grads_plain:
+        torch.testing.assert_close(grads_ckpt[n], grads_plain[n], rtol=0, atol=0)
+    for (n, a), (_, b) in zip(plain.state_dict().items(), ckpt.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)  # weights and BN buffers
+    assert int(ckpt.blocks[0].bn.num_batches_tracked) == 2
+    assert ckpt.blocks[0].bn.momentum == 0.1  # restored after the recompute
+
+
+class DenseLayer(nn.Module):
+    """Takes the list of all earlier feature maps (torchvision DenseNet's calling convention)."""
+
+    def __init__(self, in_ch: int, growth: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(in_ch)
+        self.conv = nn.Conv2d(in_ch, growth, 3, padding=1, bias=False)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.conv(F.relu(self.bn(torch.cat(features, 1))))
+
+
+class TinyDenseNet(nn.Module):
+    def __init__(self, ch: int = 4, growth: int = 4, n: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, ch, 3, padding=1)
+        self.layers = nn.ModuleList(DenseLayer(ch + i * growth, growth) for i in range(n))
+        self.head = nn.Linear(ch + n * growth, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(features))  # the list the layer saw grows after the call
+        return self.head(torch.cat(features, 1).mean((2, 3)))
+
+
+def test_list_argument_that_grows_after_the_call_trains() -> None:
+    torch.manual_seed(0)
+    plain = TinyDenseNet()
+    ckpt = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(ckpt, "DenseLayer") == [f"layers.{i}" for i in range(3)]
+    grads_plain, grads_ckpt = _train_two_steps(plain), _train_two_steps(ckpt)
+    for n in grads_plain:
+        torch.testing.assert_close(grads_ckpt[n], grads_plain[n], rtol=0, atol=0)
+    for (n, a), (_, b) in zip(plain.state_dict().items(), ckpt.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+
+
+class Stage(nn.Module):
+    """A VGG-like stage: its conv layers are its direct children."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(ch, ch, 3, padding=1)
+        self.conv2 = nn.Conv2d(ch, ch, 3, padding=1)  # same shape as conv1: a "repeated" leaf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv2(F.relu(self.conv1(x))))
+
+
+class TwoStageCNN(nn.Module):
+    """Residual blocks at full resolution, then a wide low-resolution stage of bare convs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage1 = nn.Sequential(ConvBlock(4), ConvBlock(4))
+        self.down = nn.Conv2d(4, 16, 2, stride=2)
+        self.stage2 = Stage(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage2(self.down(self.stage1(x))).mean((1, 2, 3))
+
+
+def test_auto_never_picks_leaf_layers() -> None:
+    # before: stage2.conv1/conv2, two bare Conv2d (the sibling group with the most parameters)
+    model = TwoStageCNN()
+    names = apply_activation_checkpointing(model)
+    assert names == ["stage1.0", "stage1.1"]
+    counter = ForwardCounter(model.stage1[0].conv)
+    model(torch.randn(2, 4, 8, 8)).sum().backward()
+    assert counter.calls == 2  # really recomputed
+    with pytest.raises(ValueError, match="matches no module"):
+        apply_activation_checkpointing(Stage(4))  # only leaf layers repeat: no auto blocks

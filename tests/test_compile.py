@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_efficient.core.report import report_for
+from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques.activation_checkpointing import (
     ActivationCheckpointing,
@@ -221,3 +222,31 @@ def test_unknown_backend_lists_backends() -> None:
 def test_mode_needs_inductor() -> None:
     with pytest.raises(ValueError, match="`mode`.*inductor"):
         TorchCompile(mode="max-autotune", backend="aot_eager")
+
+
+def test_zero_graphs_compiled_warns_and_reports_no_success(tmp_path) -> None:
+    # torch.nn's own layers as the blocks: Dynamo skips their frames, nothing is compiled
+    cb = TorchCompile(backend="aot_eager", blocks="Linear")
+    with pytest.warns(NoEffectWarning, match="0 graphs compiled"):
+        trainer, _, _ = fit(tmp_path, [cb], max_steps=2)
+    entry = report_for(trainer)["TorchCompile"]
+    assert entry.change.startswith("0 graphs compiled")
+    assert entry.figures["compiles"] == 0 and entry.figures["compiled_modules"] == 0
+
+
+def test_auto_never_compiles_leaf_layers(tmp_path) -> None:
+    # blocks whose only repeated siblings are bare layers: auto falls back to the whole model,
+    # which Dynamo does trace
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    model = MLP()  # before: fc1 and fc2 were the auto blocks, and 0 graphs were compiled
+    with CompileWatch() as watch:
+        assert compile_modules(model, backend="aot_eager") == [""]
+        model(torch.randn(2, 8)).sum().backward()
+    assert watch.compiles >= 1

@@ -1,7 +1,8 @@
 """Finding a model's repeated blocks (transformer layers, residual blocks) with no user input.
 
 Shared by activation checkpointing and regional compilation. A block group is a set of
-structurally identical sibling modules; "auto" picks the group holding the most parameters (not
+structurally identical sibling modules that have children of their own (leaf layers are never
+blocks); "auto" picks the group holding the most parameters (not
 the most members: a 3-layer transformer has 4 identical attention projections per layer).
 """
 
@@ -60,8 +61,11 @@ def find_repeated_blocks(model: nn.Module, min_count: int = 2) -> list[tuple[str
     for parent_name, parent in model.named_modules():
         groups: dict[Any, list[tuple[str, nn.Module]]] = defaultdict(list)
         for child_name, child in parent.named_children():
-            if _numel(child) == 0:
-                continue  # parameter-free siblings (activations, dropout) are not blocks
+            if _numel(child) == 0 or not any(True for _ in child.children()):
+                # parameter-free siblings (activations, dropout) and leaf layers (a bare Conv2d,
+                # BatchNorm2d, Linear) are not blocks: Dynamo skips torch.nn's own frames and
+                # one layer's recompute saves little
+                continue
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             groups[structure_key(child, memo)].append((full, child))
         depth = parent_name.count(".") + (1 if parent_name else 0)

@@ -301,6 +301,7 @@ class TorchCompile(Technique):
         self._step_compiles: list[bool] = []
         self._compiles_before = 0
         self._warned_recompiles = False
+        self._torch_nn_only = False
 
     # -- compile and fall back ---------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -317,6 +318,11 @@ class TorchCompile(Technique):
             backend=self.backend,
             blocks=self.blocks,
             on_error=self._fall_back,
+        )
+        # torch.nn's own layers: Dynamo skips their frames. (Zero compile events alone are not
+        # proof: a second fit of an identical model reuses Dynamo's process-wide cache.)
+        self._torch_nn_only = bool(self._names) and all(
+            type(pl_module.get_submodule(n)).__module__.startswith("torch.nn.") for n in self._names
         )
         if self.regional and self._names == [""]:
             self.note("no repeated blocks found; compiling the whole model instead.")
@@ -362,6 +368,30 @@ class TorchCompile(Technique):
                 (self._watch.events if self._watch else 0) > self._compiles_before
             )
             self._step += 1
+            if self._step == 1:
+                self._check_graphs()
+
+    def _no_graphs(self) -> bool:
+        """True when only torch.nn layers were compiled, the model ran, and Dynamo captured no
+        graph."""
+        return (
+            self._torch_nn_only
+            and not self._fell_back
+            and self._watch is not None
+            and self._step > 0
+            and bool(self._names)
+            and self._watch.compiles == 0
+        )
+
+    def _check_graphs(self) -> None:
+        if self._no_graphs():
+            self.no_effect(
+                f"0 graphs compiled for {len(self._names)} "
+                f"{'blocks' if self._names != [''] else 'model'} ({_span(self._names)}): "
+                "Dynamo skips these modules' frames (torch.nn's own layers are not traced on "
+                "their own); everything runs eagerly. Pass `blocks=` a block class that contains "
+                "such layers, or regional=False."
+            )
 
     def timings(self) -> dict[str, Any]:
         """Compile time, first-step time and steady-state (compile-free) step time so far."""
@@ -384,6 +414,8 @@ class TorchCompile(Technique):
     def _report(self, trainer: Any) -> None:
         if self._fell_back:
             change = f"compile failed, fell back to eager ({self._fell_back})"
+        elif self._no_graphs():
+            change = f"0 graphs compiled: {len(self._names)} modules run eagerly"
         elif self._names == [""]:
             change = f"compiled the whole model ({self._backend_name()})"
         else:
@@ -391,7 +423,7 @@ class TorchCompile(Technique):
         self.report(
             trainer,
             change,
-            compiled_modules=0 if self._fell_back else len(self._names),
+            compiled_modules=0 if self._fell_back or self._no_graphs() else len(self._names),
             **self.timings(),
         )
 
@@ -408,6 +440,7 @@ class TorchCompile(Technique):
             self._watch.remove()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._check_graphs()
         self._report(trainer)
         self._finish()
         super().on_fit_end(trainer, pl_module)
@@ -417,3 +450,8 @@ class TorchCompile(Technique):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._finish()
+
+
+def _span(names: list[str]) -> str:
+    shown = [n or "<model>" for n in names]
+    return shown[0] if len(shown) == 1 else f"{shown[0]} .. {shown[-1]}"

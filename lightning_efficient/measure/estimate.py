@@ -27,6 +27,7 @@ from lightning_efficient.core._internals import (
     fake_tensor_errors,
     module_tensor_slots,
 )
+from lightning_efficient.measure.optimizer_models import running_estimate_factory
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import (
     CATEGORIES,
@@ -48,6 +49,7 @@ __all__ = [
     "EstimatePlan",
     "EstimateError",
     "estimate_memory",
+    "fit_estimate_settings",
     "resolve_optimizer",
     "cuda_round",
 ]
@@ -225,3 +227,35 @@ def estimate_memory(
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
     return result
+
+
+# -- the estimate of a running fit -----------------------------------------------------------------
+def fit_estimate_settings(trainer: Any) -> dict[str, Any]:
+    """``estimate_memory`` keyword arguments for the steps a running fit takes: its precision,
+    gradient accumulation, CUDA rounding on a CUDA device, and its optimizer.
+
+    The optimizer is described by whoever made it: a technique that replaced the module's
+    optimizer (it declares ``swaps_optimizer``) is passed in ``callbacks`` so that its
+    ``configure_estimate`` models it as the fit runs it (estimate-only state models for
+    bitsandbytes and Adafactor, optimizer-in-backward); otherwise the running optimizer's class
+    with its options (:func:`~lightning_efficient.measure.optimizer_models.running_estimate_factory`).
+    """
+    kwargs: dict[str, Any] = {
+        "precision": str(getattr(trainer, "precision", "32-true")),
+        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+    }
+    swaps = [
+        cb
+        for cb in getattr(trainer, "callbacks", None) or []
+        if getattr(cb, "swaps_optimizer", False)
+        and callable(getattr(cb, "configure_estimate", None))
+    ]
+    optimizers = getattr(trainer, "optimizers", None) or []
+    if swaps:
+        kwargs["callbacks"] = swaps
+    elif optimizers:
+        kwargs["optimizer"] = running_estimate_factory(optimizers[0])
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    if getattr(device, "type", None) == "cuda":
+        kwargs["cuda_rounding"] = True
+    return kwargs

@@ -25,7 +25,6 @@ Modes:
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -545,19 +544,8 @@ def _span(names: Sequence[str]) -> str:
 
 
 def _estimate_kwargs(trainer: Any) -> dict[str, Any]:
-    """The estimate settings of the running fit: precision, optimizer, accumulation."""
-    kwargs: dict[str, Any] = {
-        "precision": str(getattr(trainer, "precision", "32-true")),
-        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
-    }
-    optimizers = getattr(trainer, "optimizers", None) or []
-    if optimizers:
-        opt = optimizers[0]
-        cls = type(opt)
-        accepted = inspect.signature(cls).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
-        kwargs["optimizer"] = lambda groups: cls(groups, **defaults)
-    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
-    if getattr(device, "type", None) == "cuda":
-        kwargs["cuda_rounding"] = True
-    return kwargs
+    """The estimate settings of the running fit: precision, optimizer, accumulation (the
+    optimizer as the technique that swapped it models it)."""
+    from lightning_efficient.measure.estimate import fit_estimate_settings
+
+    return fit_estimate_settings(trainer)

@@ -206,3 +206,18 @@ def test_torch_extension_dir(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     default = I.torch_extension_dir("cpu_adam")
     assert default.startswith(get_default_build_root()) and default.endswith("cpu_adam")
+
+
+def test_adafactor_init_group_and_composite_schedulers() -> None:
+    w, b = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(3))
+    w.grad, b.grad = torch.ones(4, 3), torch.ones(3)
+    opt = torch.optim.Adafactor([w, b])
+    params, grads, rows, cols, variances, steps = I.adafactor_init_group(opt, opt.param_groups[0])
+    assert params == [w, b] and len(grads) == len(steps) == 2
+    assert rows[0].shape == (4, 1) and cols[0].shape == (1, 3) and variances[1].shape == (3,)
+    sgd = torch.optim.SGD([w], lr=0.1)
+    parts = [torch.optim.lr_scheduler.ConstantLR(sgd), torch.optim.lr_scheduler.StepLR(sgd, 1)]
+    seq = torch.optim.lr_scheduler.SequentialLR(sgd, parts, milestones=[2])
+    chained = torch.optim.lr_scheduler.ChainedScheduler(parts)
+    assert I.inner_schedulers(seq) == parts and I.inner_schedulers(chained) == parts
+    assert I.inner_schedulers(parts[0]) == []

@@ -25,6 +25,7 @@ from lightning_efficient.techniques.optimizers import (
     NAMES,
     InBackwardOptimizer,
     OptimizerSwap,
+    rebind_schedulers,
 )
 
 
@@ -538,6 +539,130 @@ def test_bad_overrides_are_named() -> None:
         "min_8bit_size": 16,
         "lr": 1e-3,
     }
+
+
+@pytest.mark.parametrize(
+    "name,overrides,key",
+    [
+        ("adamw8bit", {"lr": -0.01}, "lr"),
+        ("adamw8bit", {"lr": float("nan")}, "lr"),
+        ("torch.optim.AdamW", {"lr": float("inf")}, "lr"),
+        ("adamw8bit", {"betas": (2.0, 0.9)}, "betas"),
+        ("lion8bit", {"betas": (0.9, 1.0)}, "betas"),
+        ("adamw8bit", {"weight_decay": -5}, "weight_decay"),
+        ("adafactor", {"weight_decay": float("nan")}, "weight_decay"),
+        ("adamw8bit", {"eps": 0.0}, "eps"),
+        ("torch.optim.Adam", {"eps": -1e-8}, "eps"),
+        ("adafactor", {"eps": (None, -1e-3)}, "eps"),
+        ("adafactor", {"eps": 1e-3}, "eps"),
+        ("torch.optim.SGD", {"momentum": -0.9}, "momentum"),
+        ("adamw8bit", {"lr": "fast"}, "lr"),
+    ],
+)
+def test_overrides_refused_as_the_optimizer_would(name, overrides, key) -> None:
+    """The overrides replace group values, which no optimizer constructor checks: before this
+    check, ``lr=-0.01`` trained to perplexity 153,389 and ``lr=nan`` to NaN with exit 0."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        OptimizerSwap(name, overrides=overrides)
+    assert f"`overrides['{key}']`" in str(info.value)
+    with pytest.raises((ValueError, TypeError), match=f"overrides\\['{key}'\\]"):
+        OptimizerSwap(name, **overrides)  # the same as keyword arguments
+
+
+def test_overrides_checked_by_the_optimizer_constructor_too() -> None:
+    # a value only the optimizer's own constructor knows to refuse (Adafactor: beta2_decay <= 0)
+    with pytest.raises(ValueError, match="`overrides`.*beta2_decay.*adafactor"):
+        OptimizerSwap("adafactor", beta2_decay=0.5)
+    with pytest.raises(ValueError, match="`overrides`.*amsgrad"):
+        OptimizerSwap("adamw8bit", amsgrad=True)  # AdamW8bit refuses amsgrad=True
+    ok = OptimizerSwap("adamw8bit", lr=0.0, betas=[0.0, 0.99], eps=1e-6, weight_decay=0.0)
+    assert ok.overrides["betas"] == [0.0, 0.99]
+    assert OptimizerSwap("adafactor", eps=(None, 1e-3), lr=1e-2).overrides["lr"] == 1e-2
+
+
+# -- next to the activation-checkpointing budget search ------------------------------------------
+@pytest.fixture(scope="module")
+def plain_budget_choice():
+    from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
+    checkpointing = ActivationCheckpointing(budget="1MiB")
+    _, _, rec = fit(None, [checkpointing], max_steps=2)
+    assert len(rec.losses) == 2
+    return checkpointing.choice
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"name": "adamw8bit"},
+        {"name": "adafactor"},
+        {"name": "adamw8bit", "optimizer_in_backward": True},
+        {"name": "torch.optim.AdamW", "optimizer_in_backward": True},
+    ],
+    ids=["adamw8bit", "adafactor", "adamw8bit-in-backward", "adamw-in-backward"],
+)
+def test_budget_search_estimates_the_swapped_optimizer(kwargs, plain_budget_choice) -> None:
+    """Issue 21: ``ActivationCheckpointing(budget=...)`` next to ``OptimizerSwap`` crashed at the
+    first batch (bitsandbytes and Adafactor read values on fake tensors; ``InBackwardOptimizer``
+    has no plain constructor). The search now asks the swap how the fit runs its optimizer, so it
+    fits, and it sees the swap's savings: a lower plain peak than with the module's AdamW."""
+    from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
+    checkpointing = ActivationCheckpointing(budget="1MiB")
+    trainer, _, rec = fit(None, [OptimizerSwap(**kwargs), checkpointing], max_steps=2)
+    assert len(rec.losses) == 2 and all(loss == loss for loss in rec.losses)
+    choice, plain = checkpointing.choice, plain_budget_choice
+    assert choice is not None and choice.peak_bytes <= choice.budget_bytes
+    assert choice.plain_peak_bytes < plain.plain_peak_bytes
+    assert choice.num_blocks <= plain.num_blocks
+    if not kwargs.get("optimizer_in_backward"):  # 8-bit / factored states: one block is enough
+        assert choice.num_blocks < plain.num_blocks
+
+
+def test_estimate_of_a_running_or_named_memory_lean_optimizer() -> None:
+    """The one resolver: a bitsandbytes optimizer the module itself configured (no swap), or an
+    optimizer name given to the estimate, runs as its state model on fake tensors."""
+    import bitsandbytes as bnb
+
+    from lightning_efficient.demos import TinyGPT
+    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.optimizer_models import running_estimate_factory
+
+    model = TinyGPT()
+    running = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
+    adamw = estimate_memory(model, _demo_batch())
+    by_instance = estimate_memory(model, _demo_batch(), optimizer=running_estimate_factory(running))
+    by_name = estimate_memory(model, _demo_batch(), optimizer="adamw8bit")
+    by_swap = estimate_memory(model, _demo_batch(), callbacks=[OptimizerSwap("adamw8bit")])
+    state = by_instance.by_category["optimizer_state"]
+    assert state == by_name.by_category["optimizer_state"]
+    assert state <= 0.31 * adamw.by_category["optimizer_state"]
+    # the swap keeps embeddings in 32 bits; the module's own optimizer here does not
+    assert by_swap.by_category["optimizer_state"] > state
+    with pytest.raises(TypeError, match="`optimizer`: 'os.system' is not a torch.optim.Optimizer"):
+        estimate_memory(model, _demo_batch(), optimizer="os.system")
+
+
+def test_rebind_schedulers_is_repoint_scheduler_for_each_match() -> None:
+    model, old, sched = _module_optimizer()
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    new = swap_optimizer(old, "adafactor", lr=1e-2)
+    assert rebind_schedulers([sched, other], old, new) == 1
+    assert sched.optimizer is new and other.optimizer is not new
+    assert sched.base_lrs == [1e-2, 1e-2]  # re-read from the override, as repoint_scheduler does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        _step(model, new)
+        sched.step()
+    seq_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts = [
+        torch.optim.lr_scheduler.ConstantLR(seq_opt),
+        torch.optim.lr_scheduler.StepLR(seq_opt, 1),
+    ]
+    seq = torch.optim.lr_scheduler.SequentialLR(seq_opt, parts, milestones=[2])
+    target = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert rebind_schedulers([seq], seq_opt, target) == 1
+    assert all(s.optimizer is target for s in [seq, *parts])
 
 
 def test_missing_bitsandbytes_names_the_extra(monkeypatch) -> None:

@@ -322,3 +322,28 @@ def torch_extension_dir(name: str) -> str:
     if get is None:  # pragma: no cover - depends on torch
         raise _moved("torch", "torch.utils.cpp_extension._get_build_directory")
     return get(name, verbose=False)
+
+
+# --- torch: optimizers (Adafactor's state, composite LR schedulers) -----------------------------
+def adafactor_init_group(
+    optimizer: torch.optim.Adafactor, group: dict[str, Any]
+) -> tuple[list, ...]:
+    """``Adafactor._init_group``: creates the states of ``group``'s parameters that have a
+    gradient and returns ``(params, grads, row_vars, col_vars, variances, state_steps)``."""
+    init = getattr(optimizer, "_init_group", None)
+    if init is None:
+        raise _moved("torch", "torch.optim.Adafactor._init_group")
+    lists: tuple[list, ...] = ([], [], [], [], [], [])
+    init(group, *lists)
+    return lists
+
+
+def inner_schedulers(scheduler: Any) -> list[Any]:
+    """The schedulers a ``SequentialLR`` or ``ChainedScheduler`` drives (``[]`` for others)."""
+    from torch.optim.lr_scheduler import ChainedScheduler, SequentialLR
+
+    if not isinstance(scheduler, (SequentialLR, ChainedScheduler)):
+        return list(getattr(scheduler, "_schedulers", ()))  # a user's composite of the same shape
+    if not hasattr(scheduler, "_schedulers"):
+        raise _moved("torch", f"torch.optim.lr_scheduler.{type(scheduler).__name__}._schedulers")
+    return list(scheduler._schedulers)

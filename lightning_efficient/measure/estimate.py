@@ -235,3 +235,6 @@ def estimate_memory(
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
     return result
+
+
+# -- the estimate of a running fit -----------------------------------------------------------------

@@ -17,6 +17,10 @@ import torch
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, format_bytes
+from lightning_efficient.measure.optimizer_models import (
+    optimizer_state_bytes,
+    optimizer_state_tensors,
+)
 from lightning_efficient.measure.track import StorageTracker, _tensors, _unique_params
 from lightning_efficient.measure.types import CATEGORIES, MemoryEstimate
 
@@ -109,7 +113,7 @@ class MemoryBreakdown(Technique):
         tracker.label(list(pl_module.buffers()), "parameters")
         tracker.label([p.grad for p in params if p.grad is not None], "gradients")
         for opt in trainer.optimizers:
-            tracker.label(_state(opt), "optimizer_state")
+            tracker.label(optimizer_state_tensors(opt), "optimizer_state")
         tracker.label(batch, "activations")
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
@@ -135,7 +139,7 @@ class MemoryBreakdown(Technique):
         step = self._step
         if self._tracker is not None:
             for opt in trainer.optimizers:
-                self._tracker.label(_state(opt), "optimizer_state")
+                self._tracker.label(optimizer_state_tensors(opt), "optimizer_state")
             result = self._stop_tracker()
         else:
             result = self._cuda_result(trainer, pl_module)
@@ -166,7 +170,7 @@ class MemoryBreakdown(Technique):
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         params = _bytes_of(list(_unique_params(pl_module)) + list(pl_module.buffers()))
-        states = sum(_bytes_of(_state(opt)) for opt in trainer.optimizers)
+        states = sum(optimizer_state_bytes(opt) for opt in trainer.optimizers)
         grads = info["grads"]
         forward_end = info["forward_end"] if info["forward_end"] is not None else params + states
         activations = max(0, forward_end - params - states)
@@ -207,8 +211,3 @@ class MemoryBreakdown(Technique):
             step = max(self.measurements)
             Console().print(self.measurements[step].table(title=f"MemoryBreakdown: step {step}"))
         super().on_fit_end(trainer, pl_module)
-
-
-def _state(optimizer: Any) -> list[torch.Tensor]:
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapped optimizers
-    return [t for st in optimizer.state.values() for t in _tensors(st)]

@@ -28,6 +28,7 @@ from lightning_efficient.core._internals import (
     tree_flatten,
     tree_map,
 )
+from lightning_efficient.measure.optimizer_models import optimizer_state_tensors
 from lightning_efficient.measure.step import (
     autocast_for,
     is_lightning_module,
@@ -231,7 +232,7 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
                     per_param[id(p)] = plan.optimizer([{"params": [p]}])
             else:
                 optimizer = plan.optimizer([{"params": trainable}])
-                tracker.label(_state_tensors(optimizer), "optimizer_state")
+                tracker.label(optimizer_state_tensors(optimizer), "optimizer_state")
 
             def on_grad(p: torch.Tensor) -> None:
                 tracker.label(p.grad, "gradients")
@@ -240,7 +241,7 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
                     prev = tracker.phase
                     tracker.phase = "optimizer"
                     opt.step()
-                    tracker.label(_state_tensors(opt), "optimizer_state")
+                    tracker.label(optimizer_state_tensors(opt), "optimizer_state")
                     p.grad = None
                     tracker.phase = prev
 
@@ -272,7 +273,7 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
                 tracker.phase = "optimizer"
                 if optimizer is not None:
                     optimizer.step()
-                    tracker.label(_state_tensors(optimizer), "optimizer_state")
+                    tracker.label(optimizer_state_tensors(optimizer), "optimizer_state")
                     if not lightning:
                         optimizer.zero_grad(set_to_none=True)
     finally:
@@ -290,10 +291,6 @@ def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
     if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
         return True
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [t for state in optimizer.state.values() for t in _tensors(state)]
 
 
 def measure_step(

@@ -2,8 +2,8 @@
 
 ``MemoryEstimate`` (peak, bytes by category, phase of the peak), ``EstimatePlan`` (what the
 techniques change before the steps run), the categories, precisions and phases, and the few
-helpers that the estimate and the tracker share. Lowest module of ``measure``: it imports nothing
-of the package above ``core``.
+helpers that the estimate and the tracker share. It imports nothing of the package above ``core``
+but the optimizer names and models of :mod:`lightning_efficient.measure.optimizer_models`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient.core.validate import (
-    check_bool,
-    check_choice,
-    check_int,
-    format_bytes,
-    import_object,
-)
+from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
+from lightning_efficient.measure.optimizer_models import estimate_factory, optimizer_class
 
 __all__ = [
     "CATEGORIES",
@@ -42,11 +37,12 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 #: Phases of a training step.
 PHASES = ("forward", "backward", "optimizer")
 
-_OPTIMIZERS = {
+#: The estimate's settings for its own short names (any other name resolves with its defaults).
+_OPTIMIZERS: dict[str, dict[str, Any]] = {
     # foreach: what torch picks on CUDA (and its list-wide temporaries are part of the peak)
-    "adamw": ("torch.optim.AdamW", {"lr": 1e-3, "foreach": True}),
-    "adam": ("torch.optim.Adam", {"lr": 1e-3, "foreach": True}),
-    "sgd": ("torch.optim.SGD", {"lr": 1e-3, "momentum": 0.9, "foreach": True}),
+    "adamw": {"lr": 1e-3, "foreach": True},
+    "adam": {"lr": 1e-3, "foreach": True},
+    "sgd": {"lr": 1e-3, "momentum": 0.9, "foreach": True},
 }
 
 
@@ -181,38 +177,33 @@ def cuda_round(nbytes: int) -> int:
 
 
 def resolve_optimizer(optimizer: Any) -> Callable[[list[dict]], torch.optim.Optimizer]:
-    """``"adamw" | "adam" | "sgd"``, a class path, an ``Optimizer`` class or a factory
-    ``factory(param_groups) -> Optimizer``, as a factory."""
+    """``optimizer`` as a factory ``factory(param_groups) -> Optimizer``: a short name (``"adamw"``,
+    ``"adam"``, ``"sgd"`` with the estimate's settings below, or any other name of
+    :data:`~lightning_efficient.measure.optimizer_models.OPTIMIZER_NAMES`), a class path, an
+    ``Optimizer`` class, or a factory (returned as is).
+
+    ``"adamw"``/``"adam"`` step with ``foreach=True`` (torch's choice on CUDA, whose list-wide
+    temporaries are part of the peak), ``"sgd"`` with momentum 0.9. Classes that read tensor
+    values in their step (bitsandbytes, Adafactor) are modelled on fake tensors by their
+    estimate-only state models."""
     if isinstance(optimizer, str):
         key = optimizer.lower()
         if key in _OPTIMIZERS:
-            path, kwargs = _OPTIMIZERS[key]
-            cls = import_object("optimizer", path)
+            cls = optimizer_class(key, argument="optimizer")
+            kwargs = _OPTIMIZERS[key]
             return lambda groups: cls(groups, **kwargs)
-        if "." not in optimizer:
-            raise ValueError(
-                f"`optimizer` must be one of {', '.join(map(repr, _OPTIMIZERS))}, a class path such as "
-                f"'torch.optim.AdamW', an Optimizer class or a factory(param_groups); got {optimizer!r}."
-            )
-        optimizer = import_object("optimizer", optimizer)
-        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-            # a path names a class; any other importable callable (os.system...) is refused
-            raise TypeError(
-                f"`optimizer` path must name a torch.optim.Optimizer subclass; "
-                f"{type(optimizer).__name__} {optimizer!r} is not one."
-            )
+        optimizer = optimizer_class(optimizer, argument="optimizer")
     if isinstance(optimizer, type):
         if not issubclass(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"`optimizer` class must subclass torch.optim.Optimizer; got {optimizer!r}."
             )
-        cls = optimizer
-        return lambda groups: cls(groups)
+        return estimate_factory(optimizer)
     if callable(optimizer):
         return optimizer
     raise TypeError(
-        "`optimizer` must be a name ('adamw', 'adam', 'sgd'), a class path, an Optimizer class or a "
-        f"factory(param_groups); got {optimizer!r} ({type(optimizer).__name__})."
+        "`optimizer` must be a name ('adamw', 'adam', 'sgd', ...), a class path, an Optimizer "
+        f"class or a factory(param_groups); got {optimizer!r} ({type(optimizer).__name__})."
     )
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_efficient.core._internals import track_step_calls
 from lightning_efficient.core.validate import check_choice, missing_extra
+from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers  # noqa: F401
 
 __all__ = [
     "to_deepspeed_optimizer",
@@ -142,18 +142,3 @@ def _group_copy(group: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]
     if "betas" in out:
         out["betas"] = tuple(_float(b) for b in out["betas"])
     return out
-
-
-def rebind_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimizer) -> int:
-    """Point every LR scheduler of ``old`` at ``new`` (same group order); returns how many."""
-    count = 0
-    for scheduler in schedulers:
-        if getattr(scheduler, "optimizer", None) is old:
-            if len(new.param_groups) != len(old.param_groups):
-                raise ValueError(
-                    "rebind_schedulers: the optimizers have different numbers of param groups."
-                )
-            scheduler.optimizer = new
-            track_step_calls(new)
-            count += 1
-    return count

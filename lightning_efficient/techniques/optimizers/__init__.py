@@ -1,0 +1,60 @@
+"""Memory-lean optimizers for an unmodified LightningModule: 8-bit, paged, Adafactor, fused, and
+optimizer-in-backward.
+
+Pure functions (no Lightning needed), exported from :mod:`lightning_efficient.functional`:
+
+- :func:`optimizer_class` / :func:`build_optimizer`: an optimizer by short name or class path
+  (:mod:`.build`, which also says how param groups carry over).
+- :func:`swap_optimizer`: a new optimizer of another kind over the same param groups.
+- :func:`repoint_scheduler` / :func:`rebind_schedulers`: LR schedulers now drive the new
+  optimizer (:mod:`.schedulers`).
+- :func:`attach_optimizer_in_backward`: step each parameter from its post-accumulate-grad hook
+  and free its gradient at once (:mod:`.in_backward`).
+- :mod:`.checkpoint`: what a checkpoint holds and what a resumed run restores.
+
+:class:`OptimizerSwap` (:mod:`.swap`) is the thin callback that decides *when*. The estimate-only
+state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
+:func:`optimizer_state_bytes` live in :mod:`lightning_efficient.measure.optimizer_models`.
+"""
+
+from lightning_efficient.measure.optimizer_models import (
+    AdafactorStateModel,
+    EightBitStateModel,
+    optimizer_state_bytes,
+)
+from lightning_efficient.techniques.optimizers.build import (
+    EIGHT_BIT_NAMES,
+    NAMES,
+    accepted_options,
+    build_optimizer,
+    embedding_parameters,
+    optimizer_class,
+    swap_optimizer,
+)
+from lightning_efficient.techniques.optimizers.in_backward import (
+    InBackwardOptimizer,
+    attach_optimizer_in_backward,
+)
+from lightning_efficient.techniques.optimizers.schedulers import (
+    rebind_schedulers,
+    repoint_scheduler,
+)
+from lightning_efficient.techniques.optimizers.swap import OptimizerSwap
+
+__all__ = [
+    "NAMES",
+    "EIGHT_BIT_NAMES",
+    "optimizer_class",
+    "accepted_options",
+    "build_optimizer",
+    "swap_optimizer",
+    "repoint_scheduler",
+    "rebind_schedulers",
+    "embedding_parameters",
+    "attach_optimizer_in_backward",
+    "InBackwardOptimizer",
+    "optimizer_state_bytes",
+    "EightBitStateModel",
+    "AdafactorStateModel",
+    "OptimizerSwap",
+]

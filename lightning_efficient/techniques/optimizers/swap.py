@@ -1,0 +1,233 @@
+"""``OptimizerSwap``: the thin callback that decides *when* to swap the module's optimizers (in
+``on_fit_start``, after Lightning created them and before it restores their state on resume)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_efficient.core.technique import Technique
+from lightning_efficient.core.validate import check_bool, check_choice
+from lightning_efficient.measure.optimizer_models import optimizer_class, optimizer_state_bytes
+from lightning_efficient.techniques.optimizers.build import (
+    EIGHT_BIT_NAMES,
+    check_overrides,
+    embedding_parameters,
+    estimate_optimizer,
+    replace_optimizer,
+)
+from lightning_efficient.techniques.optimizers.checkpoint import (
+    portable_state,
+    reconcile_optimizer_states,
+    swapped_classes,
+)
+from lightning_efficient.techniques.optimizers.in_backward import InBackwardOptimizer
+from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers
+
+__all__ = ["OptimizerSwap"]
+
+
+class OptimizerSwap(Technique):
+    """Replace the optimizers that the module's ``configure_optimizers`` created by a memory-lean
+    one, keeping param groups (per-group lr, weight decay, options), LR schedulers (with their
+    interval, frequency and monitor) and multiple optimizers.
+
+    Args:
+        name: ``"adamw8bit"``, ``"adam8bit"``, ``"paged_adamw8bit"``, ``"paged_adamw32bit"``,
+            ``"lion8bit"`` (bitsandbytes), ``"adafactor"`` (``torch.optim.Adafactor``),
+            ``"adamw_fused"`` (fused AdamW on CUDA, foreach AdamW on CPU), or the class path of
+            any ``torch.optim.Optimizer``.
+        overrides: Constructor arguments of the new optimizer that replace the carried values in
+            every group (e.g. ``{"lr": 1e-2}``, ``{"min_8bit_size": 16384}``). From yaml, give them
+            here; from Python they may also be passed as keyword arguments. Values the optimizer
+            would refuse are refused here, naming the key (``lr`` and ``weight_decay`` finite and
+            ``>= 0``, ``betas`` in ``[0, 1)``, ``eps`` finite and ``> 0``, ...).
+        optimizer_in_backward: Step each parameter from its post-accumulate-grad hook and free its
+            gradient at once (no full set of gradients in memory). Refused with gradient
+            accumulation, gradient clipping, 16-mixed precision and multi-process training.
+        embeddings_32bit: For 8-bit names, keep 32-bit states for ``nn.Embedding`` weights
+            (bitsandbytes' GlobalOptimManager override). Tensors under ``min_8bit_size``
+            (default 4096 elements) keep 32-bit states anyway.
+        on_mismatch: What to do when resuming from a checkpoint whose optimizer state was written
+            by another optimizer: ``"error"`` (default: stop with the choices) or ``"reset"``
+            (start the new optimizer's state afresh; the learning rates are kept).
+        **kwargs: More ``overrides``.
+
+    Checkpoints: the swapped optimizer's state is stored in this callback's checkpoint entry and
+    restored exactly on resume with the same swap. The checkpoint's ``optimizer_states`` holds a
+    state the module's own optimizer can load (same learning rates, fresh moments), so the
+    checkpoint also resumes without this callback.
+    """
+
+    swaps_optimizer = True
+
+    @property
+    def steps_in_backward(self) -> bool:  # read by the compatibility rules
+        return self.optimizer_in_backward
+
+    def __init__(
+        self,
+        name: str,
+        overrides: dict[str, Any] | None = None,
+        optimizer_in_backward: bool = False,
+        embeddings_32bit: bool = True,
+        on_mismatch: str = "error",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if overrides is not None and not isinstance(overrides, dict):
+            raise TypeError(
+                "`overrides` must be a dict of optimizer arguments or None; got "
+                f"{overrides!r} ({type(overrides).__name__})."
+            )
+        both = sorted(set(overrides or {}) & set(kwargs))
+        if both:
+            raise ValueError(
+                f"`overrides`: {both} given both in `overrides` and as keyword arguments."
+            )
+        merged = {**(overrides or {}), **kwargs}
+        check_overrides(name, optimizer_class(name), merged)
+        self.optimizer_name = name
+        self.overrides = merged
+        self.optimizer_in_backward = check_bool("optimizer_in_backward", optimizer_in_backward)
+        self.embeddings_32bit = check_bool("embeddings_32bit", embeddings_32bit)
+        self.on_mismatch = check_choice("on_mismatch", on_mismatch, ("error", "reset"))
+        self._originals: list[Optimizer] = []
+        self._swapped: list[Optimizer] = []
+        self._loaded_checkpoint: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None
+
+    # -- the pure part, bound to this configuration --------------------------------------
+    def _keep_32bit(self, model: nn.Module) -> list[nn.Parameter]:
+        if self.embeddings_32bit and self.optimizer_name in EIGHT_BIT_NAMES:
+            return embedding_parameters(model)
+        return []
+
+    def configure_estimate(self, plan: Any) -> None:
+        """Swap the estimate's optimizer and switch optimizer-in-backward like the fit would: on
+        fake tensors, bitsandbytes and Adafactor run as their estimate-only state models."""
+        name = self.optimizer_name
+        plan.optimizer = estimate_optimizer(name, self._keep_32bit(plan.model), self.overrides)
+        plan.optimizer_in_backward = self.optimizer_in_backward
+        plan.note(
+            f"{self.name}: optimizer {name!r}"
+            + (", stepped in backward" if self.optimizer_in_backward else "")
+        )
+
+    # -- when -----------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        old = list(trainer.optimizers)
+        if not old:
+            self.no_effect("the module configured no optimizer; nothing to swap.")
+            return
+        keep = self._keep_32bit(pl_module)
+        new, dropped = [], set()
+        for opt in old:
+            swapped, gone = replace_optimizer(
+                opt,
+                self.optimizer_name,
+                pl_module,
+                keep_32bit=keep,
+                overrides=self.overrides,
+                in_backward=self.optimizer_in_backward,
+            )
+            new.append(swapped)
+            dropped |= gone
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for opt, swapped in zip(old, new):
+            rebind_schedulers(schedulers, opt, swapped)
+        trainer.optimizers = new
+        self._originals, self._swapped = old, new
+        self._prepare_restore()
+        if self.optimizer_name == "adamw_fused" and not all(
+            p.is_cuda for o in new for g in o.param_groups for p in g["params"]
+        ):
+            self.note(
+                "'adamw_fused': parameters are not on CUDA, so AdamW runs with foreach=True "
+                "(same maths) instead of fused."
+            )
+        if dropped:
+            self.note(
+                f"options of the old optimizer that {self.optimizer_name!r} does not take were "
+                f"dropped: {', '.join(sorted(dropped))}."
+            )
+        self.report(trainer, self._change(), optimizers=len(new))
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # a restored param group replaces ours as a whole; keep the device-dependent flags
+        if self.optimizer_name == "adamw_fused":
+            for opt in self._swapped:
+                for group in opt.param_groups:
+                    on_cuda = all(p.is_cuda for p in group["params"])
+                    group["fused"], group["foreach"] = (True, None) if on_cuda else (None, True)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._swapped:
+            self.report(
+                trainer,
+                self._change(),
+                optimizers=len(self._swapped),
+                optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self._swapped),
+            )
+        super().on_fit_end(trainer, pl_module)
+
+    def restore(self, trainer: Any, pl_module: Any) -> None:
+        """Remove the optimizer-in-backward hooks (the swapped optimizers stay, as Lightning's)."""
+        for opt in self._swapped:
+            if isinstance(opt, InBackwardOptimizer):
+                opt.detach()
+        self._loaded_checkpoint = None
+
+    def _change(self) -> str:
+        olds = ", ".join(sorted({type(o).__name__ for o in self._originals}))
+        return f"{olds} -> {self.optimizer_name}" + (
+            " (stepped in backward)" if self.optimizer_in_backward else ""
+        )
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if not self._swapped:
+            return {}
+        return {
+            "name": self.optimizer_name,
+            "classes": swapped_classes(self._swapped),
+            "optimizer_in_backward": self.optimizer_in_backward,
+            "optimizer_states": [o.state_dict() for o in self._swapped],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict) if state_dict else None
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # the same dict Lightning restores the optimizers from after on_fit_start
+        self._loaded_checkpoint = checkpoint
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states")
+        if not states or not self._swapped:
+            return
+        for i, (orig, new) in enumerate(zip(self._originals, self._swapped)):
+            portable = portable_state(orig, new)
+            if portable is not None:
+                states[i] = portable
+
+    def _prepare_restore(self) -> None:
+        ckpt, entry = self._loaded_checkpoint, self._restored
+        self._loaded_checkpoint = self._restored = None
+        if ckpt is None or not ckpt.get("optimizer_states"):
+            return
+        states, warning = reconcile_optimizer_states(
+            ckpt["optimizer_states"],
+            entry,
+            self._originals,
+            self._swapped,
+            name=self.optimizer_name,
+            in_backward=self.optimizer_in_backward,
+            on_mismatch=self.on_mismatch,
+        )
+        if states is not None:
+            ckpt["optimizer_states"] = states
+        if warning is not None:
+            self.warn(warning)

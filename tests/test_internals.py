@@ -221,3 +221,8 @@ def test_adafactor_init_group_and_composite_schedulers() -> None:
     chained = torch.optim.lr_scheduler.ChainedScheduler(parts)
     assert I.inner_schedulers(seq) == parts and I.inner_schedulers(chained) == parts
     assert I.inner_schedulers(parts[0]) == []
+
+
+def test_lightning_precision_values() -> None:
+    values = I.lightning_precision_values()
+    assert {"bf16-mixed", "32-true", "16-mixed"} <= set(values) and 32 in values

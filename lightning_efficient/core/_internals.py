@@ -347,3 +347,18 @@ def inner_schedulers(scheduler: Any) -> list[Any]:
     if not hasattr(scheduler, "_schedulers"):
         raise _moved("torch", f"torch.optim.lr_scheduler.{type(scheduler).__name__}._schedulers")
     return list(scheduler._schedulers)
+
+
+# --- Lightning: accepted precision values ------------------------------------------------------
+def lightning_precision_values() -> tuple[Any, ...]:
+    """Every precision value Lightning's Trainer accepts (strings and ints)."""
+    from typing import get_args
+
+    try:
+        from lightning.fabric.connector import _PRECISION_INPUT
+    except ImportError as err:  # pragma: no cover - depends on Lightning
+        raise _moved("lightning", "lightning.fabric.connector._PRECISION_INPUT") from err
+    values: list[Any] = []
+    for literal in get_args(_PRECISION_INPUT):
+        values.extend(get_args(literal))
+    return tuple(values)

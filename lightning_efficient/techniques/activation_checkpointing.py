@@ -43,6 +43,7 @@ from lightning_efficient.core.validate import (
 )
 from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.techniques._blocks import check_policy, select_modules
+from lightning_efficient.techniques._recompute import OnceStats, shallow_copy
 
 __all__ = [
     "ActivationCheckpointing",
@@ -157,61 +158,16 @@ class _CheckpointedForward:
         # containers are copied so the recompute sees what this forward saw (a DenseNet layer's
         # feature list grows after the call); BatchNorm statistics update once, not again in the
         # recompute
-        args = tuple(_shallow_copy(a) for a in args)
-        kwargs = {k: _shallow_copy(v) for k, v in kwargs.items()}
+        args = tuple(shallow_copy(a) for a in args)
+        kwargs = {k: shallow_copy(v) for k, v in kwargs.items()}
         return checkpoint(
-            _OnceStats(self._forward, self.module),
+            OnceStats(self._forward, self.module),
             *args,
             use_reentrant=False,
             preserve_rng_state=True,
             **extra,
             **kwargs,
         )
-
-
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def _shallow_copy(value: Any) -> Any:
-    # plain containers only: a subclass (a model output class) may not rebuild from its items
-    if type(value) is list:
-        return list(value)
-    if type(value) is dict:
-        return dict(value)
-    return value
-
-
-class _OnceStats:
-    """The function checkpoint runs: the first call is the forward; every later call is a
-    recompute in backward, in which BatchNorm layers normalise with the same batch statistics
-    but leave their running statistics (and ``num_batches_tracked``) as the forward left them."""
-
-    def __init__(self, forward: Callable[..., Any], module: nn.Module) -> None:
-        self.forward, self.module, self.calls = forward, module, 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls == 1:
-            return self.forward(*args, **kwargs)
-        norms = [
-            m
-            for m in self.module.modules()
-            if isinstance(m, _BATCH_NORMS) and m.training and m.track_running_stats
-        ]
-        if not norms:
-            return self.forward(*args, **kwargs)
-        saved = [(m, m.momentum, m.num_batches_tracked) for m in norms]
-        for m, _, tracked in saved:
-            m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch: unchanged, exactly
-            if tracked is not None:
-                m.num_batches_tracked = tracked.clone()  # the increment lands on a copy
-        try:
-            return self.forward(*args, **kwargs)
-        finally:
-            for m, momentum, tracked in saved:
-                m.momentum = momentum
-                if tracked is not None:
-                    m.num_batches_tracked = tracked
 
 
 def _wrap(block: nn.Module, mode: str) -> None:

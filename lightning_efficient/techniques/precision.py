@@ -21,12 +21,12 @@ have different devices, lifecycles and failure modes, and combine freely.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_efficient.core._internals import cpu_supports_bf16
+from lightning_efficient.core._internals import cpu_supports_bf16, lightning_precision_values
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_choice, missing_extra
 
@@ -78,12 +78,7 @@ def best_precision(device: torch.device | str | int | None = None) -> str:
 
 def valid_precisions() -> tuple[Any, ...]:
     """Every precision value Lightning's Trainer accepts (strings and ints)."""
-    from lightning.fabric.connector import _PRECISION_INPUT
-
-    values: list[Any] = []
-    for literal in get_args(_PRECISION_INPUT):
-        values.extend(get_args(literal))
-    return tuple(values)
+    return lightning_precision_values()
 
 
 def check_precision(value: Any, *, name: str = "precision", allow_auto: bool = True) -> Any:

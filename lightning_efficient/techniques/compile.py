@@ -375,6 +375,10 @@ class TorchCompile(Technique):
             )
             self._step += 1
 
+    @property
+    def recompiles(self) -> int | None:  # read by the profiler's advice
+        return self._watch.recompiles if self._watch is not None else None
+
     def timings(self) -> dict[str, Any]:
         """Compile time, first-step time and steady-state (compile-free) step time so far."""
         out: dict[str, Any] = {}

@@ -163,6 +163,10 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
         "print the memory estimate of a config's model (--config X.yaml [--precision P] [--batch-size N])",
         "lightning_efficient.commands:estimate_command",
     ),
+    "profile": (
+        "run N training steps and say where the time goes and what to turn on (--config X.yaml [--steps N])",
+        "lightning_efficient.commands:profile_command",
+    ),
     "plan": (
         "pick the techniques that fit a memory budget (--config X.yaml --budget 24GiB)",
         "lightning_efficient.planner:plan_command",

@@ -1,7 +1,12 @@
-"""``lightning-efficient estimate --config X.yaml [--precision P] [--batch-size N]``.
+"""Commands that are not trainer methods: ``estimate`` and ``profile``.
 
-Builds the model, datamodule and trainer callbacks of a LightningCLI config (without fitting),
-takes one batch of the training dataloader and prints the memory estimate's breakdown table.
+- ``lightning-efficient estimate --config X.yaml [--precision P] [--batch-size N]`` builds the
+  model, datamodule and trainer callbacks of a LightningCLI config (without fitting), takes one
+  batch of the training dataloader and prints the memory estimate's breakdown table.
+- ``lightning-efficient profile --config X.yaml [--steps N]`` runs N training steps of the config
+  (no validation, no checkpoints, no logger) under ``StepProfiler`` and prints its table: where a
+  step's time goes, FLOPs and MFU, memory, and the verdict.
+
 Other options are passed to the config parser (e.g. ``--model.init_args.n_layer=12``).
 """
 
@@ -16,7 +21,7 @@ from typing import Any
 from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
 from lightning_efficient.measure.settings import estimate_settings
 
-__all__ = ["estimate_command", "config_workload", "fail"]
+__all__ = ["estimate_command", "profile_command", "config_workload", "fail"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,3 +138,63 @@ def _batch_shape(batch: Any) -> str:
 
     shapes = [tuple(t.shape) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     return "x".join(map(str, shapes[0])) if shapes else "?"
+
+
+# -- profile ---------------------------------------------------------------------------------
+def _profile_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-efficient profile",
+        description="Run N training steps of a config under StepProfiler and print where a "
+        "step's time goes, FLOPs and MFU, memory, and what to turn on next.",
+    )
+    p.add_argument(
+        "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
+    )
+    p.add_argument("--steps", type=int, default=20, help="training steps to run (default: 20)")
+    p.add_argument("--json", default=None, help="also write the profile summary to this file")
+    return p
+
+
+def profile_command(argv: Sequence[str]) -> int:
+    args, rest = _profile_parser().parse_known_args(list(argv))
+    if args.steps < 2:
+        return fail(
+            f"--steps must be an integer >= 2 (one warm-up step, one measured); got {args.steps}."
+        )
+    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.measure.profiler import StepProfiler
+
+    cli_args: list[str] = []
+    for cfg in args.config:
+        cli_args += ["--config", cfg]
+    forced = [
+        f"--trainer.max_steps={args.steps}",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.logger=false",
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        cli = EfficientCLI(
+            args=cli_args + list(rest) + forced, run=False, save_config_callback=None
+        )
+    trainer = cli.trainer
+    profiler = next((cb for cb in trainer.callbacks if isinstance(cb, StepProfiler)), None)
+    if profiler is None:
+        profiler = StepProfiler(skip_steps=min(2, args.steps - 1), compare_plain=True)
+        trainer.callbacks.append(profiler)
+    elif profiler.skip_steps >= args.steps:
+        return fail(
+            f"--steps {args.steps} leaves no step to measure after the config's StepProfiler "
+            f"skip_steps={profiler.skip_steps}; give more steps."
+        )
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    if profiler.summary is None:
+        return fail(f"no training step was measured in {args.steps} steps.")
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(profiler.summary, indent=2, default=str))
+    return 0

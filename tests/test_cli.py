@@ -76,7 +76,7 @@ def test_every_config_builds(config) -> None:
     cli = EfficientCLI(
         args=[
             "--config",
-            str(ROOT / "configs" / "demo.yaml"),
+            str(ROOT / "configs" / "demo_plain.yaml"),
             "--config",
             str(config),
             "--trainer.accelerator=cpu",

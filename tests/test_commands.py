@@ -14,7 +14,7 @@ from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory
 
-DEMO = Path(__file__).parents[1] / "configs" / "demo.yaml"
+DEMO = Path(__file__).parents[1] / "configs" / "demo_plain.yaml"
 
 
 def test_estimate_command_on_demo_config(capsys) -> None:

@@ -119,6 +119,29 @@ CASES.append(
     )
 )
 
+# the instrument's profiler (issue 13): measures, changes nothing
+from lightning_efficient.measure.profiler import StepProfiler  # noqa: E402
+
+CASES.append(
+    Case(
+        StepProfiler,
+        init_args={"skip_steps": 1, "print_table": False},
+        bad_args=[
+            ({"skip_steps": -1}, "skip_steps"),
+            ({"flops_per_step": 0}, "flops_per_step"),
+            ({"memory_budget": "lots"}, "memory_budget"),
+            ({"trace": 3}, "trace"),
+            ({"compare_plain": "yes"}, "compare_plain"),
+        ],
+        fuzz={
+            "skip_steps": st.integers(max_value=-1) | st.floats() | st.text(max_size=4),
+            "peak_flops": st.floats(max_value=0.0) | st.text(max_size=4) | st.booleans(),
+            "memory_budget": st.integers(max_value=0) | st.sampled_from(["lots", "-1GiB"]),
+            "print_table": st.integers() | st.text(max_size=4) | st.none(),
+        },
+    )
+)
+
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 
 CASES.append(

@@ -91,7 +91,7 @@ def test_plan_command(tmp_path) -> None:
         "lightning_efficient",
         "plan",
         "--config",
-        "configs/demo.yaml",
+        "configs/demo_plain.yaml",
         "--trainer.accelerator=cpu",
     ]
     ok = subprocess.run(

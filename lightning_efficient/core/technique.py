@@ -28,8 +28,9 @@ class Technique(Callback):
       (hooks, global flags); it is called on an exception and at teardown, and must be safe to
       call twice.
 
-    What the compatibility rules need to know about a technique is declared here, as class
-    attributes or properties that subclasses override (never read from private state):
+    What the compatibility rules (and the profiler's advice) need to know about a technique is
+    declared here, as class attributes or properties that subclasses override (never read from
+    private state):
     """
 
     #: Two instances may be used in one fit (False: the second would replace the first).
@@ -46,6 +47,9 @@ class Technique(Callback):
     loads_in_workers: bool = False
     #: Serves batches that already live on the device.
     preloads_to_device: bool = False
+    #: Recompilations seen during the fit (``None``: the technique does not compile). Read by
+    #: the profiler's advice (many recompilations: bucket the batch shapes).
+    recompiles: int | None = None
 
     def __init__(self) -> None:
         super().__init__()

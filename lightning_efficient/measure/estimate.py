@@ -99,6 +99,23 @@ def swap_to_fake(
             store[name] = t
 
 
+@contextlib.contextmanager
+def faked(model: nn.Module, batch: Any, precision: str = "32-true") -> Iterator[Any]:
+    """Inside: ``model``'s parameters and buffers are fake (swapped in place, restored on exit),
+    a ``FakeTensorMode`` is active, and the fake version of ``batch`` is yielded.
+
+    Code run inside (a forward, a backward, a counting mode) allocates nothing and changes no
+    real tensor; tensors it creates are fake.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with swap_to_fake(model, fake_mode, precision):
+        fake = fake_batch(batch, fake_mode, precision)
+        with fake_mode:
+            yield fake
+
+
 def fake_batch(batch: Any, fake_mode: Any, precision: str = "32-true") -> Any:
     """The batch with every tensor replaced by an empty fake CPU tensor (``torch.Size`` entries
     become float tensors of that shape)."""

@@ -143,6 +143,11 @@ class StorageTracker(TorchDispatchMode):
             if rec.category == "temporaries":
                 rec.category = "activations"
 
+    @property
+    def allocations(self) -> int:
+        """Storages allocated while active (operations that produced new data)."""
+        return sum(1 for _, sign, _ in self._events if sign > 0)
+
     def live_bytes(self, category: str | None = None) -> int:
         return sum(
             r.nbytes for r in self._live.values() if category is None or r.category == category

@@ -6,6 +6,7 @@
 from lightning_efficient.core.technique import NoEffectWarning, Technique
 from lightning_efficient.measure.input_stall import InputStallMonitor
 from lightning_efficient.measure.memory import MemoryBreakdown
+from lightning_efficient.measure.profiler import StepProfiler
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.compile import TorchCompile
@@ -26,6 +27,7 @@ from lightning_efficient.techniques.zero_offload import ZeROOffload
 #: Every technique class of the package (callbacks and strategies), in documentation order.
 TECHNIQUES: list[type] = [
     MemoryBreakdown,
+    StepProfiler,
     ActivationCheckpointing,
     OptimizerSwap,
     MatmulPrecision,

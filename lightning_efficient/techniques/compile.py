@@ -393,6 +393,10 @@ class TorchCompile(Technique):
                 "such layers, or regional=False."
             )
 
+    @property
+    def recompiles(self) -> int | None:  # read by the profiler's advice
+        return self._watch.recompiles if self._watch is not None else None
+
     def timings(self) -> dict[str, Any]:
         """Compile time, first-step time and steady-state (compile-free) step time so far."""
         out: dict[str, Any] = {}

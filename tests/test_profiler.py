@@ -1,0 +1,399 @@
+"""StepProfiler: phases, FLOPs, MFU, memory and the verdict, on real (tiny) CPU fits."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from helpers import fit, tiny_data, tiny_model
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_efficient.cli import EXTRA_COMMANDS, main
+from lightning_efficient.core.report import report_for
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory
+from lightning_efficient.measure.advice import Findings, advise
+from lightning_efficient.measure.flops import compute_dtype, count_flops, gpu_peak
+from lightning_efficient.measure.profiler import PHASES, phase_summary
+
+ROOT = Path(__file__).parents[1]
+PLAIN = ROOT / "configs" / "demo_plain.yaml"
+
+
+# -- phases ----------------------------------------------------------------------------------
+class StepClock(Callback):
+    """Wall clock at each train batch start and at the end of training (an independent timer)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[int, float] = {}
+        self.end = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.setdefault(trainer.global_step, time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.end = time.perf_counter()
+
+
+def test_phases_sum_to_the_step_time(tmp_path) -> None:
+    profiler, clock = StepProfiler(skip_steps=2, print_table=False), StepClock()
+    trainer, _, _ = fit(tmp_path, [profiler, clock], max_steps=10, limit_val_batches=0)
+    s = profiler.summary
+    assert s is not None and s["steps"] == 8 and s["fetch_seen"]
+    assert set(s["phases"]) == set(PHASES)
+    assert all(s["phases"][p] > 0 for p in PHASES), s["phases"]
+    assert s["step_s"] == pytest.approx(sum(s["phases"].values()))
+    # an independent clock over the same steps (it misses only the first measured fetch)
+    wall = (clock.end - clock.starts[2]) / 8
+    assert s["step_s"] == pytest.approx(wall, rel=0.05), (s["step_s"], wall)
+    assert s["samples_per_s"] == pytest.approx(4 / s["step_s"], rel=1e-6)  # batch 4
+    assert s["tokens_per_s"] == pytest.approx(4 * 32 / s["step_s"], rel=1e-6)  # 4 x 32 tokens
+    assert 0 < s["data_wait_fraction"] < 1 and s["mfu"] is not None and 0 < s["mfu"] < 1
+
+
+def test_phase_summary_is_per_step() -> None:
+    totals = {"data": 2.0, "forward": 4.0, "backward": 8.0, "optimizer": 2.0, "validation": 9.0}
+    assert phase_summary(totals, 4) == {
+        "data": 0.5,
+        "forward": 1.0,
+        "backward": 2.0,
+        "optimizer": 0.5,
+        "rest": 0.0,
+    }
+    with pytest.raises(ValueError, match="steps"):
+        phase_summary(totals, 0)
+
+
+# -- FLOPs -----------------------------------------------------------------------------------
+def test_mlp_flops_within_one_percent_of_6_params_samples() -> None:
+    mlp = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    count = count_flops(
+        mlp, (x, y), loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
+    )
+    params = sum(p.numel() for p in mlp.parameters())
+    assert count.step == 3 * count.forward
+    assert count.step == pytest.approx(6 * params * 32, rel=0.01)
+    assert count.ops > 0 and all(not p.is_meta for p in mlp.parameters())  # restored, real
+
+
+class TinyMLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4)
+        )
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Blobs(Dataset):
+    def __init__(self, n: int = 64, delay_s: float = 0.0) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 32, generator=g), torch.randint(0, 4, (n,), generator=g)
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)  # slow decoding or storage: wall time, no CPU
+        return self.x[i], self.y[i]
+
+
+def test_fit_flops_per_step_of_an_mlp(tmp_path) -> None:
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[profiler],
+        default_root_dir=tmp_path,
+    )
+    model = TinyMLP()
+    trainer.fit(model, DataLoader(Blobs(), batch_size=16))
+    params = sum(p.numel() for p in model.parameters())
+    assert profiler.summary["flops_per_step"] == pytest.approx(6 * params * 16, rel=0.01)
+    assert profiler.summary["tokens_per_s"] is None  # float features, no token tensor
+
+
+def test_transformer_flops_within_five_percent_of_analytic() -> None:
+    batch, seq, d, layers, vocab = 8, 64, 64, 2, 256
+    model = TinyGPT(seq_len=seq, n_layer=layers, n_embd=d, n_head=4, dropout=0.0)
+    x = torch.zeros(batch, seq, dtype=torch.long)
+    count = count_flops(model, (x, x))
+    # 6 x (parameters of the matrix products: 12 d^2 per block, the tied head) x tokens, plus
+    # attention: QK^T and AV, 2 x 2 x seq^2 x d per layer and sequence forward, x 3
+    matmul_params = layers * 12 * d * d + vocab * d
+    tokens = batch * seq
+    analytic = 6 * matmul_params * tokens + 3 * layers * 4 * seq * seq * d * batch
+    assert count.step == pytest.approx(analytic, rel=0.05)
+    assert "aten.bmm" in count.by_op or any("attention" in k for k in count.by_op)
+
+
+def test_gpu_peak_table_and_dtype() -> None:
+    peak, source = gpu_peak("NVIDIA H100 80GB HBM3", "bf16")
+    assert peak == 989.4e12 and "H100 SXM" in source and "datasheet" in source
+    assert gpu_peak("NVIDIA H100 PCIe", "bf16")[0] == 756.5e12
+    assert gpu_peak("NVIDIA H200", "fp8")[0] == 1978.9e12
+    assert gpu_peak("NVIDIA A100-SXM4-80GB", "tf32")[0] == 156e12
+    assert gpu_peak("NVIDIA GeForce RTX 4090", "bf16")[0] == 165.2e12
+    assert gpu_peak("NVIDIA L40S", "bf16")[0] == 362.05e12
+    assert gpu_peak("NVIDIA L4", "bf16")[0] == 121e12
+    assert gpu_peak("Tesla T4", "bf16") is None  # no bf16 tensor cores
+    assert gpu_peak("Some Future GPU", "bf16") is None
+    assert compute_dtype("bf16-mixed") == "bf16" and compute_dtype("16-mixed") == "fp16"
+    assert compute_dtype("32-true", "cpu") == "fp32"
+
+
+# -- the verdict -----------------------------------------------------------------------------
+class SlowData(pl.LightningDataModule):
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Blobs(delay_s=self.delay_s), batch_size=8)
+
+
+def test_input_bound_run_gets_data_loading_advice_first(tmp_path) -> None:
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[profiler],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(TinyMLP(), datamodule=SlowData(delay_s=0.02))  # 160 ms of loading per batch
+    s = profiler.summary
+    assert s["data_wait_fraction"] > 0.5, s["phases"]
+    first = s["advice"][0]
+    assert (
+        first["technique"] == "DataLoaderTuning" and "waits for the next batch" in first["reason"]
+    )
+    spec = yaml.safe_load(first["yaml"])
+    assert spec["trainer"]["callbacks"][0]["class_path"] == "DataLoaderTuning"
+
+
+def test_balanced_run_gets_no_false_alarm(tmp_path) -> None:
+    profiler = StepProfiler(skip_steps=2, print_table=False)
+    model = tiny_model(seq_len=128, n_embd=128, n_head=4)
+    fit(tmp_path, [profiler], model=model, data=tiny_data(seq_len=128, batch_size=8), max_steps=6)
+    s = profiler.summary
+    assert s["data_wait_fraction"] < 0.10
+    assert s["memory"]["capacity_bytes"] is None  # a CPU has no device memory to advise on
+    bottlenecks = {"DataLoaderTuning", "DevicePreload", "TorchCompile", "EfficientBatchSize"}
+    bottlenecks |= {"ActivationCheckpointing", "OptimizerSwap", "ZeROOffload"}
+    assert not bottlenecks & {a["technique"] for a in s["advice"]}, s["advice"]
+
+
+def test_model_state_dominated_run_gets_memory_advice(tmp_path) -> None:
+    model, data = tiny_model(seq_len=8, n_embd=128, n_head=4), tiny_data(seq_len=8, batch_size=2)
+    x = torch.zeros(2, 8, dtype=torch.long)
+    # the module's own AdamW (for-loop on a CPU): the estimate equals the measured peak
+    est = estimate_memory(
+        tiny_model(seq_len=8, n_embd=128, n_head=4), (x, x), optimizer=torch.optim.AdamW
+    )
+    budget = int(est.peak_bytes * 1.05)
+    profiler = StepProfiler(skip_steps=1, memory_budget=budget, print_table=False)
+    fit(
+        tmp_path,
+        [MemoryBreakdown(print_table=False), profiler],
+        model=model,
+        data=data,
+        max_steps=3,
+    )
+    s = profiler.summary
+    cats = s["memory"]["by_category"]
+    model_state = cats["parameters"] + cats["gradients"] + cats["optimizer_state"]
+    assert model_state > 0.5 * s["memory"]["peak_bytes"]
+    assert s["memory"]["peak_bytes"] / budget > 0.85
+    assert s["advice"][0]["technique"] == "OptimizerSwap", s["advice"]
+    assert "adamw8bit" in s["advice"][0]["yaml"]
+    assert "EfficientBatchSize" not in {a["technique"] for a in s["advice"]}  # no headroom
+
+
+def test_advice_rules_order_and_filter() -> None:
+    input_bound = Findings(data_wait_fraction=0.4, precision="32-true", bf16_speedup=2.0)
+    assert [a.technique for a in advise(input_bound)] == [
+        "DataLoaderTuning",
+        "DevicePreload",
+        "precision",
+    ]
+    # advice never names what is already on
+    on = Findings(data_wait_fraction=0.4, active=frozenset({"DataLoaderTuning"}))
+    assert [a.technique for a in advise(on)] == ["DevicePreload"]
+    lowp = Findings(precision="bf16-mixed", bf16_speedup=None, active=frozenset({"precision"}))
+    assert advise(lowp) == []
+    cats = {"parameters": 10, "gradients": 10, "optimizer_state": 20, "activations": 200}
+    tight = Findings(peak_bytes=95, capacity_bytes=100, by_category=cats)
+    assert advise(tight)[0].technique == "ActivationCheckpointing"
+    roomy = Findings(peak_bytes=40, capacity_bytes=100, by_category=cats)
+    assert [a.technique for a in advise(roomy)] == ["EfficientBatchSize"]
+    launch = Findings(mfu=0.05, seconds_per_op=5e-6)
+    assert [a.technique for a in advise(launch)] == ["TorchCompile"]
+    assert advise(Findings(mfu=0.05, seconds_per_op=5e-4)) == []
+    shapes = Findings(recompiles=20, active=frozenset({"TorchCompile"}))
+    assert [a.technique for a in advise(shapes)] == ["LengthBucketSampler"]
+    assert advise(Findings()) == []
+
+
+# -- outputs: table, report, logger, trace, PNG ----------------------------------------------
+class MetricsLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.update(metrics)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_outputs_table_report_metrics_trace_png(tmp_path, capsys) -> None:
+    trace, png = tmp_path / "trace.json", tmp_path / "profile.png"
+    profiler = StepProfiler(skip_steps=1, trace=str(trace), trace_steps=1, png=str(png))
+    logger = MetricsLogger()
+    trainer, _, _ = fit(
+        tmp_path, [MemoryBreakdown(print_table=False), profiler], max_steps=5, logger=logger
+    )
+    s = profiler.summary
+    assert s["steps"] == 3  # 1 warm-up step, 1 traced step, 3 measured
+    out = capsys.readouterr().out
+    assert "StepProfiler: TinyGPT on cpu" in out and "backward" in out and "MFU" in out
+    assert out.count("StepProfiler: TinyGPT on cpu") == 1  # printed once
+    entry = report_for(trainer)["StepProfiler"]
+    assert entry.figures["samples_per_sec"] == pytest.approx(s["samples_per_s"], rel=0.01)
+    assert "step" in entry.change and "samples/s" in entry.change
+    assert logger.metrics["profiler/step_s"] == pytest.approx(s["step_s"])
+    assert logger.metrics["profiler/mfu"] == pytest.approx(s["mfu"])
+    assert "traceEvents" in json.loads(trace.read_text())
+    assert png.stat().st_size > 1000
+    assert s["memory"]["by_category"] is not None  # MemoryBreakdown's numbers
+    json.dumps(s)  # a plain dict
+
+
+def test_compare_plain_estimate_and_technique_filter(tmp_path) -> None:
+    from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
+    profiler = StepProfiler(skip_steps=1, compare_plain=True, print_table=False)
+    fit(
+        tmp_path,
+        [ActivationCheckpointing(policy="auto"), MemoryBreakdown(print_table=False), profiler],
+        max_steps=3,
+    )
+    s = profiler.summary
+    assert s["plain_peak_bytes"] > s["memory"]["peak_bytes"] > 0  # checkpointing saved memory
+    assert "ActivationCheckpointing" not in {a["technique"] for a in s["advice"]}
+
+
+def test_no_measured_step_says_so(tmp_path) -> None:
+    from lightning_efficient.core.technique import NoEffectWarning
+
+    profiler = StepProfiler(skip_steps=5, print_table=False)
+    with pytest.warns(NoEffectWarning, match="no step was measured"):
+        fit(tmp_path, [profiler], max_steps=2)
+    assert profiler.summary is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"skip_steps": -1}, "skip_steps"),
+        ({"flops_per_step": 0}, "flops_per_step"),
+        ({"peak_flops": float("inf")}, "peak_flops"),
+        ({"memory_budget": "lots"}, "memory_budget"),
+        ({"trace": 3}, "trace"),
+        ({"trace_steps": 0}, "trace_steps"),
+        ({"compare_plain": "yes"}, "compare_plain"),
+    ],
+)
+def test_bad_arguments(kwargs, name) -> None:
+    with pytest.raises((ValueError, TypeError), match=name):
+        StepProfiler(**kwargs)
+
+
+# -- the command ------------------------------------------------------------------------------
+TINY_ARGS = [
+    "--trainer.accelerator=cpu",
+    "--model.init_args.n_layer=1",
+    "--model.init_args.n_embd=32",
+    "--model.init_args.n_head=2",
+    "--model.init_args.seq_len=32",
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=4",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+def test_profile_command_prints_the_table(tmp_path, capsys) -> None:
+    assert "profile" in EXTRA_COMMANDS
+    out_json = tmp_path / "profile.json"
+    code = main(
+        ["profile", "--config", str(PLAIN), "--steps", "4", "--json", str(out_json), *TINY_ARGS]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "StepProfiler: TinyGPT on cpu" in out and "2 steps measured" in out  # 2 warm-up
+    assert "vs plain" in out  # the plain estimate (compare_plain) is on in the command
+    summary = json.loads(out_json.read_text())
+    assert summary["steps"] == 2 and summary["flops_per_step"] > 0
+
+
+def test_profile_command_bad_input(capsys) -> None:
+    assert main(["profile", "--config", str(PLAIN), "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--steps" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as info:
+        main(["profile", "--config", "no/such/config.yaml"])
+    assert info.value.code == 2
+
+
+@pytest.mark.gpu
+def test_cuda_phases_mfu_and_memory(tmp_path) -> None:
+    """On CUDA: phases from events, MFU against the table, memory from the allocator."""
+    profiler = StepProfiler(skip_steps=2, print_table=False)
+    model = tiny_model(seq_len=128, n_layer=4, n_embd=256, n_head=4)
+    data = tiny_data(seq_len=128, batch_size=16, max_train_samples=512)
+    fit(tmp_path, [profiler], model=model, data=data, accelerator="gpu", max_steps=12)
+    s = profiler.summary
+    assert all(s["phases"][p] >= 0 for p in PHASES) and s["phases"]["backward"] > 0
+    assert (
+        s["memory"]["peak_bytes"] > 0 and s["memory"]["capacity_bytes"] > s["memory"]["peak_bytes"]
+    )
+    if s["peak_flops"] is not None:  # a GPU of the table
+        assert 0 < s["mfu"] < 1
+    # a small model on a large GPU: headroom advice, never a data-loading false alarm
+    assert "DataLoaderTuning" not in {a["technique"] for a in s["advice"]}

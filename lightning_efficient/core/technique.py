@@ -46,6 +46,9 @@ class Technique(Callback):
     loads_in_workers: bool = False
     #: Serves batches that already live on the device.
     preloads_to_device: bool = False
+    #: Drops optimizer steps from ``on_before_optimizer_step`` (so the step must come after that
+    #: hook and use the gradients it sees).
+    vetoes_optimizer_step: bool = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -14,6 +14,7 @@ from lightning_efficient.techniques.dataloading import (
     InputStallMonitor,
     LengthBucketSampler,
 )
+from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper
 from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision
 from lightning_efficient.techniques.zero_offload import ZeROOffload
@@ -32,6 +33,8 @@ TECHNIQUES: list[type] = [
     DevicePreload,
     InputStallMonitor,
     ZeROOffload,
+    EarlyStopper,
+    DivergenceGuard,
 ]
 
 __all__ = ["Technique", "NoEffectWarning", "TECHNIQUES", "LengthBucketSampler"] + [

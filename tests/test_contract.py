@@ -455,6 +455,52 @@ def _from_registry(cases: list[Case]) -> list[Case]:
 
 
 ALL = [REFERENCE, *_from_registry(CASES)]
+# -- spend fewer steps (issue 14): checks every step on the training loss, so the state moves
+from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper  # noqa: E402
+
+CASES += [
+    Case(
+        EarlyStopper,
+        init_args={"monitor": "train_loss", "check_every_n_steps": 1, "patience": 100},
+        bad_args=[
+            ({"patience": -1}, "patience"),
+            ({"half_life": 0}, "half_life"),
+            ({"max_time": "soon"}, "max_time"),
+            ({"max_tokens": "lots"}, "max_tokens"),
+            ({"mode": "lowest"}, "mode"),
+            ({"min_delta": -1.0}, "min_delta"),
+        ],
+        fuzz={
+            "patience": st.integers(max_value=-1) | st.floats() | st.text(max_size=3),
+            "half_life": st.floats(max_value=0.0) | st.just(float("inf")) | st.text(max_size=3),
+            "max_time": st.sampled_from(["soon", "1 fortnight", "-5m", "0s", "h", "1:2:3:4:5"])
+            | st.integers(max_value=0)
+            | st.booleans(),
+            "mode": st.text(max_size=6).filter(lambda s: s not in ("min", "max")),
+        },
+        stateful=True,
+    ),
+    Case(
+        DivergenceGuard,
+        init_args={"action": "rollback", "snapshot_every": 2, "warmup_steps": 2},
+        bad_args=[
+            ({"action": "ignore"}, "action"),
+            ({"half_life": 0}, "half_life"),
+            ({"spike_factor": 0.5}, "spike_factor"),
+            ({"lr_factor": 0}, "lr_factor"),
+            ({"max_trips": 0}, "max_trips"),
+        ],
+        fuzz={
+            "action": st.text(max_size=8).filter(lambda s: s not in ("stop", "skip", "rollback")),
+            "half_life": st.floats(max_value=0.0) | st.none() | st.text(max_size=3),
+            "spike_factor": st.floats(max_value=1.0) | st.text(max_size=3),
+            "snapshot_every": st.integers(max_value=0) | st.floats(),
+        },
+        stateful=True,
+    ),
+]
+
+ALL = [REFERENCE, *CASES]
 ids = [c.id for c in ALL]
 
 

@@ -184,3 +184,31 @@ def _optimizer_swap_under_deepspeed(trainer: Any, techniques: Sequence[Any]) -> 
             "the module (or DeepSpeed's config) instead, or use a non-DeepSpeed strategy"
         )
     return None
+
+
+@rule
+def _optimizer_step_veto(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """DivergenceGuard drops a bad update by clearing the gradients before ``optimizer.step()``;
+    that needs the step to follow ``on_before_optimizer_step`` and to read ``param.grad``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    vetoes = [t for t in techniques if getattr(t, "vetoes_optimizer_step", False)]
+    if not vetoes:
+        return None
+    problems = []
+    in_backward = [t for t in techniques if getattr(t, "steps_in_backward", False)]
+    if in_backward:
+        problems.append(
+            f"{_names(in_backward)} steps each parameter during backward, before the guard sees "
+            "the loss, so a bad update cannot be dropped. Set optimizer_in_backward=False"
+        )
+    strategy = getattr(trainer, "strategy", None)
+    if isinstance(strategy, DeepSpeedStrategy):
+        problems.append(
+            f"{type(strategy).__name__} steps from its own gradient partitions, so clearing "
+            "param.grad does not drop the update. Use a non-DeepSpeed strategy, or DeepSpeed's "
+            "own loss-scale overflow skipping"
+        )
+    if not problems:
+        return None
+    return f"{_names(vetoes)} cannot be combined: " + "; and ".join(problems) + "."

@@ -50,6 +50,9 @@ class Technique(Callback):
     #: Recompilations seen during the fit (``None``: the technique does not compile). Read by
     #: the profiler's advice (many recompilations: bucket the batch shapes).
     recompiles: int | None = None
+    #: Drops optimizer steps from ``on_before_optimizer_step`` (so the step must come after that
+    #: hook and use the gradients it sees).
+    vetoes_optimizer_step: bool = False
 
     def __init__(self) -> None:
         super().__init__()

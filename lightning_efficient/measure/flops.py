@@ -29,14 +29,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_efficient.measure.estimate import faked
+from lightning_efficient.measure.step import loss_of, silenced_logging
 from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.measure.track import (
-    StorageTracker,
-    _loss_of,
-    _takes_batch_idx,
-    _tensors,
-    silenced_logging,
-)
+from lightning_efficient.measure.track import StorageTracker, _takes_batch_idx, _tensors
 
 __all__ = [
     "GPU_PEAKS",
@@ -293,7 +288,7 @@ def count_flops(
                     out = model.training_step(fake, 0)
                 else:
                     out = model.training_step(fake)
-                _loss_of(out)
+                loss_of(out)
         finally:
             model.train(was_training)
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}

@@ -20,6 +20,7 @@ from lightning_efficient.techniques.dataloading import (
     DevicePreload,
     LengthBucketSampler,
 )
+from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper
 from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision
 from lightning_efficient.techniques.zero_offload import ZeROOffload
@@ -41,6 +42,8 @@ TECHNIQUES: list[type] = [
     Curriculum,
     SequenceLengthWarmup,
     ZeROOffload,
+    EarlyStopper,
+    DivergenceGuard,
 ]
 
 __all__ = [

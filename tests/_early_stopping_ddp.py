@@ -1,0 +1,68 @@
+"""EarlyStopper and DivergenceGuard under DDP with 2 CPU processes (gloo); each rank writes
+rankN.json into OUT_DIR.  Usage: python tests/_early_stopping_ddp.py OUT_DIR
+
+The monitored metric is logged without sync and differs per rank: rank 0's is lowest at step 6,
+rank 1's at step 14, their mean at step 10. A NaN is injected into rank 1's batch 3 only.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from helpers import fit, tiny_model
+from test_early_stopping import NaNAt
+
+from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
+
+
+class RankNaN(NaNAt):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank != 1:
+            self.at = set()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+def main(out: str) -> None:
+    model = tiny_model()
+    probe: list[float] = []
+    training_step = model.training_step
+
+    def logged_step(batch, batch_idx):  # the module's own step, plus a rank-dependent metric
+        loss = training_step(batch, batch_idx)
+        centre = 6 if model.global_rank == 0 else 14
+        probe.append(float((model.global_step - centre) ** 2))
+        model.log("probe", probe[-1])
+        return loss
+
+    model.training_step = logged_step
+    stopper = EarlyStopper("probe", check_every_n_steps=1, patience=2, restore_best=False)
+    guard = DivergenceGuard("skip")
+    trainer, model, _ = fit(
+        None,
+        [stopper, guard, RankNaN([3])],
+        model=model,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=30,
+        limit_val_batches=0,
+    )
+    result = {
+        "global_step": trainer.global_step,
+        "stopper": {
+            "stopped_step": stopper.stopped_step,
+            "best_step": stopper.tracker.best_step,
+            "best": stopper.tracker.best,
+            "checks": stopper.tracker.checks,
+        },
+        "probe_at_5": probe[5],  # this rank's own value at step 5
+        "guard_trips": [t["step"] for t in guard.trips],
+        "params_sum": float(sum(p.double().sum() for p in model.parameters())),
+    }
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1])

@@ -437,24 +437,6 @@ CASES.append(
 )
 
 
-def _from_registry(cases: list[Case]) -> list[Case]:
-    """The cases in the registry's order; a technique of ``TECHNIQUES`` without a case (or a
-    case of a class that is not registered) fails collection of this file."""
-    from lightning_efficient.techniques import TECHNIQUES
-
-    tested = {c.cls for c in cases}
-    missing = [t.__name__ for t in TECHNIQUES if t not in tested]
-    unregistered = sorted({c.cls.__name__ for c in cases if c.cls not in TECHNIQUES})
-    if missing or unregistered:
-        raise RuntimeError(
-            f"the contract registry is out of step: techniques without a Case: {missing}; "
-            f"cases of classes not in TECHNIQUES: {unregistered}"
-        )
-    order = {t: i for i, t in enumerate(TECHNIQUES)}
-    return sorted(cases, key=lambda c: order[c.cls])
-
-
-ALL = [REFERENCE, *_from_registry(CASES)]
 # -- spend fewer steps (issue 14): checks every step on the training loss, so the state moves
 from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper  # noqa: E402
 
@@ -500,7 +482,25 @@ CASES += [
     ),
 ]
 
-ALL = [REFERENCE, *CASES]
+
+def _from_registry(cases: list[Case]) -> list[Case]:
+    """The cases in the registry's order; a technique of ``TECHNIQUES`` without a case (or a
+    case of a class that is not registered) fails collection of this file."""
+    from lightning_efficient.techniques import TECHNIQUES
+
+    tested = {c.cls for c in cases}
+    missing = [t.__name__ for t in TECHNIQUES if t not in tested]
+    unregistered = sorted({c.cls.__name__ for c in cases if c.cls not in TECHNIQUES})
+    if missing or unregistered:
+        raise RuntimeError(
+            f"the contract registry is out of step: techniques without a Case: {missing}; "
+            f"cases of classes not in TECHNIQUES: {unregistered}"
+        )
+    order = {t: i for i, t in enumerate(TECHNIQUES)}
+    return sorted(cases, key=lambda c: order[c.cls])
+
+
+ALL = [REFERENCE, *_from_registry(CASES)]
 ids = [c.id for c in ALL]
 
 

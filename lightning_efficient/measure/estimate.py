@@ -107,8 +107,6 @@ def faked(model: nn.Module, batch: Any, precision: str = "32-true") -> Iterator[
     Code run inside (a forward, a backward, a counting mode) allocates nothing and changes no
     real tensor; tensors it creates are fake.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with swap_to_fake(model, fake_mode, precision):
         fake = fake_batch(batch, fake_mode, precision)

@@ -11,7 +11,14 @@ import pytest
 DOCS = Path(__file__).parents[1] / "docs"
 CARDS = sorted(DOCS.glob("*.md"))
 #: Cards whose Python blocks are complete, quick programs (run here, on CPU).
-RUNNABLE = ["memory", "activation_checkpointing", "compile", "precision", "curriculum"]
+RUNNABLE = [
+    "memory",
+    "activation_checkpointing",
+    "compile",
+    "precision",
+    "curriculum",
+    "early_stopping",
+]
 
 
 def python_blocks(card: Path) -> list[str]:

@@ -434,6 +434,19 @@ def test_skip_under_accumulation_and_bf16(tmp_path) -> None:
     assert [t["step"] for t in guard.trips] == [2] and guard.watched == 5
 
 
+@pytest.mark.gpu
+def test_skip_under_fp16_grad_scaler(tmp_path) -> None:
+    """16-mixed on CUDA: the loss is judged unscaled, the NaN batch's update is dropped and the
+    scaler goes on stepping and scaling (its own overflow skips are not trips)."""
+    guard = DivergenceGuard("skip")
+    trainer, model, rec = fit(
+        tmp_path, [guard, NaNAt([5])], max_steps=10, accelerator="gpu", precision="16-mixed"
+    )
+    assert _finite(model) and [t["step"] for t in guard.trips] == [5]
+    assert trainer.precision_plugin.scaler.get_scale() >= 1.0
+    assert math.isfinite(guard.detector.baseline) and guard.detector.baseline < 10
+
+
 def test_dropped_update_leaves_weights_and_optimizer_untouched(tmp_path) -> None:
     class Around(Callback):  # weights and AdamW step count right before and after step 3
         seen: dict = {}

@@ -343,7 +343,7 @@ class DivergenceDetector:
     baselines. ``state()`` / ``load(state)`` checkpoint the mutable fields.
     """
 
-    factor: float | None = 3.0
+    factor: float | None = 2.0
     half_life: float = 20.0
     warmup: int = 10
     baseline: float | None = None

@@ -50,8 +50,8 @@ class DivergenceGuard(Technique):
 
     Args:
         action: ``"stop"``, ``"skip"`` or ``"rollback"``.
-        spike_factor: A loss above this many times its smoothed baseline is a spike (> 1);
-            ``None`` watches for non-finite values only.
+        spike_factor: A loss above this many times its smoothed baseline is a spike (> 1;
+            raise it for small, noisy losses); ``None`` watches for non-finite values only.
         half_life: Half-life of the baseline's moving average, in good steps (> 0).
         warmup_steps: Good steps before spikes are looked for (non-finite values always trip).
         watch_grad_norm: Also check the total gradient norm (non-finite, spikes).
@@ -68,7 +68,7 @@ class DivergenceGuard(Technique):
     def __init__(
         self,
         action: str = "skip",
-        spike_factor: float | None = 3.0,
+        spike_factor: float | None = 2.0,
         half_life: float = 20.0,
         warmup_steps: int = 10,
         watch_grad_norm: bool = False,

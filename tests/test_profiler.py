@@ -187,7 +187,7 @@ def test_input_bound_run_gets_data_loading_advice_first(tmp_path) -> None:
         callbacks=[profiler],
         default_root_dir=tmp_path,
     )
-    trainer.fit(TinyMLP(), datamodule=SlowData(delay_s=0.02))  # 160 ms of loading per batch
+    trainer.fit(TinyMLP(), datamodule=SlowData(delay_s=0.05))  # 400 ms of loading per batch
     s = profiler.summary
     assert s["data_wait_fraction"] > 0.5, s["phases"]
     first = s["advice"][0]

@@ -21,8 +21,6 @@ report, and keeps everything in ``summary`` (a plain dict).
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,35 +29,30 @@ from lightning.pytorch.profilers import Profiler
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     check_bool,
-    check_float,
     check_int,
-    format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.advice import Findings, advise
+from lightning_efficient.measure import profile_steps as _methods
 from lightning_efficient.measure.flops import (
     batch_counts,
-    compute_dtype,
-    count_flops,
-    measured_peak_flops,
-    mfu,
-    peak_flops,
 )
-from lightning_efficient.measure.memory import MemoryBreakdown
+from lightning_efficient.measure.profile_report import (
+    PHASES,
+    _change,
+    _figures,
+    _metrics,
+    _path_or_none,
+    _positive_or_none,
+    phase_summary,
+    profile_png,
+    profile_table,
+)
 from lightning_efficient.measure.timing import StepTimer
 
 __all__ = ["PHASES", "StepProfiler", "profile_table", "profile_png", "phase_summary"]
 
 #: The phases of a training step, in the order they run.
-PHASES = ("data", "forward", "backward", "optimizer", "rest")
 _FETCH = "train_dataloader_next"  # suffix of Lightning's profiler action around the train fetch
-
-
-def phase_summary(totals: dict[str, float], steps: int) -> dict[str, float]:
-    """Seconds per step of each phase from ``StepTimer`` totals over ``steps`` optimizer steps."""
-    if steps < 1:
-        raise ValueError(f"`steps` must be >= 1; got {steps}.")
-    return {p: float(totals.get(p, 0.0)) / steps for p in PHASES}
 
 
 class _FetchWatch(Profiler):
@@ -324,356 +317,12 @@ class StepProfiler(Technique):
         self._measuring, self._phase = False, None
 
     # -- helpers ----------------------------------------------------------------------------
-    def _hook_optimizers(self, trainer: Any) -> None:
-        for opt in trainer.optimizers:
-            opt = getattr(opt, "optimizer", opt)
-            if id(opt) not in self._hooked and hasattr(opt, "register_step_post_hook"):
-                self._hooked[id(opt)] = opt.register_step_post_hook(self._after_optimizer_step)
 
-    def _count_once(self, trainer: Any, pl_module: Any, batch: Any) -> None:
-        self._counted = True
-        self._count_samples = batch_counts(batch)[0]
-        if self.flops_per_step is not None:
-            return
-        try:
-            self._count = count_flops(pl_module, batch, precision=_precision(trainer))
-        except Exception as err:  # a model that needs real values; MFU is then unknown
-            self._count_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            self.note(
-                f"could not count FLOPs on fake tensors ({self._count_error}); MFU is unknown. "
-                "Pass StepProfiler(flops_per_step=...) to set them."
-            )
-
-    def _plain_estimate(self, trainer: Any, pl_module: Any) -> int | None:
-        from lightning_efficient.measure.estimate import estimate_memory
-
-        try:
-            batch = _example_batch(trainer)
-            if batch is None:
-                self.note("compare_plain needs a datamodule with a train_dataloader; skipped.")
-                return None
-            cuda = trainer.strategy.root_device.type == "cuda"
-            est = estimate_memory(pl_module, batch, optimizer="adamw", cuda_rounding=cuda)
-        except Exception as err:
-            self.note(f"compare_plain: the plain estimate failed ({type(err).__name__}: {err}).")
-            return None
-        return int(est.peak_bytes)
-
-    def _start_trace(self, trainer: Any) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
-        if trainer.strategy.root_device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self._tracer = profile(activities=activities, record_shapes=False)
-        self._tracer.start()
-
-    def _stop_trace(self) -> None:
-        tracer, self._tracer = self._tracer, None
-        self._traced = True
-        tracer.stop()
-        path = Path(self.trace)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tracer.export_chrome_trace(str(path))
-        self.note(f"Chrome trace of {self.trace_steps} steps written to {path}")
-
-    def _summarize(self, trainer: Any, pl_module: Any, steps: int) -> dict[str, Any]:
-        device = trainer.strategy.root_device
-        precision = _precision(trainer)
-        phases = phase_summary(self._timer.totals(), steps)
-        validation_s = float(self._timer.totals().get("validation", 0.0))
-        step_s = sum(phases.values())
-        seconds = step_s * steps
-        samples_per_step = self._samples / steps
-        count = self._count
-        if self.flops_per_step is not None:
-            flops_per_step: float | None = self.flops_per_step
-        elif count is not None and self._count_samples:
-            flops_per_step = count.step / self._count_samples * samples_per_step
-        else:
-            flops_per_step = None
-        dtype = compute_dtype(precision, device)
-        if self.peak_flops is not None:
-            peak, peak_source = self.peak_flops, "given (peak_flops)"
-        else:
-            peak, peak_source = peak_flops(device, dtype)
-        achieved = flops_per_step / step_s if flops_per_step and step_s > 0 else None
-        utilization = mfu(achieved, peak)
-        micro = self._batches / steps
-        ops = count.ops * 3 * micro if count is not None and count.ops else None
-        memory = self._memory(trainer, device)
-        findings = Findings(
-            data_wait_fraction=phases["data"] / step_s if step_s > 0 else None,
-            precision=precision,
-            bf16_speedup=_bf16_speedup(device, precision),
-            mfu=utilization,
-            seconds_per_op=(phases["forward"] + phases["backward"]) / ops if ops else None,
-            peak_bytes=memory["peak_bytes"],
-            capacity_bytes=memory["capacity_bytes"],
-            by_category=memory["by_category"],
-            recompiles=_recompiles(trainer),
-            active=_active(trainer, precision),
-        )
-        return {
-            "model": type(pl_module).__name__,
-            "device": _device_name(device),
-            "precision": precision,
-            "steps": steps,
-            "phases": phases,
-            "step_s": step_s,
-            "validation_s": validation_s,
-            "samples_per_s": self._samples / seconds if seconds > 0 else 0.0,
-            "tokens_per_s": self._tokens / seconds if self._tokens and seconds > 0 else None,
-            "flops_per_step": flops_per_step,
-            "flops_per_s": achieved,
-            "peak_flops": peak,
-            "peak_source": peak_source,
-            "mfu": utilization,
-            "data_wait_fraction": findings.data_wait_fraction,
-            "memory": memory,
-            "plain_peak_bytes": self._plain,
-            "fetch_seen": bool(self._watch is not None and self._watch.seen),
-            "advice": [a.to_dict() for a in advise(findings)],
-        }
-
-    def _memory(self, trainer: Any, device: torch.device) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "peak_bytes": None,
-            "by_category": None,
-            "capacity_bytes": self.memory_budget,
-            "source": None,
-        }
-        breakdown = next((cb for cb in trainer.callbacks if isinstance(cb, MemoryBreakdown)), None)
-        measured = breakdown.measurement if breakdown is not None else None
-        if measured is not None:
-            out["peak_bytes"] = int(measured.peak_bytes)
-            out["by_category"] = {k: int(v) for k, v in measured.by_category.items()}
-            out["source"] = f"MemoryBreakdown, step {max(breakdown.measurements)}"
-        elif device.type == "cuda":
-            out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
-            out["source"] = "CUDA allocator peak over the fit"
-        if out["capacity_bytes"] is None and device.type == "cuda":
-            out["capacity_bytes"] = int(torch.cuda.get_device_properties(device).total_memory)
-        return out
-
-
-# -- small pure helpers ----------------------------------------------------------------------
-def _positive_or_none(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    value = check_float(name, value, minimum=0.0)
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"`{name}` must be a finite number > 0 or None; got {value!r}.")
-    return float(value)
-
-
-def _path_or_none(name: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, Path)) or not str(value):
-        raise TypeError(
-            f"`{name}` must be a file path (str) or None; got {value!r} ({type(value).__name__})."
-        )
-    return str(value)
-
-
-def _precision(trainer: Any) -> str:
-    return str(getattr(trainer, "precision", "32-true"))
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
-
-
-def _bf16_speedup(device: torch.device, precision: str) -> float | None:
-    """How much faster bf16 matmuls run than fp32 ones (only asked for fp32 runs)."""
-    if not precision.startswith("32"):
-        return None
-    if device.type == "cuda":
-        if not torch.cuda.is_bf16_supported(including_emulation=False):
-            return None
-        bf16, _ = peak_flops(device, "bf16")
-        fp32, _ = peak_flops(device, compute_dtype(precision, device))
-        return bf16 / fp32 if bf16 and fp32 else 2.0
-    if device.type == "cpu":
-        threads = torch.get_num_threads()
-        return measured_peak_flops("bf16", threads) / measured_peak_flops("fp32", threads)
-    return None
-
-
-def _recompiles(trainer: Any) -> int | None:
-    counts = [
-        cb.recompiles
-        for cb in trainer.callbacks
-        if isinstance(getattr(cb, "recompiles", None), int) and not isinstance(cb.recompiles, bool)
-    ]
-    return sum(counts) if counts else None
-
-
-def _active(trainer: Any, precision: str) -> frozenset[str]:
-    names = {type(cb).__name__ for cb in trainer.callbacks}
-    names.add(type(trainer.strategy).__name__)
-    if not precision.startswith(("32", "64")):
-        names.add("precision")
-    return frozenset(names)
-
-
-def _example_batch(trainer: Any) -> Any:
-    """One training batch of the trainer's datamodule, built without worker processes."""
-    from torch.utils.data import DataLoader, IterableDataset
-
-    data = getattr(trainer, "datamodule", None)
-    if data is None or not hasattr(data, "train_dataloader"):
-        return None
-    loader = data.train_dataloader()
-    if (
-        isinstance(loader, DataLoader)
-        and loader.batch_size
-        and not isinstance(loader.dataset, IterableDataset)
-    ):
-        items = [loader.dataset[i] for i in range(min(loader.batch_size, len(loader.dataset)))]
-        return loader.collate_fn(items)
-    return next(iter(loader))
-
-
-# -- rendering ---------------------------------------------------------------------------------
-def _si(value: float, unit: str) -> str:
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-def _change(s: dict[str, Any]) -> str:
-    shares = ", ".join(f"{p} {s['phases'][p] / s['step_s']:.0%}" for p in PHASES if s["step_s"] > 0)
-    text = f"step {s['step_s'] * 1e3:.1f} ms ({shares}); {s['samples_per_s']:.1f} samples/s"
-    if s["mfu"] is not None:
-        text += f"; MFU {s['mfu']:.1%}"
-    advice = s["advice"]
-    text += f"; advice: {', '.join(a['technique'] for a in advice)}" if advice else "; no advice"
-    return text
-
-
-def _figures(s: dict[str, Any]) -> dict[str, Any]:
-    # (``*_s`` figures are seconds in the report: throughputs are named ``*_per_sec``)
-    figures: dict[str, Any] = {
-        "step_s": s["step_s"],
-        "samples_per_sec": round(s["samples_per_s"], 2),
-    }
-    if s["tokens_per_s"] is not None:
-        figures["tokens_per_sec"] = round(s["tokens_per_s"], 1)
-    if s["mfu"] is not None:
-        figures["mfu"] = round(s["mfu"], 4)
-    figures["data_wait"] = round(s["data_wait_fraction"] or 0.0, 4)
-    return figures
-
-
-def _metrics(s: dict[str, Any]) -> dict[str, float]:
-    out = {f"profiler/{p}_s": v for p, v in s["phases"].items()}
-    out["profiler/step_s"] = s["step_s"]
-    out["profiler/samples_per_s"] = s["samples_per_s"]
-    for key in ("tokens_per_s", "flops_per_step", "mfu", "data_wait_fraction"):
-        if s[key] is not None:
-            out[f"profiler/{key}"] = float(s[key])
-    return out
-
-
-def profile_table(s: dict[str, Any]):  # -> rich.table.Table
-    """The profile as one rich table: speed, time per phase, memory, and the verdict."""
-    from rich.table import Table
-
-    table = Table(
-        title=f"StepProfiler: {s['model']} on {s['device']}, {s['precision']}, "
-        f"{s['steps']} steps measured",
-        show_lines=False,
-    )
-    table.add_column("", style="bold")
-    table.add_column("per step", justify="right")
-    table.add_column("", overflow="fold")
-    speed = f"{s['samples_per_s']:.1f} samples/s"
-    if s["tokens_per_s"] is not None:
-        speed += f", {_si(s['tokens_per_s'], 'tokens/s')}"
-    table.add_row("step", f"{s['step_s'] * 1e3:.1f} ms", speed)
-    for p in PHASES:
-        share = s["phases"][p] / s["step_s"] if s["step_s"] > 0 else 0.0
-        bar = "#" * round(share * 30)
-        table.add_row(f"  {p}", f"{s['phases'][p] * 1e3:.1f} ms", f"{share:5.1%} {bar}")
-    if s["flops_per_step"]:
-        detail = f"{_si(s['flops_per_s'] or 0, 'FLOP/s')}"
-        if s["mfu"] is not None:
-            detail += (
-                f" = MFU {s['mfu']:.1%} of {_si(s['peak_flops'], 'FLOP/s')} ({s['peak_source']})"
-            )
-        else:
-            detail += f"; MFU unknown: {s['peak_source']}"
-        table.add_row("FLOPs", _si(s["flops_per_step"], "FLOP"), detail)
-    mem = s["memory"]
-    if mem["peak_bytes"] is not None:
-        cats = mem["by_category"] or {}
-        top = sorted(cats.items(), key=lambda kv: -kv[1])[:3]
-        detail = f"this run ({mem['source']})"
-        if top and mem["peak_bytes"]:
-            detail += ": " + ", ".join(
-                f"{k.replace('_', ' ')} {v / mem['peak_bytes']:.0%}" for k, v in top
-            )
-        table.add_row("memory peak", format_bytes(mem["peak_bytes"]), detail)
-    if s["plain_peak_bytes"]:
-        detail = "plain run, fp32 AdamW, no techniques (estimated)"
-        if mem["peak_bytes"]:
-            detail += f"; this run {mem['peak_bytes'] / s['plain_peak_bytes'] - 1:+.0%}"
-        table.add_row("  vs plain", format_bytes(s["plain_peak_bytes"]), detail)
-    if mem["capacity_bytes"]:
-        table.add_row("  capacity", format_bytes(mem["capacity_bytes"]), "")
-    if s["advice"]:
-        for i, a in enumerate(s["advice"], 1):
-            table.add_row(
-                f"{i}. {a['technique']}", "", f"{a['reason']}\n[dim]{_escape(a['yaml'])}[/dim]"
-            )
-    else:
-        table.add_row(
-            "verdict", "", "no rule fired: no input stall, memory or precision issue found"
-        )
-    return table
-
-
-def _escape(text: str) -> str:
-    return text.replace("[", "\\[")
-
-
-def profile_png(s: dict[str, Any], path: str | Path) -> Path:
-    """A PNG of the profile: the phases of a step stacked (ms), and memory by category."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        from lightning_efficient.core.validate import missing_extra
-
-        raise missing_extra("matplotlib", "plot", "profile_png") from err
-    cats = s["memory"]["by_category"]
-    fig, axes = plt.subplots(1, 2 if cats else 1, figsize=(9 if cats else 5, 2.8), squeeze=False)
-    ax = axes[0][0]
-    left = 0.0
-    for p in PHASES:
-        ms = s["phases"][p] * 1e3
-        ax.barh([0], [ms], left=left, label=p)
-        left += ms
-    ax.set_yticks([])
-    ax.set_xlabel("ms per step")
-    ax.set_title("where a step's time goes")
-    ax.legend(ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
-    if cats:
-        ax2 = axes[0][1]
-        ax2.bar(range(len(cats)), [v / 2**20 for v in cats.values()], color="#4c72b0")
-        ax2.set_xticks(range(len(cats)), [c.replace("_", "\n") for c in cats], fontsize=7)
-        ax2.set_ylabel("MiB at the peak")
-        ax2.set_title("memory by category")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    # measuring and summarising, as functions of the profiler's state (below the class)
+    _hook_optimizers = _methods._hook_optimizers
+    _count_once = _methods._count_once
+    _plain_estimate = _methods._plain_estimate
+    _start_trace = _methods._start_trace
+    _stop_trace = _methods._stop_trace
+    _summarize = _methods._summarize
+    _memory = _methods._memory

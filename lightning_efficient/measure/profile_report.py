@@ -1,0 +1,250 @@
+"""The profiler's figures as a person reads them (rich table, PNG, report row, logger metrics),
+and the small readings of the trainer it needs (precision, device, active techniques)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_efficient.core.validate import (
+    check_float,
+    format_bytes,
+)
+from lightning_efficient.measure.flops import (
+    compute_dtype,
+    measured_peak_flops,
+    peak_flops,
+)
+
+PHASES = ("data", "forward", "backward", "optimizer", "rest")
+
+
+def phase_summary(totals: dict[str, float], steps: int) -> dict[str, float]:
+    """Seconds per step of each phase from ``StepTimer`` totals over ``steps`` optimizer steps."""
+    if steps < 1:
+        raise ValueError(f"`steps` must be >= 1; got {steps}.")
+    return {p: float(totals.get(p, 0.0)) / steps for p in PHASES}
+
+
+def _positive_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    value = check_float(name, value, minimum=0.0)
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"`{name}` must be a finite number > 0 or None; got {value!r}.")
+    return float(value)
+
+
+def _path_or_none(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise TypeError(
+            f"`{name}` must be a file path (str) or None; got {value!r} ({type(value).__name__})."
+        )
+    return str(value)
+
+
+def _precision(trainer: Any) -> str:
+    return str(getattr(trainer, "precision", "32-true"))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def _bf16_speedup(device: torch.device, precision: str) -> float | None:
+    """How much faster bf16 matmuls run than fp32 ones (only asked for fp32 runs)."""
+    if not precision.startswith("32"):
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported(including_emulation=False):
+            return None
+        bf16, _ = peak_flops(device, "bf16")
+        fp32, _ = peak_flops(device, compute_dtype(precision, device))
+        return bf16 / fp32 if bf16 and fp32 else 2.0
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        return measured_peak_flops("bf16", threads) / measured_peak_flops("fp32", threads)
+    return None
+
+
+def _recompiles(trainer: Any) -> int | None:
+    counts = [
+        cb.recompiles
+        for cb in trainer.callbacks
+        if isinstance(getattr(cb, "recompiles", None), int) and not isinstance(cb.recompiles, bool)
+    ]
+    return sum(counts) if counts else None
+
+
+def _active(trainer: Any, precision: str) -> frozenset[str]:
+    names = {type(cb).__name__ for cb in trainer.callbacks}
+    names.add(type(trainer.strategy).__name__)
+    if not precision.startswith(("32", "64")):
+        names.add("precision")
+    return frozenset(names)
+
+
+def _example_batch(trainer: Any) -> Any:
+    """One training batch of the trainer's datamodule, built without worker processes."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    data = getattr(trainer, "datamodule", None)
+    if data is None or not hasattr(data, "train_dataloader"):
+        return None
+    loader = data.train_dataloader()
+    if (
+        isinstance(loader, DataLoader)
+        and loader.batch_size
+        and not isinstance(loader.dataset, IterableDataset)
+    ):
+        items = [loader.dataset[i] for i in range(min(loader.batch_size, len(loader.dataset)))]
+        return loader.collate_fn(items)
+    return next(iter(loader))
+
+
+# -- rendering ---------------------------------------------------------------------------------
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _change(s: dict[str, Any]) -> str:
+    shares = ", ".join(f"{p} {s['phases'][p] / s['step_s']:.0%}" for p in PHASES if s["step_s"] > 0)
+    text = f"step {s['step_s'] * 1e3:.1f} ms ({shares}); {s['samples_per_s']:.1f} samples/s"
+    if s["mfu"] is not None:
+        text += f"; MFU {s['mfu']:.1%}"
+    advice = s["advice"]
+    text += f"; advice: {', '.join(a['technique'] for a in advice)}" if advice else "; no advice"
+    return text
+
+
+def _figures(s: dict[str, Any]) -> dict[str, Any]:
+    # (``*_s`` figures are seconds in the report: throughputs are named ``*_per_sec``)
+    figures: dict[str, Any] = {
+        "step_s": s["step_s"],
+        "samples_per_sec": round(s["samples_per_s"], 2),
+    }
+    if s["tokens_per_s"] is not None:
+        figures["tokens_per_sec"] = round(s["tokens_per_s"], 1)
+    if s["mfu"] is not None:
+        figures["mfu"] = round(s["mfu"], 4)
+    figures["data_wait"] = round(s["data_wait_fraction"] or 0.0, 4)
+    return figures
+
+
+def _metrics(s: dict[str, Any]) -> dict[str, float]:
+    out = {f"profiler/{p}_s": v for p, v in s["phases"].items()}
+    out["profiler/step_s"] = s["step_s"]
+    out["profiler/samples_per_s"] = s["samples_per_s"]
+    for key in ("tokens_per_s", "flops_per_step", "mfu", "data_wait_fraction"):
+        if s[key] is not None:
+            out[f"profiler/{key}"] = float(s[key])
+    return out
+
+
+def profile_table(s: dict[str, Any]):  # -> rich.table.Table
+    """The profile as one rich table: speed, time per phase, memory, and the verdict."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"StepProfiler: {s['model']} on {s['device']}, {s['precision']}, "
+        f"{s['steps']} steps measured",
+        show_lines=False,
+    )
+    table.add_column("", style="bold")
+    table.add_column("per step", justify="right")
+    table.add_column("", overflow="fold")
+    speed = f"{s['samples_per_s']:.1f} samples/s"
+    if s["tokens_per_s"] is not None:
+        speed += f", {_si(s['tokens_per_s'], 'tokens/s')}"
+    table.add_row("step", f"{s['step_s'] * 1e3:.1f} ms", speed)
+    for p in PHASES:
+        share = s["phases"][p] / s["step_s"] if s["step_s"] > 0 else 0.0
+        bar = "#" * round(share * 30)
+        table.add_row(f"  {p}", f"{s['phases'][p] * 1e3:.1f} ms", f"{share:5.1%} {bar}")
+    if s["flops_per_step"]:
+        detail = f"{_si(s['flops_per_s'] or 0, 'FLOP/s')}"
+        if s["mfu"] is not None:
+            detail += (
+                f" = MFU {s['mfu']:.1%} of {_si(s['peak_flops'], 'FLOP/s')} ({s['peak_source']})"
+            )
+        else:
+            detail += f"; MFU unknown: {s['peak_source']}"
+        table.add_row("FLOPs", _si(s["flops_per_step"], "FLOP"), detail)
+    mem = s["memory"]
+    if mem["peak_bytes"] is not None:
+        cats = mem["by_category"] or {}
+        top = sorted(cats.items(), key=lambda kv: -kv[1])[:3]
+        detail = f"this run ({mem['source']})"
+        if top and mem["peak_bytes"]:
+            detail += ": " + ", ".join(
+                f"{k.replace('_', ' ')} {v / mem['peak_bytes']:.0%}" for k, v in top
+            )
+        table.add_row("memory peak", format_bytes(mem["peak_bytes"]), detail)
+    if s["plain_peak_bytes"]:
+        detail = "plain run, fp32 AdamW, no techniques (estimated)"
+        if mem["peak_bytes"]:
+            detail += f"; this run {mem['peak_bytes'] / s['plain_peak_bytes'] - 1:+.0%}"
+        table.add_row("  vs plain", format_bytes(s["plain_peak_bytes"]), detail)
+    if mem["capacity_bytes"]:
+        table.add_row("  capacity", format_bytes(mem["capacity_bytes"]), "")
+    if s["advice"]:
+        for i, a in enumerate(s["advice"], 1):
+            table.add_row(
+                f"{i}. {a['technique']}", "", f"{a['reason']}\n[dim]{_escape(a['yaml'])}[/dim]"
+            )
+    else:
+        table.add_row(
+            "verdict", "", "no rule fired: no input stall, memory or precision issue found"
+        )
+    return table
+
+
+def _escape(text: str) -> str:
+    return text.replace("[", "\\[")
+
+
+def profile_png(s: dict[str, Any], path: str | Path) -> Path:
+    """A PNG of the profile: the phases of a step stacked (ms), and memory by category."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        from lightning_efficient.core.validate import missing_extra
+
+        raise missing_extra("matplotlib", "plot", "profile_png") from err
+    cats = s["memory"]["by_category"]
+    fig, axes = plt.subplots(1, 2 if cats else 1, figsize=(9 if cats else 5, 2.8), squeeze=False)
+    ax = axes[0][0]
+    left = 0.0
+    for p in PHASES:
+        ms = s["phases"][p] * 1e3
+        ax.barh([0], [ms], left=left, label=p)
+        left += ms
+    ax.set_yticks([])
+    ax.set_xlabel("ms per step")
+    ax.set_title("where a step's time goes")
+    ax.legend(ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    if cats:
+        ax2 = axes[0][1]
+        ax2.bar(range(len(cats)), [v / 2**20 for v in cats.values()], color="#4c72b0")
+        ax2.set_xticks(range(len(cats)), [c.replace("_", "\n") for c in cats], fontsize=7)
+        ax2.set_ylabel("MiB at the peak")
+        ax2.set_title("memory by category")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

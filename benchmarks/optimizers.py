@@ -12,12 +12,16 @@ Everything is measured in the same run on this machine:
 - Convergence: a Lightning fit of the demo (a 2-layer TinyGPT + TextDataModule, the module's own AdamW with
   warmup + cosine, swapped by ``OptimizerSwap``) for a fixed number of steps, then the validation
   loss over the whole validation split. Adafactor is run with the carried lr (a relative step
-  size for Adafactor) and with its own default ``lr=1e-2``.
+  size for Adafactor) and with its own default ``lr=1e-2``. A control run swaps to
+  bitsandbytes' ``AdamW32bit``: the same update as AdamW with 32-bit states, so it differs from
+  AdamW by rounding only; ``--seeds N`` repeats every run for seeds 0..N-1 (model init).
 
     python benchmarks/optimizers.py            # default (about 3 minutes on 2 idle cores)
     python benchmarks/optimizers.py --quick    # fewer timing rounds and training steps
+    python benchmarks/optimizers.py --seeds 5 --convergence-only  # the adamw8bit question
+    python benchmarks/optimizers.py --seeds 3 --convergence-only --gradient-clip 1.0
 
-Prints a table and saves benchmarks/results/optimizers{,_quick}.{md,json}.
+Prints a table and saves benchmarks/results/optimizers{,_quick}{,_convergence}{,_clipped}.{md,json}.
 """
 
 from __future__ import annotations
@@ -132,46 +136,70 @@ def memory_and_time(cfg: dict[str, Any], batch_size: int, rounds: int) -> list[d
     return rows
 
 
-def convergence(cfg: dict[str, Any], steps: int, batch_size: int) -> list[dict[str, Any]]:
+#: convergence runs: label -> OptimizerSwap arguments (None: the module's own AdamW)
+CONVERGENCE_RUNS: dict[str, dict[str, Any] | None] = {
+    "AdamW (module's own)": None,
+    # the same update as AdamW in bitsandbytes' kernel, 32-bit states: only the rounding differs
+    "AdamW32bit (bitsandbytes, same maths)": {"name": "bitsandbytes.optim.AdamW32bit"},
+    "adamw8bit": {"name": "adamw8bit"},
+    "adafactor (carried lr)": {"name": "adafactor"},
+    "adafactor lr=1e-2": {"name": "adafactor", "lr": 1e-2},
+}
+
+
+def convergence(
+    cfg: dict[str, Any],
+    steps: int,
+    batch_size: int,
+    seeds: list[int],
+    labels: list[str],
+    gradient_clip: float | None = None,
+) -> list[dict[str, Any]]:
     import lightning.pytorch as pl
 
-    runs = {
-        "AdamW (module's own)": [],
-        "adamw8bit": [OptimizerSwap("adamw8bit")],
-        "adafactor (carried lr)": [OptimizerSwap("adafactor")],
-        "adafactor lr=1e-2": [OptimizerSwap("adafactor", lr=1e-2)],
-    }
     out = []
-    for label, callbacks in runs.items():
-        pl.seed_everything(0, verbose=False)
-        model = TinyGPT(**cfg)
-        data = TextDataModule(batch_size=batch_size, seq_len=cfg["seq_len"])
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=callbacks,
-        )
-        trainer.fit(model, datamodule=data)
-        val = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        loss = float(val.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
-        out.append({"run": label, "steps": steps, "val_loss": loss})
-        print(f"  {label}: val_loss {loss:.4f}", file=sys.stderr)
-    base = out[0]["val_loss"]
-    for row in out:
-        row["val_loss_ratio"] = row["val_loss"] / base
+    for seed in seeds:
+        for label in labels:
+            swap = CONVERGENCE_RUNS[label]
+            pl.seed_everything(seed, verbose=False)
+            model = TinyGPT(**cfg)
+            data = TextDataModule(batch_size=batch_size, seq_len=cfg["seq_len"])
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=1,
+                max_steps=steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                gradient_clip_val=gradient_clip,
+                callbacks=[OptimizerSwap(**swap)] if swap else [],
+            )
+            trainer.fit(model, datamodule=data)
+            val = pl.Trainer(
+                accelerator="cpu",
+                devices=1,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+            loss = float(val.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
+            out.append(
+                {
+                    "run": label,
+                    "seed": seed,
+                    "steps": steps,
+                    "gradient_clip_val": gradient_clip,
+                    "val_loss": loss,
+                }
+            )
+            print(f"  seed {seed} {label}: val_loss {loss:.4f}", file=sys.stderr)
+        base = next(r["val_loss"] for r in out if r["seed"] == seed)
+        for row in out:
+            if row["seed"] == seed:
+                row["val_loss_ratio"] = row["val_loss"] / base
     return out
 
 
@@ -206,41 +234,74 @@ def to_markdown(
         "",
         f"Command: `{command}`  ",
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()),
-        "",
-        f"## Memory and step time (TinyGPT {cfg}, batch {batch_size}, fp32, real CPU step under the instrument's tracker)",
-        "",
-        "| Optimizer | Peak | Peak ratio | Optimizer state | State ratio | Gradients at peak | Step time | Time ratio |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    if mem:
+        lines += [
+            "",
+            f"## Memory and step time (TinyGPT {cfg}, batch {batch_size}, fp32, real CPU step under the instrument's tracker)",
+            "",
+            "| Optimizer | Peak | Peak ratio | Optimizer state | State ratio | Gradients at peak | Step time | Time ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     for r in mem:
         lines.append(
             f"| {r['optimizer']} | {format_bytes(r['peak_bytes'])} | {r['peak_ratio']:.3f} | "
             f"{format_bytes(r['optimizer_state_bytes'])} | {r['optimizer_state_ratio']:.3f} | "
             f"{format_bytes(r['gradients_at_peak_bytes'])} | {r['step_s'] * 1e3:.1f} ms | {r['step_time_ratio']:.2f} |"
         )
-    steps = conv[0]["steps"]
-    lines += [
+    if conv:
+        lines += ["", *convergence_markdown(conv, conv_cfg, conv_batch)]
+    return "\n".join(lines)
+
+
+def convergence_markdown(conv: list[dict], conv_cfg: dict[str, Any], batch: int) -> list[str]:
+    steps, seeds = conv[0]["steps"], sorted({r["seed"] for r in conv})
+    clip = conv[0].get("gradient_clip_val")
+    lines = [
+        f"## Convergence (demo: TinyGPT {conv_cfg} + TextDataModule, {steps} steps, batch "
+        f"{batch}, seeds {', '.join(map(str, seeds))}"
+        + (f", gradient_clip_val={clip}" if clip else ", no gradient clipping")
+        + ")",
         "",
-        f"## Convergence (demo: TinyGPT {conv_cfg} + TextDataModule, {steps} steps, batch {conv_batch}, seed 0)",
-        "",
-        "| Run | Validation loss | Ratio vs AdamW |",
-        "|---|---|---|",
+        "| Run | " + " | ".join(f"Val loss (seed {s}) | Ratio vs AdamW" for s in seeds) + " |",
+        "|---|" + "---|---|" * len(seeds),
     ]
-    lines += [f"| {r['run']} | {r['val_loss']:.4f} | {r['val_loss_ratio']:.4f} |" for r in conv]
-    eight = next(r for r in conv if r["run"] == "adamw8bit")
-    within = abs(eight["val_loss_ratio"] - 1) <= 0.02
+    for label in dict.fromkeys(r["run"] for r in conv):
+        cells = []
+        for seed in seeds:
+            r = next(r for r in conv if r["run"] == label and r["seed"] == seed)
+            cells.append(f"{r['val_loss']:.4f} | {r['val_loss_ratio']:.4f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    def gaps(label: str) -> list[float]:
+        return [(r["val_loss_ratio"] - 1) * 100 for r in conv if r["run"] == label]
+
+    eight, same = gaps("adamw8bit"), gaps("AdamW32bit (bitsandbytes, same maths)")
+    within = all(abs(g) <= 2 for g in eight)
     lines += [
         "",
         f"adamw8bit validation loss within 2% of AdamW: {'yes' if within else 'NO'} "
-        f"({(eight['val_loss_ratio'] - 1) * 100:+.2f}%).",
+        f"({', '.join(f'{g:+.2f}%' for g in eight)}); the same update with 32-bit states in "
+        f"bitsandbytes' kernel (only the rounding differs): {', '.join(f'{g:+.2f}%' for g in same)}.",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="fewer timing rounds and training steps"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="convergence runs for seeds 0..N-1 (default 1)"
+    )
+    parser.add_argument(
+        "--convergence-only",
+        action="store_true",
+        help="only the adamw8bit convergence question: AdamW, the same-maths control, adamw8bit",
+    )
+    parser.add_argument(
+        "--gradient-clip", type=float, default=None, help="gradient_clip_val of the fits"
     )
     args = parser.parse_args(argv)
     warnings.filterwarnings(
@@ -251,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     conv_cfg = dict(n_layer=2, n_embd=64, n_head=4, seq_len=64, dropout=0.0, warmup_steps=10)
     batch_size, conv_batch = 2, 16
     rounds, steps = (3, 60) if args.quick else (7, 150)
-    print("memory and step time ...", file=sys.stderr)
-    mem = memory_and_time(cfg, batch_size, rounds)
+    if not args.convergence_only:
+        print("memory and step time ...", file=sys.stderr)
+    mem = [] if args.convergence_only else memory_and_time(cfg, batch_size, rounds)
     for row in mem:
         print(
             f"  {row['optimizer']}: peak {row['peak_ratio']:.3f}, state {row['optimizer_state_ratio']:.3f}, "
@@ -260,13 +322,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     print("convergence ...", file=sys.stderr)
-    conv = convergence(conv_cfg, steps, conv_batch)
+    labels = list(CONVERGENCE_RUNS)[:3] if args.convergence_only else list(CONVERGENCE_RUNS)
+    conv = convergence(
+        conv_cfg, steps, conv_batch, list(range(args.seeds)), labels, args.gradient_clip
+    )
     env = environment()
     command = "python benchmarks/optimizers.py" + (" --quick" if args.quick else "")
+    command += f" --seeds {args.seeds}" if args.seeds != 1 else ""
+    command += " --convergence-only" if args.convergence_only else ""
+    command += f" --gradient-clip {args.gradient_clip}" if args.gradient_clip else ""
     md = to_markdown(env, cfg, batch_size, mem, conv, conv_cfg, conv_batch, command)
     print(md)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "optimizers_quick" if args.quick else "optimizers"
+    stem += "_convergence" if args.convergence_only else ""
+    stem += "_clipped" if args.gradient_clip else ""
     (RESULTS / f"{stem}.md").write_text(md + "\n")
     (RESULTS / f"{stem}.json").write_text(
         json.dumps(

@@ -11,7 +11,7 @@ import pytest
 DOCS = Path(__file__).parents[1] / "docs"
 CARDS = sorted(DOCS.glob("*.md"))
 #: Cards whose Python blocks are complete, quick programs (run here, on CPU).
-RUNNABLE = ["memory", "activation_checkpointing", "compile", "precision"]
+RUNNABLE = ["memory", "activation_checkpointing", "compile", "precision", "profiling"]
 
 
 def python_blocks(card: Path) -> list[str]:

@@ -18,6 +18,7 @@ RUNNABLE = [
     "precision",
     "curriculum",
     "early_stopping",
+    "profiling",
 ]
 
 

@@ -1,6 +1,6 @@
 """The efficiency report: one table of what every technique changed, shown at the end of fit.
 
-Techniques add an entry (``report_for(trainer).add(...)``); the first technique callback to reach
+Techniques add an entry (``report_for(trainer).add(...)``); the last technique callback to reach
 ``on_fit_end`` shows the table once, on rank zero, and logs its numbers as logger metrics.
 The same report renders as a rich table, Markdown, a dict, or a PNG bar chart.
 """

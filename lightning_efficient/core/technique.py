@@ -21,7 +21,8 @@ class Technique(Callback):
     """Base class of this package's callbacks. Subclasses hold no maths; they decide *when*.
 
     - ``self.report(trainer, change, **figures)`` adds the technique's row to the efficiency
-      report, which is shown once at the end of fit on rank zero.
+      report, which is shown once at the end of fit on rank zero (by the last technique among
+      the trainer's callbacks; subclasses that override ``on_fit_end`` call ``super()`` last).
     - ``self.note(message)`` / ``self.no_effect(message)`` log once, on rank zero.
     - ``setup`` runs the package's compatibility rules once per fit (``compat.check``).
     - ``restore(trainer, pl_module)`` undoes what the technique changed outside the weights
@@ -87,7 +88,11 @@ class Technique(Callback):
         """Undo what the technique changed outside the weights; safe to call twice."""
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        report_for(trainer).show(trainer)
+        # shown by the last technique among the callbacks, once every row is in (a technique
+        # that adds its row in its own on_fit_end would otherwise make the table print twice)
+        techniques = techniques_of(trainer)
+        if not techniques or techniques[-1] is self:
+            report_for(trainer).show(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.restore(trainer, pl_module)

@@ -97,7 +97,7 @@ def test_fit_with_a_budget_that_cannot_be_met_ends_with_a_short_error(tmp_path) 
         "--trainer.callbacks.budget=1KiB",
         "--data.max_train_samples=16",
         "--data.batch_size=4",
-        "--model.n_layer=1",
+        "--model.n_layer=2",
         "--model.n_embd=16",
         "--model.n_head=2",
         cwd=tmp_path,

@@ -58,3 +58,34 @@ def test_card_examples_run(name: str, capsys) -> None:
     if name == "memory":  # the example prints the estimate's summary line
         out = capsys.readouterr().out
         assert out.startswith("peak ") and "activations" in out
+
+
+def _card_of(cls: type) -> Path:
+    parts = cls.__module__.split(".")
+    name = parts[2] if parts[1] == "techniques" else parts[-1]
+    return DOCS / f"{CARD_OF_MODULE.get(name, name)}.md"
+
+
+#: measuring callbacks documented in a card named after what they measure
+CARD_OF_MODULE = {"profiler": "profiling", "input_stall": "memory"}
+
+
+def test_every_card_lists_the_bad_inputs_each_argument_refuses() -> None:
+    import inspect
+
+    from lightning_efficient.techniques import TECHNIQUES
+
+    for cls in TECHNIQUES:
+        card = _card_of(cls)
+        assert card.exists(), f"{cls.__name__}: no card {card.name}"
+        section = re.search(r"^## Bad input.*?(?=^## |\Z)", card.read_text(), flags=re.S | re.M)
+        assert section, f"{card.name} has no '## Bad inputs refused' section"
+        params = [
+            name
+            for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        missing = [p for p in params if f"`{p}" not in section.group(0)]
+        assert not missing, (
+            f"{card.name}: arguments of {cls.__name__} not in its bad-input list: {missing}"
+        )

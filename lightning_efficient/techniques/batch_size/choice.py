@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.measure.trial import free_memory, is_out_of_memory, throughput, trial_step
 from lightning_efficient.techniques.batch_size.sizing import (
     candidate_sizes,
@@ -232,15 +234,8 @@ def _estimator(
     exclude: Any,
     notes: list[str],
 ) -> tuple[Callable[[int], float], str]:
-    try:
-        from lightning_efficient.measure.estimate import estimate_memory
-    except ImportError:
-        estimate_memory = None
-    others = [
-        cb for cb in trainer.callbacks if cb is not exclude and hasattr(cb, "configure_estimate")
-    ]
-    precision = str(trainer.precision)
-
+    settings = estimate_settings(trainer, exclude=[] if exclude is None else [exclude])
+    settings["optimizer"] = s.optimizer  # the sizing's optimizer (before the fit builds one)
     world = trainer.world_size
 
     def estimate(n: int) -> float:
@@ -249,22 +244,15 @@ def _estimator(
         result = estimate_memory(
             pl_module,
             make_batch(n),
-            optimizer=s.optimizer,
-            precision=precision,
-            callbacks=others,
-            cuda_rounding=trainer.strategy.root_device.type == "cuda",
-            accumulate_grad_batches=2 if accumulating else 1,
+            **{**settings, "accumulate_grad_batches": 2 if accumulating else 1},
         )
         return result.peak_bytes
 
-    if estimate_memory is not None:
-        try:
-            estimate(1)
-            return estimate, "estimate"
-        except Exception as err:  # noqa: BLE001 - a model the fake-tensor estimate cannot run
-            reason = f"{type(err).__name__}: {err}"
-    else:
-        reason = "the instrument's estimate is not available"
+    try:
+        estimate(1)
+        return estimate, "estimate"
+    except Exception as err:  # noqa: BLE001 - a model the fake-tensor estimate cannot run
+        reason = f"{type(err).__name__}: {err}"
     if trainer.strategy.root_device.type == "cuda":
         notes.append(f"estimate failed ({reason[:200]}); searching with real trial steps")
         return (lambda n: _trial_peak(trainer, pl_module, make_batch(n), s)), "trial steps"

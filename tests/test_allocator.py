@@ -86,12 +86,12 @@ def test_cnn_estimate_against_the_allocator() -> None:
     """The tracker and the estimate agree exactly; the allocator sees more: CPU convolution
     backward copies ``grad_output`` to a contiguous buffer and oneDNN reorders inside the
     operator, temporaries no operator returns (so neither the tracker nor the fake-tensor
-    estimate can see them). Measured: estimate / allocator 0.74 on this model at 64x64; the
-    bound asserted is what was measured, with room for thread-count differences."""
+    estimate can see them). Measured on the 2-core CI CPU (2 threads): estimate / allocator 0.74 on
+    this model at 64x64; oneDNN picks its kernels by CPU, so the bound leaves some room."""
     torch.manual_seed(0)
     model = SmallCNN()
     batch = (torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)))
     est = estimate_memory(model, batch, loss_fn=_ce, steps=1)
     tracked, allocator = allocator_step_peak(copy.deepcopy(model), batch, loss_fn=_ce, steps=1)
     assert est.peak_bytes == pytest.approx(tracked.peak_bytes, rel=0.01)
-    assert 0.70 * allocator <= est.peak_bytes <= allocator
+    assert 0.65 * allocator <= est.peak_bytes <= allocator

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS = {"core": 0, "measure": 1, "techniques": 2}
 TOP = 3  # planner, functional, commands, cli, the package itself
 #: Libraries whose private names only core/_internals.py may touch.
-GUARDED = ("torch", "lightning", "pytorch_lightning", "deepspeed", "jsonargparse")
+GUARDED = ("torch", "lightning", "pytorch_lightning", "deepspeed", "jsonargparse", "transformers")
 #: Private attributes of those libraries' objects, read or written on instances (not reachable
 #: through a module path, so listed by name).
 PRIVATE_ATTRIBUTES = {

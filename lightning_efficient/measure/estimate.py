@@ -25,6 +25,7 @@ from torch import nn
 from lightning_efficient.core._internals import (
     FakeTensorMode,
     fake_tensor_errors,
+    hf_mask_checks_on_values,
     module_tensor_slots,
 )
 from lightning_efficient.measure.settings import configured_optimizer
@@ -109,20 +110,33 @@ def faked(model: nn.Module, batch: Any, precision: str = "32-true") -> Iterator[
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with swap_to_fake(model, fake_mode, precision):
-        fake = fake_batch(batch, fake_mode, precision)
-        with fake_mode:
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        fake = fake_batch(batch, fake_mode, precision, pairs)
+        with hf_mask_checks_on_values(pairs), fake_mode:
             yield fake
 
 
-def fake_batch(batch: Any, fake_mode: Any, precision: str = "32-true") -> Any:
+def fake_batch(
+    batch: Any,
+    fake_mode: Any,
+    precision: str = "32-true",
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> Any:
     """The batch with every tensor replaced by an empty fake CPU tensor (``torch.Size`` entries
-    become float tensors of that shape)."""
+    become float tensors of that shape). ``pairs``, when given, receives ``(fake, real)`` for
+    every tensor (``real`` is ``None`` for a ``torch.Size``)."""
 
     def convert(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return _fake_like(x, fake_mode, _param_dtype(x, precision))
+            fake = _fake_like(x, fake_mode, _param_dtype(x, precision))
+            if pairs is not None:
+                pairs.append((fake, x))
+            return fake
         if isinstance(x, torch.Size):
-            return _fake_like(torch.empty(x, device="meta"), fake_mode)
+            fake = _fake_like(torch.empty(x, device="meta"), fake_mode)
+            if pairs is not None:
+                pairs.append((fake, None))
+            return fake
         if isinstance(x, dict):
             return (
                 type(x)((k, convert(v)) for k, v in x.items())
@@ -221,10 +235,11 @@ def estimate_memory(
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     was_training = model.training
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     with swap_to_fake(model, fake_mode, precision):
         plan = EstimatePlan(
             model=model,
-            batch=fake_batch(batch, fake_mode, precision),
+            batch=fake_batch(batch, fake_mode, precision, pairs),
             optimizer=factory,
             precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -238,8 +253,10 @@ def estimate_memory(
                     hook(plan)
             tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=True)
             try:
-                with fake_mode:
+                # transformers' mask checks answer as on the real batch (see _internals)
+                with hf_mask_checks_on_values(pairs) as assumed, fake_mode:
                     run_steps(plan, tracker, steps=steps)
+                plan.notes.extend(assumed)
             except fake_tensor_errors() as err:
                 raise explain_fake_failure(err) from err
         finally:

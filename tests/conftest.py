@@ -12,7 +12,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(HERE.parent), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 os.environ.setdefault("PL_DISABLE_FORK", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# under pytest-xdist each worker takes its share of the cores (2 workers on 2 cores: 1 each)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 
 
 def _needs_deepspeed_extensions(item) -> bool:

@@ -31,7 +31,8 @@ PLAIN = ROOT / "configs" / "demo_plain.yaml"
 
 # -- phases ----------------------------------------------------------------------------------
 class StepClock(Callback):
-    """Wall clock at each train batch start and at the end of training (an independent timer)."""
+    """Wall clock at each train batch start and at the end of the last batch (an independent
+    timer; the end of training would also count the profiler's one-off FLOP count)."""
 
     def __init__(self) -> None:
         self.starts: dict[int, float] = {}
@@ -40,7 +41,7 @@ class StepClock(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.setdefault(trainer.global_step, time.perf_counter())
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.end = time.perf_counter()
 
 

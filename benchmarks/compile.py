@@ -10,6 +10,7 @@ on-disk caches are disabled so every compile is a cold one.
 
     python benchmarks/compile.py            # TinyGPT 6 x 128, seq 128, batch 8
     python benchmarks/compile.py --quick    # 4 x 64, seq 64
+    python benchmarks/compile.py --threads 1 --out benchmarks/results/compile_1thread
 
 Prints a table and saves benchmarks/results/compile.{md,json} (through ``_results.save_results``).
 """
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer rounds")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--out", default=str(RESULTS / "compile"))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch._inductor.config.force_disable_caches = True  # cold compiles every time
     if args.quick:
         cfg = dict(n_layer=4, n_embd=64, n_head=2, seq_len=64, dropout=0.0)
@@ -135,7 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     model = f"TinyGPT n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} seq_len={cfg['seq_len']} batch={bsz}"
     meta = {
-        "command": "python benchmarks/compile.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(
+            ["python benchmarks/compile.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "model": model,
         "backend": args.backend,
         "threads": torch.get_num_threads(),

@@ -89,6 +89,10 @@ def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
     assert compiled_modules(model) == (["blocks.0", "blocks.1"] if regional else [""])
     figures = report_for(trainer)["TorchCompile"].figures
     assert figures["compiled_modules"] == (2 if regional else 1)
+    # the report says how many graphs were captured (identical blocks share one)
+    change = report_for(trainer)["TorchCompile"].change
+    assert f": {figures['compiles']} graph" in change
+    assert ("blocks in place" in change) == regional
     # compile time is reported apart from the steady state
     assert figures["compile_s"] > 0 and figures["compiles"] >= 1
     assert figures["first_step_s"] > figures["steady_step_s"] > 0

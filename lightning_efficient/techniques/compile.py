@@ -3,7 +3,12 @@
 - ``compile_modules(model, ...)`` compiles in place with ``nn.Module.compile`` (state_dict keys
   never change: no ``_orig_mod.``). Regional (the default) compiles each repeated block found by
   ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
-  compiled graph, so compile time is about one block's, not the whole model's.
+  compiled graph, so compile time is about one block's, not the whole model's. The parts outside
+  the blocks (embeddings, final norm, head; the loss in ``training_step``) stay eager: compiling
+  the parent's ``forward`` with a graph break at each block call does not work, because Dynamo
+  skips a whole frame that breaks inside a ``for`` loop (``for block in self.blocks``), and
+  ``torch.compiler.nested_compile_region`` on a block instance's ``forward`` gave outputs that
+  differ from eager (torch 2.13, TinyGPT), so neither is used.
   Whole-model compilation compiles the module's ``forward`` (for a LightningModule:
   ``training_step`` itself stays eager, so ``self.log`` in it keeps working).
 - A compile failure on a forward falls back to eager for every module compiled together, with
@@ -421,15 +426,26 @@ class TorchCompile(Technique):
         elif self._no_graphs():
             change = f"0 graphs compiled: {len(self._names)} modules run eagerly"
         elif self._names == [""]:
-            change = f"compiled the whole model ({self._backend_name()})"
+            change = f"compiled the whole model{self._graphs()} ({self._backend_name()})"
         else:
-            change = f"compiled {len(self._names)} blocks in place ({self._backend_name()})"
+            change = (
+                f"compiled {len(self._names)} blocks in place{self._graphs()} "
+                f"({self._backend_name()}); the rest of the model runs eagerly"
+            )
         self.report(
             trainer,
             change,
             compiled_modules=0 if self._fell_back or self._no_graphs() else len(self._names),
             **self.timings(),
         )
+
+    def _graphs(self) -> str:
+        """``": 1 graph"`` once the model ran: how many graphs Dynamo captured for what was compiled
+        (identical blocks share one)."""
+        if self._watch is None or not self._step:
+            return ""
+        n = self._watch.compiles
+        return f": {n} graph{'' if n == 1 else 's'}"
 
     def _backend_name(self) -> str:
         name = (

@@ -1,0 +1,125 @@
+"""Auto block choice on models this project did not write: CNNs with BatchNorm (ResNet-, ConvNeXt-,
+U-Net- and DenseNet-like, written in gallery_models.py) and transformers models built from tiny
+configs (ViT, T5, Llama with SDPA, BERT).
+
+For each: the blocks "auto" chooses by measured saving cut the estimated activation memory by a
+clear margin and within 10% of the best block class's saving; a training step with them
+checkpointed leaves every parameter and buffer (BatchNorm running statistics,
+``num_batches_tracked``) as the plain step does. Regional compile makes at least one graph.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from gallery_models import GALLERY
+
+from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.techniques._block_savings import BlockRanking
+from lightning_efficient.techniques.activation_checkpointing import (
+    apply_activation_checkpointing,
+    rank_blocks,
+    remove_activation_checkpointing,
+)
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _sgd(groups):
+    return torch.optim.SGD(groups, lr=0.0)
+
+
+def _fb_peak(model, batch, loss_fn) -> int:
+    """The estimated forward/backward peak, measured here apart from the ranking's code."""
+    est = estimate_memory(model, batch, loss_fn=loss_fn, optimizer=_sgd, steps=1)
+    return max(est.phase_peaks["forward"], est.phase_peaks["backward"])
+
+
+_RANKINGS: dict[str, BlockRanking] = {}
+
+
+def _ranked(name: str, model, batch, loss_fn) -> BlockRanking:
+    if name not in _RANKINGS:
+        _RANKINGS[name] = rank_blocks(model, batch, loss_fn=loss_fn)
+    return _RANKINGS[name]
+
+
+@pytest.mark.parametrize("name", list(GALLERY))
+def test_auto_frees_as_much_as_the_best_block_class(name: str) -> None:
+    build, make_batch, loss_fn, best_class = GALLERY[name]
+    torch.manual_seed(0)
+    model, batch = build().train(), make_batch()
+    ranking = _ranked(name, model, batch, loss_fn)
+    chosen = ranking.best
+    assert chosen is not None
+    # a clear cut of the activation memory
+    assert ranking.share(chosen) >= 0.3, ranking.to_dict()
+    # as much as checkpointing every block of the best class (T5Block, BasicBlock, ...)
+    apply_activation_checkpointing(model, best_class)
+    try:
+        by_class = ranking.plain_peak_bytes - _fb_peak(model, batch, loss_fn)
+    finally:
+        remove_activation_checkpointing(model)
+    assert by_class > 0
+    assert chosen.saved_bytes >= 0.9 * by_class, (chosen.group, chosen.saved_bytes, by_class)
+
+
+def _train_step(model, batch, loss_fn) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    loss_fn(model, batch).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("name", list(GALLERY))
+def test_auto_checkpointing_keeps_weights_and_buffers(name: str) -> None:
+    build, make_batch, loss_fn, _ = GALLERY[name]
+    torch.manual_seed(0)
+    plain, batch = build().train(), make_batch()
+    ckpt = copy.deepcopy(plain)
+    ranking = _ranked(name, copy.deepcopy(plain), batch, loss_fn)
+    names = apply_activation_checkpointing(ckpt, ranking.best.group.policy)
+    assert names == ranking.best.group.names
+    _train_step(plain, batch, loss_fn)
+    _train_step(ckpt, batch, loss_fn)
+    expected, got = plain.state_dict(), ckpt.state_dict()
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        # buffers bit-equal (BatchNorm running statistics updated once); weights equal
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    tracked = [k for k in expected if k.endswith("num_batches_tracked")]
+    assert all(int(got[k]) == 1 for k in tracked)
+    assert bool(tracked) == (name in ("resnet", "unet", "densenet"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet", "llama"])
+def test_regional_compile_makes_graphs(name: str) -> None:
+    from lightning_efficient.techniques.compile import (
+        CompileWatch,
+        compile_modules,
+        uncompile_modules,
+    )
+
+    build, make_batch, loss_fn, _ = GALLERY[name]
+    torch.manual_seed(0)
+    model, batch = build().train(), make_batch()
+    torch._dynamo.reset()
+    with CompileWatch() as watch:
+        names = compile_modules(model, backend="eager")
+        try:
+            loss_fn(model, batch).backward()
+        finally:
+            uncompile_modules(model)
+    assert names and "" not in names  # regional: blocks, not the whole model
+    assert watch.compiles >= 1, names

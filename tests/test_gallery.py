@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from gallery_models import GALLERY
+from helpers import fit, tiny_model, tiny_trainer
+from torch import nn
 
+from lightning_efficient.core.report import report_for
+from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.measure.estimate import estimate_memory
 from lightning_efficient.techniques._block_savings import BlockRanking
+from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques.activation_checkpointing import (
+    ActivationCheckpointing,
     apply_activation_checkpointing,
     rank_blocks,
     remove_activation_checkpointing,
@@ -123,3 +130,87 @@ def test_regional_compile_makes_graphs(name: str) -> None:
             uncompile_modules(model)
     assert names and "" not in names  # regional: blocks, not the whole model
     assert watch.compiles >= 1, names
+
+
+# -- the callback: the measured choice in a fit, the saves-little note, models without blocks -----
+class Lit(pl.LightningModule):
+    """A gallery model trained by a LightningModule (SGD), on one fixed batch."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        build, make_batch, self.loss_fn, _ = GALLERY[name]
+        torch.manual_seed(0)
+        self.net, self.batch = build(), make_batch()
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_fn(self.net, self.batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2)))
+
+
+def _fit(tmp_path, module: pl.LightningModule, cb: ActivationCheckpointing) -> pl.Trainer:
+    trainer = tiny_trainer(tmp_path, [cb], max_steps=1, limit_val_batches=0)
+    trainer.fit(module)
+    return trainer
+
+
+def test_callback_auto_takes_the_measured_choice_and_reports_it(tmp_path) -> None:
+    plain, lit, cb = Lit("resnet"), Lit("resnet"), ActivationCheckpointing()
+    trainer = _fit(tmp_path, lit, cb)
+    # every BasicBlock (not the last stage's pair that has the most parameters)
+    assert cb.wrapped == [f"net.layer{i}.{j}" for i in (1, 2, 3) for j in (0, 1)]
+    entry = report_for(trainer)["ActivationCheckpointing"]
+    assert "frees" in entry.change and entry.figures["activations_saved_bytes"] > 0
+    assert (
+        entry.figures["activations_saved_bytes"] > 0.3 * entry.figures["activations_before_bytes"]
+    )
+    _train_step(plain.net, plain.batch, plain.loss_fn)  # the plain run: same step, same buffers
+    for key, value in plain.net.state_dict().items():
+        torch.testing.assert_close(lit.net.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_callback_says_when_the_chosen_blocks_save_little(tmp_path) -> None:
+    cb = ActivationCheckpointing(policy=r"re:net\.layer3\.1")  # one low-resolution block
+    with pytest.warns(
+        NoEffectWarning,
+        match=r"save little: .*frees .* \(-\d%.*Better: the 6 "
+        r"BasicBlock blocks \(net.layer1.0 .. net.layer3.1, policy='BasicBlock'\)",
+    ):
+        trainer = _fit(tmp_path, Lit("resnet"), cb)
+    assert "saves little" in report_for(trainer)["ActivationCheckpointing"].change
+
+
+class Leaves(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        return self.b(torch.tanh(self.a(batch[0]))).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)), 2)
+
+
+def test_auto_on_a_model_without_blocks_has_no_effect_not_an_error(tmp_path) -> None:
+    cb = ActivationCheckpointing()
+    with pytest.warns(NoEffectWarning, match="no block to checkpoint"):
+        _fit(tmp_path, Leaves(), cb)
+    assert cb.wrapped == []
+    with pytest.raises(ValueError, match="matches no module"):
+        _fit(tmp_path, Leaves(), ActivationCheckpointing(policy="Block"))
+
+
+def test_a_one_block_model_checkpoints_its_block(tmp_path) -> None:
+    model = tiny_model(n_layer=1)
+    assert [n for n, _ in find_repeated_blocks(model)] == ["blocks.0"]
+    cb = ActivationCheckpointing()
+    fit(tmp_path, [cb], model=model, max_steps=1, limit_val_batches=0)
+    assert cb.wrapped == ["blocks.0"]

@@ -21,7 +21,7 @@ from lightning_efficient.core._internals import compiled_call, set_compiled_call
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.techniques._blocks import BlockGroup
 
-__all__ = ["GroupSaving", "BlockRanking", "rank_groups", "eager", "LITTLE"]
+__all__ = ["GroupSaving", "BlockRanking", "rank_groups", "eager", "little_saving", "LITTLE"]
 
 #: A choice that frees less than this share of the activation memory "saves little".
 LITTLE = 0.05
@@ -80,6 +80,28 @@ class BlockRanking:
                 for s in self.savings
             ],
         }
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def little_saving(
+    ranking: BlockRanking, chosen: GroupSaving, better: GroupSaving | None
+) -> str | None:
+    """``None`` when ``chosen`` frees at least ``LITTLE`` of the activation memory; else what it
+    frees, in numbers, and the ``better`` group (its class name and blocks) if there is one."""
+    if ranking.share(chosen) >= LITTLE:
+        return None
+    text = f"the checkpointed blocks save little: checkpointing them {ranking.describe(chosen)}."
+    if better is None:
+        return text + " No candidate block group of this model frees more."
+    g = better.group
+    policy = f", policy={g.block_class!r}" if g.kind == "class" else ""
+    return (
+        f"{text} Better: the {len(g.names)} {g.block_class} blocks ({_span(g.names)}{policy}) "
+        f"{ranking.describe(better)}."
+    )
 
 
 @contextlib.contextmanager

@@ -25,13 +25,11 @@ Modes:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
@@ -46,6 +44,7 @@ from lightning_efficient.techniques._block_savings import (
     LITTLE,
     BlockRanking,
     GroupSaving,
+    little_saving,
     rank_groups,
 )
 from lightning_efficient.techniques._blocks import (
@@ -54,8 +53,10 @@ from lightning_efficient.techniques._blocks import (
     check_policy,
     select_modules,
 )
-from lightning_efficient.techniques._offload import pack_to_host, unpack_from_host
-from lightning_efficient.techniques._recompute import OnceStats, shallow_copy
+from lightning_efficient.techniques._recompute import ATTR as _ATTR
+from lightning_efficient.techniques._recompute import SELECTIVE_SAVE_OPS
+from lightning_efficient.techniques._recompute import unwrap_block as _unwrap
+from lightning_efficient.techniques._recompute import wrap_block as _wrap
 
 __all__ = [
     "ActivationCheckpointing",
@@ -68,100 +69,6 @@ __all__ = [
     "BlockRanking",
     "SELECTIVE_SAVE_OPS",
 ]
-
-_ATTR = "_le_activation_checkpointing"  # per-block settings; forward is shadowed while present
-
-
-def _selective_save_ops() -> list[Any]:
-    aten = torch.ops.aten
-    names = [
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    ]
-    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
-
-
-#: The ops whose outputs ``selective=True`` keeps (matmuls and attention); all others recompute.
-SELECTIVE_SAVE_OPS: list[Any] = _selective_save_ops()
-
-
-def _selective_context() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(SELECTIVE_SAVE_OPS)
-
-
-# -- the in-place wrapper -------------------------------------------------------------------------
-class _CheckpointedForward:
-    """Shadows ``module.forward``; deep-copies and pickles with its module (a plain function
-    closure would keep pointing at the original module after ``copy.deepcopy``)."""
-
-    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
-        self.module = module
-        self.inner = inner  # the instance forward that was there before us, if any
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = self.module.__dict__.get(_ATTR)
-        if state is None or state["wrapper"] is not self:
-            # removed (or replaced) while another wrapper (e.g. a compiled forward) held on to us
-            return self._forward(*args, **kwargs)
-        mode = state["mode"]
-        if mode == "offload":
-            with torch.autograd.graph.saved_tensors_hooks(pack_to_host, unpack_from_host):
-                return self._forward(*args, **kwargs)
-        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to save
-            return self._forward(*args, **kwargs)
-        # context_fn only when selective: torch.compile cannot trace an explicit noop_context_fn
-        extra = {"context_fn": _selective_context} if mode == "selective" else {}
-        # containers are copied so the recompute sees what this forward saw (a DenseNet layer's
-        # feature list grows after the call); BatchNorm statistics update once, not again in the
-        # recompute
-        args = tuple(shallow_copy(a) for a in args)
-        kwargs = {k: shallow_copy(v) for k, v in kwargs.items()}
-        return checkpoint(
-            OnceStats(self._forward, self.module),
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            **extra,
-            **kwargs,
-        )
-
-
-def _wrap(block: nn.Module, mode: str) -> None:
-    state = block.__dict__.get(_ATTR)
-    if state is not None:
-        state["mode"] = mode
-        return
-    inner = block.__dict__.get("forward")
-    if isinstance(inner, _CheckpointedForward) and inner.module is block:
-        wrapper = inner  # ours, left in place after a removal: reuse it rather than nest
-    else:
-        wrapper = _CheckpointedForward(block, inner)
-        object.__setattr__(block, "forward", wrapper)
-    object.__setattr__(block, _ATTR, {"mode": mode, "wrapper": wrapper})
-
-
-def _unwrap(block: nn.Module) -> None:
-    wrapper = block.__dict__.get("forward")
-    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
-        if wrapper.inner is not None:
-            object.__setattr__(block, "forward", wrapper.inner)
-        else:
-            del block.__dict__["forward"]
-    block.__dict__.pop(_ATTR, None)
 
 
 def checkpointed_blocks(module: nn.Module) -> dict[str, str]:
@@ -275,6 +182,20 @@ def rank_blocks(
     return rank_groups(model, batch, groups, checkpoint, restore, **estimate_kwargs)
 
 
+def _measured(
+    model: nn.Module, batch: Any, policy: Any, selective: bool, settings: dict[str, Any]
+) -> tuple[BlockRanking, GroupSaving | None]:
+    """The ranking for ``policy`` and, when the policy's blocks free little, a group that frees
+    more than twice as much (or ``None``)."""
+    ranking = rank_blocks(model, batch, policy, selective=selective, **settings)
+    chosen = ranking.best
+    if policy == "auto" or chosen is None or ranking.share(chosen) >= LITTLE:
+        return ranking, None
+    others = rank_blocks(model, batch, "auto", selective=selective, **settings)
+    best = others.best
+    return ranking, best if best is not None and best.saved_bytes > 2 * chosen.saved_bytes else None
+
+
 # -- budget mode ----------------------------------------------------------------------------------
 @dataclass
 class BudgetChoice:
@@ -386,9 +307,11 @@ class ActivationCheckpointing(Technique):
     backward, recomputed instead (same maths, including dropout).
 
     Args:
-        policy: Which blocks to checkpoint: ``"auto"`` (the model's repeated blocks, e.g.
-            transformer layers), a class name (``"GPT2Block"``), a module class, a name glob
-            (``"model.layers.*"``), ``"re:<regex>"`` over qualified names, or a list of these.
+        policy: Which blocks to checkpoint: ``"auto"`` (of the model's candidate block groups,
+            the one whose checkpointing frees the most activation memory, measured by the
+            estimate on the first batch), a class name (``"GPT2Block"``), a module class, a name
+            glob (``"model.layers.*"``), ``"re:<regex>"`` over qualified names, or a list of
+            these. Blocks that free less than 5% of the activation memory are reported.
         every_n: Checkpoint every n-th selected block (1 = all of them).
         selective: Keep matmul/attention outputs and recompute only cheap ops (less memory
             saved, less recompute time).
@@ -399,9 +322,9 @@ class ActivationCheckpointing(Technique):
             that bring the estimated peak under it; fit fails if even all of them cannot.
 
     The blocks are wrapped in place when fit starts (``on_fit_start``, so layers built in
-    ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with a
-    budget, at the first training batch (the estimate needs a batch). They are unwrapped at
-    teardown. ``state_dict`` keys never change.
+    ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with
+    ``"auto"`` or a budget, at the first training batch (the estimate needs a batch). They are
+    unwrapped at teardown. ``state_dict`` keys never change.
     """
 
     stacks = False
@@ -475,17 +398,9 @@ class ActivationCheckpointing(Technique):
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        own = [
-            n
-            for n, m in pl_module.named_modules()
-            if getattr(m, "gradient_checkpointing", False) is True
-        ]
+        own = [n for n, m in pl_module.named_modules() if _checkpoints_itself(m)]
         if own:
-            self.warn(
-                f"the model's own gradient checkpointing is on ({_span(own)}); with this callback "
-                "the blocks would be recomputed twice. Turn one off (e.g. "
-                "`model.gradient_checkpointing_disable()` for a transformers model)."
-            )
+            self.warn(_OWN.format(span=_span(own)))
         self._policy, self.ranking, self._better = self.policy, None, None
         if self.budget is not None or self.policy == "auto":
             # the estimate needs a batch: rank the blocks / search the budget at the first batch
@@ -530,30 +445,22 @@ class ActivationCheckpointing(Technique):
 
     # -- helpers ----------------------------------------------------------------------------
     def _measure(self, model: nn.Module, batch: Any, settings: dict[str, Any]) -> None:
-        """Rank the candidate groups (``"auto"``: take the best) or measure the policy's blocks,
-        and when they free little, the candidates too (``self._better``)."""
-        self._better = None
+        """Rank the candidate groups (``"auto"``: take the best) or measure the policy's blocks."""
         try:
-            ranking = rank_blocks(model, batch, self.policy, selective=self.selective, **settings)
-            chosen = ranking.best
-            if self.policy != "auto" and chosen is not None and ranking.share(chosen) < LITTLE:
-                others = rank_blocks(model, batch, "auto", selective=self.selective, **settings)
-                if others.best is not None and others.best.saved_bytes > 2 * chosen.saved_bytes:
-                    self._better = others.best
+            self.ranking, self._better = _measured(
+                model, batch, self.policy, self.selective, settings
+            )
         except Exception as err:  # noqa: BLE001 - e.g. a model the fake estimate cannot run
-            self.ranking = None
+            self.ranking, self._better = None, None
+            auto = " auto takes the repeated blocks with the most parameters." * (
+                self.policy == "auto"
+            )
             self.note(
-                f"could not measure what the blocks save ({type(err).__name__}: {err}); "
-                + (
-                    "auto takes the repeated blocks with the most parameters."
-                    if self.policy == "auto"
-                    else ""
-                )
+                f"could not measure what the blocks save ({type(err).__name__}: {err});{auto}"
             )
             return
-        self.ranking = ranking
-        if self.policy == "auto" and chosen is not None:
-            self._policy = chosen.group.policy
+        if self.policy == "auto" and self.ranking.best is not None:
+            self._policy = self.ranking.best.group.policy
 
     def _select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return _choose(model, self._policy, self.every_n, None)[0]
@@ -592,18 +499,10 @@ class ActivationCheckpointing(Technique):
             activations_before_bytes=ranking.plain_activation_bytes,
             activations_saved_bytes=chosen.saved_bytes,
         )
-        if ranking.share(chosen) >= LITTLE:
+        little = little_saving(ranking, chosen, self._better)
+        if little is None:
             return f"{change}; {ranking.describe(chosen)}"
-        if self._better is not None:
-            b = self._better.group
-            better = f" Better: checkpointing the {len(b.names)} {b.block_class} blocks ({_span(b.names)})"
-            better += f", policy={b.block_class!r}" if b.kind == "class" else ""
-            better += f", {ranking.describe(self._better)}."
-        else:
-            better = " No candidate block group of this model frees more."
-        self.no_effect(
-            f"the checkpointed blocks save little: checkpointing them {ranking.describe(chosen)}.{better}"
-        )
+        self.no_effect(little)
         return f"{change}; saves little: {ranking.describe(chosen)}"
 
     def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
@@ -648,6 +547,17 @@ class ActivationCheckpointing(Technique):
                 )
         if num_blocks == 0:
             self.note("the plain run already fits the budget; no block is checkpointed.")
+
+
+_OWN = (
+    "the model's own gradient checkpointing is on ({span}); with this callback the blocks would "
+    "be recomputed twice. Turn one off (e.g. `model.gradient_checkpointing_disable()` for a "
+    "transformers model)."
+)
+
+
+def _checkpoints_itself(module: nn.Module) -> bool:
+    return getattr(module, "gradient_checkpointing", False) is True
 
 
 def _span(names: Sequence[str]) -> str:

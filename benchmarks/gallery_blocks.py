@@ -123,6 +123,7 @@ def main() -> None:
                 pct(by_class[best_cls]),
                 f"{chosen.saved_bytes / by_class[best_cls]:.2f}" if by_class[best_cls] else "-",
                 len(ranking.savings),
+                f"{rank_s:.1f} s",
             ]
         )
         print(rows[-1], flush=True)
@@ -140,12 +141,15 @@ def main() -> None:
                 "frees",
                 "auto / best class",
                 "groups measured",
+                "ranking time",
             ],
             rows,
-            "lrlrlrlrrr",
+            "lrlrlrlrrrr",
         )
         + "\n\nFrees: bytes off the estimated forward/backward peak of one step (fake tensors,"
-        " one step, stateless SGD), as a share of the plain run's activations.\n\n"
+        " one step, stateless SGD), as a share of the plain run's activations. Ranking time:"
+        " `rank_blocks` (the plain estimate and one per group, 1 torch thread; the machine was"
+        " shared with other jobs).\n\n"
         "Command: `python benchmarks/gallery_blocks.py`\n\nEnvironment: "
         + ", ".join(f"{k} {v}" for k, v in env.items())
         + "\n"

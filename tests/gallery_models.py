@@ -41,8 +41,10 @@ class ResNetLike(nn.Module):
         self.layer2 = nn.Sequential(
             BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width)
         )
-        self.layer3 = nn.Sequential(
-            BasicBlock(2 * width, 4 * width, 2), BasicBlock(4 * width, 4 * width)
+        self.layer3 = nn.Sequential(  # resnet34-like: the deepest stage has the most blocks
+            BasicBlock(2 * width, 4 * width, 2),
+            BasicBlock(4 * width, 4 * width),
+            BasicBlock(4 * width, 4 * width),
         )
         self.fc = nn.Linear(4 * width, classes)
 

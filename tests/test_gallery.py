@@ -161,8 +161,9 @@ def _fit(tmp_path, module: pl.LightningModule, cb: ActivationCheckpointing) -> p
 def test_callback_auto_takes_the_measured_choice_and_reports_it(tmp_path) -> None:
     plain, lit, cb = Lit("resnet"), Lit("resnet"), ActivationCheckpointing()
     trainer = _fit(tmp_path, lit, cb)
-    # every BasicBlock (not the last stage's pair that has the most parameters)
-    assert cb.wrapped == [f"net.layer{i}.{j}" for i in (1, 2, 3) for j in (0, 1)]
+    # every BasicBlock, not the last stage's identical pair that holds the most parameters
+    assert [n for n, _ in find_repeated_blocks(lit.net)] == ["layer3.0", "layer3.1", "layer3.2"]
+    assert cb.wrapped == [f"net.layer{i}.{j}" for i in (1, 2, 3) for j in (0, 1)] + ["net.layer3.2"]
     entry = report_for(trainer)["ActivationCheckpointing"]
     assert "frees" in entry.change and entry.figures["activations_saved_bytes"] > 0
     assert (
@@ -177,8 +178,8 @@ def test_callback_says_when_the_chosen_blocks_save_little(tmp_path) -> None:
     cb = ActivationCheckpointing(policy=r"re:net\.layer3\.1")  # one low-resolution block
     with pytest.warns(
         NoEffectWarning,
-        match=r"save little: .*frees .* \(-\d%.*Better: the 6 "
-        r"BasicBlock blocks \(net.layer1.0 .. net.layer3.1, policy='BasicBlock'\)",
+        match=r"save little: .*frees .* \(-\d%.*Better: checkpointing the 7 "
+        r"BasicBlock blocks \(net.layer1.0 .. net.layer3.2, policy='BasicBlock'\)",
     ):
         trainer = _fit(tmp_path, Lit("resnet"), cb)
     assert "saves little" in report_for(trainer)["ActivationCheckpointing"].change

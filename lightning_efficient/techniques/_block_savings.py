@@ -99,8 +99,8 @@ def little_saving(
     g = better.group
     policy = f", policy={g.block_class!r}" if g.kind == "class" else ""
     return (
-        f"{text} Better: the {len(g.names)} {g.block_class} blocks ({_span(g.names)}{policy}) "
-        f"{ranking.describe(better)}."
+        f"{text} Better: checkpointing the {len(g.names)} {g.block_class} blocks "
+        f"({_span(g.names)}{policy}) {ranking.describe(better)}."
     )
 
 

@@ -445,13 +445,16 @@ class ActivationCheckpointing(Technique):
 
     # -- helpers ----------------------------------------------------------------------------
     def _measure(self, model: nn.Module, batch: Any, settings: dict[str, Any]) -> None:
-        """Rank the candidate groups (``"auto"``: take the best) or measure the policy's blocks."""
+        """Rank the candidate groups (``"auto"``: take the best; nothing to rank with one) or
+        measure the policy's blocks."""
+        self.ranking, self._better = None, None
+        if self.policy == "auto" and len(candidate_groups(model, limit=2)) < 2:
+            return
         try:
             self.ranking, self._better = _measured(
                 model, batch, self.policy, self.selective, settings
             )
         except Exception as err:  # noqa: BLE001 - e.g. a model the fake estimate cannot run
-            self.ranking, self._better = None, None
             auto = " auto takes the repeated blocks with the most parameters." * (
                 self.policy == "auto"
             )

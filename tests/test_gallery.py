@@ -215,3 +215,37 @@ def test_a_one_block_model_checkpoints_its_block(tmp_path) -> None:
     cb = ActivationCheckpointing()
     fit(tmp_path, [cb], model=model, max_steps=1, limit_val_batches=0)
     assert cb.wrapped == ["blocks.0"]
+
+
+class ValueReading(pl.LightningModule):
+    """Two candidate groups, and a forward that reads a tensor's value (fake tensors cannot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.back = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)) for _ in range(2)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        for layer in [*self.front, *self.back]:
+            x = layer(x)
+        return x.square().mean() if float(x.sum()) > -1e9 else x.mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)), 2)
+
+
+def test_auto_falls_back_to_the_structural_choice_when_the_estimate_cannot_run(
+    tmp_path, caplog
+) -> None:
+    module, cb = ValueReading(), ActivationCheckpointing()
+    with caplog.at_level("INFO"):
+        _fit(tmp_path, module, cb)
+    assert cb.ranking is None
+    assert cb.wrapped == [n for n, _ in find_repeated_blocks(module)] == ["back.0", "back.1"]
+    assert "could not measure what the blocks save" in caplog.text

@@ -5,6 +5,7 @@ from lightning_efficient.core.validate import (
     parse_bytes,
 )
 from lightning_efficient.techniques._blocks import (
+    candidate_groups,
     find_repeated_blocks,
     select_modules,
 )
@@ -12,6 +13,7 @@ from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
     blocks_for_budget,
     checkpointed_blocks,
+    rank_blocks,
     remove_activation_checkpointing,
 )
 from lightning_efficient.techniques.batch_size.sizing import (
@@ -105,6 +107,8 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "find_repeated_blocks",
+    "candidate_groups",
+    "rank_blocks",
     "select_modules",
     "apply_activation_checkpointing",
     "blocks_for_budget",

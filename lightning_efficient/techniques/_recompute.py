@@ -1,15 +1,23 @@
-"""What a checkpointed block's recompute must not change: running statistics of BatchNorm layers
-(updated once per forward, not again in backward) and container arguments (copied, so the
-recompute sees what the forward saw)."""
+"""The in-place checkpointing wrapper, and what its recompute must not change.
+
+A chosen block's instance ``forward`` is shadowed by ``_CheckpointedForward``, which runs the
+original forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. The recompute
+in backward leaves BatchNorm running statistics as the forward left them (updated once per
+forward), and container arguments are copied so the recompute sees what the forward saw.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["OnceStats", "shallow_copy"]
+from lightning_efficient.techniques._offload import pack_to_host, unpack_from_host
+
+__all__ = ["OnceStats", "shallow_copy", "SELECTIVE_SAVE_OPS", "ATTR", "wrap_block", "unwrap_block"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
@@ -54,3 +62,98 @@ class OnceStats:
                 m.momentum = momentum
                 if tracked is not None:
                     m.num_batches_tracked = tracked
+
+
+ATTR = "_le_activation_checkpointing"  # per-block settings; forward is shadowed while present
+
+
+def _selective_save_ops() -> list[Any]:
+    aten = torch.ops.aten
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    ]
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+#: The ops whose outputs ``selective=True`` keeps (matmuls and attention); all others recompute.
+SELECTIVE_SAVE_OPS: list[Any] = _selective_save_ops()
+
+
+def _selective_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(SELECTIVE_SAVE_OPS)
+
+
+# -- the in-place wrapper -------------------------------------------------------------------------
+class _CheckpointedForward:
+    """Shadows ``module.forward``; deep-copies and pickles with its module (a plain function
+    closure would keep pointing at the original module after ``copy.deepcopy``)."""
+
+    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.inner = inner  # the instance forward that was there before us, if any
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.module.__dict__.get(ATTR)
+        if state is None or state["wrapper"] is not self:
+            # removed (or replaced) while another wrapper (e.g. a compiled forward) held on to us
+            return self._forward(*args, **kwargs)
+        mode = state["mode"]
+        if mode == "offload":
+            with torch.autograd.graph.saved_tensors_hooks(pack_to_host, unpack_from_host):
+                return self._forward(*args, **kwargs)
+        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to save
+            return self._forward(*args, **kwargs)
+        # context_fn only when selective: torch.compile cannot trace an explicit noop_context_fn
+        extra = {"context_fn": _selective_context} if mode == "selective" else {}
+        # containers are copied so the recompute sees what this forward saw (a DenseNet layer's
+        # feature list grows after the call); BatchNorm statistics update once, not again in the
+        # recompute
+        args = tuple(shallow_copy(a) for a in args)
+        kwargs = {k: shallow_copy(v) for k, v in kwargs.items()}
+        return checkpoint(
+            OnceStats(self._forward, self.module),
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            **extra,
+            **kwargs,
+        )
+
+
+def wrap_block(block: nn.Module, mode: str) -> None:
+    state = block.__dict__.get(ATTR)
+    if state is not None:
+        state["mode"] = mode
+        return
+    inner = block.__dict__.get("forward")
+    if isinstance(inner, _CheckpointedForward) and inner.module is block:
+        wrapper = inner  # ours, left in place after a removal: reuse it rather than nest
+    else:
+        wrapper = _CheckpointedForward(block, inner)
+        object.__setattr__(block, "forward", wrapper)
+    object.__setattr__(block, ATTR, {"mode": mode, "wrapper": wrapper})
+
+
+def unwrap_block(block: nn.Module) -> None:
+    wrapper = block.__dict__.get("forward")
+    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
+        if wrapper.inner is not None:
+            object.__setattr__(block, "forward", wrapper.inner)
+        else:
+            del block.__dict__["forward"]
+    block.__dict__.pop(ATTR, None)

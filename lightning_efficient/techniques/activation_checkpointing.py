@@ -25,13 +25,11 @@ Modes:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
@@ -42,8 +40,23 @@ from lightning_efficient.core.validate import (
     parse_bytes,
 )
 from lightning_efficient.measure.settings import estimate_settings
-from lightning_efficient.techniques._blocks import check_policy, select_modules
-from lightning_efficient.techniques._recompute import OnceStats, shallow_copy
+from lightning_efficient.techniques._block_savings import (
+    LITTLE,
+    BlockRanking,
+    GroupSaving,
+    little_saving,
+    rank_groups,
+)
+from lightning_efficient.techniques._blocks import (
+    BlockGroup,
+    candidate_groups,
+    check_policy,
+    select_modules,
+)
+from lightning_efficient.techniques._recompute import ATTR as _ATTR
+from lightning_efficient.techniques._recompute import SELECTIVE_SAVE_OPS
+from lightning_efficient.techniques._recompute import unwrap_block as _unwrap
+from lightning_efficient.techniques._recompute import wrap_block as _wrap
 
 __all__ = [
     "ActivationCheckpointing",
@@ -52,146 +65,10 @@ __all__ = [
     "checkpointed_blocks",
     "blocks_for_budget",
     "BudgetChoice",
+    "rank_blocks",
+    "BlockRanking",
     "SELECTIVE_SAVE_OPS",
 ]
-
-_ATTR = "_le_activation_checkpointing"  # per-block settings; forward is shadowed while present
-
-
-def _selective_save_ops() -> list[Any]:
-    aten = torch.ops.aten
-    names = [
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    ]
-    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
-
-
-#: The ops whose outputs ``selective=True`` keeps (matmuls and attention); all others recompute.
-SELECTIVE_SAVE_OPS: list[Any] = _selective_save_ops()
-
-
-def _selective_context() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(SELECTIVE_SAVE_OPS)
-
-
-# -- host offload of saved activations ---------------------------------------------------------
-_streams: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
-
-
-class _OnHost:
-    """A saved activation copied to pinned host memory (the copy runs on a side stream)."""
-
-    __slots__ = ("device", "host")
-
-    def __init__(self, device: torch.device, host: torch.Tensor) -> None:
-        self.device, self.host = device, host
-
-
-def _pack_to_host(t: torch.Tensor) -> Any:
-    # parameters and CPU tensors stay; only device activations move (pinned, async, side stream)
-    if (
-        t.device.type != "cuda"
-        or isinstance(t, nn.Parameter)
-        or t.layout != torch.strided
-        or t.numel() == 0
-    ):
-        return t
-    stream = _side_stream(t.device)
-    stream.wait_stream(torch.cuda.current_stream(t.device))
-    host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=True)
-    with torch.cuda.stream(stream):
-        host.copy_(t, non_blocking=True)
-    t.record_stream(stream)  # the allocator keeps t until the copy is done
-    return _OnHost(t.device, host)
-
-
-def _unpack_from_host(packed: Any) -> torch.Tensor:
-    if isinstance(packed, _OnHost):
-        torch.cuda.current_stream(packed.device).wait_stream(_side_stream(packed.device))
-        return packed.host.to(packed.device, non_blocking=True)
-    return packed
-
-
-# -- the in-place wrapper -------------------------------------------------------------------------
-class _CheckpointedForward:
-    """Shadows ``module.forward``; deep-copies and pickles with its module (a plain function
-    closure would keep pointing at the original module after ``copy.deepcopy``)."""
-
-    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
-        self.module = module
-        self.inner = inner  # the instance forward that was there before us, if any
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = self.module.__dict__.get(_ATTR)
-        if state is None or state["wrapper"] is not self:
-            # removed (or replaced) while another wrapper (e.g. a compiled forward) held on to us
-            return self._forward(*args, **kwargs)
-        mode = state["mode"]
-        if mode == "offload":
-            with torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host):
-                return self._forward(*args, **kwargs)
-        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to save
-            return self._forward(*args, **kwargs)
-        # context_fn only when selective: torch.compile cannot trace an explicit noop_context_fn
-        extra = {"context_fn": _selective_context} if mode == "selective" else {}
-        # containers are copied so the recompute sees what this forward saw (a DenseNet layer's
-        # feature list grows after the call); BatchNorm statistics update once, not again in the
-        # recompute
-        args = tuple(shallow_copy(a) for a in args)
-        kwargs = {k: shallow_copy(v) for k, v in kwargs.items()}
-        return checkpoint(
-            OnceStats(self._forward, self.module),
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            **extra,
-            **kwargs,
-        )
-
-
-def _wrap(block: nn.Module, mode: str) -> None:
-    state = block.__dict__.get(_ATTR)
-    if state is not None:
-        state["mode"] = mode
-        return
-    inner = block.__dict__.get("forward")
-    if isinstance(inner, _CheckpointedForward) and inner.module is block:
-        wrapper = inner  # ours, left in place after a removal: reuse it rather than nest
-    else:
-        wrapper = _CheckpointedForward(block, inner)
-        object.__setattr__(block, "forward", wrapper)
-    object.__setattr__(block, _ATTR, {"mode": mode, "wrapper": wrapper})
-
-
-def _unwrap(block: nn.Module) -> None:
-    wrapper = block.__dict__.get("forward")
-    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
-        if wrapper.inner is not None:
-            object.__setattr__(block, "forward", wrapper.inner)
-        else:
-            del block.__dict__["forward"]
-    block.__dict__.pop(_ATTR, None)
 
 
 def checkpointed_blocks(module: nn.Module) -> dict[str, str]:
@@ -264,6 +141,59 @@ def apply_activation_checkpointing(
         for _, block in others:
             _wrap(block, "offload")
     return [n for n, _ in chosen]
+
+
+# -- auto: blocks ranked by the activation memory they free ----------------------------------------
+def rank_blocks(
+    model: nn.Module,
+    batch: Any,
+    policy: Any = "auto",
+    *,
+    selective: bool = False,
+    limit: int = 6,
+    **estimate_kwargs: Any,
+) -> BlockRanking:
+    """Block groups of ``model`` ranked by the activation memory checkpointing them frees on
+    ``batch``, best first, measured by the estimate (fake tensors: one estimate per group and one
+    without checkpointing).
+
+    ``policy="auto"`` ranks ``candidate_groups(model, limit)`` (sibling groups, block classes,
+    single blocks); any other policy measures the blocks it selects, as one group.
+    ``estimate_kwargs`` as ``estimate_memory``'s (precision, callbacks, loss_fn, ...); the ranking
+    runs one step with a stateless optimizer, whatever ``optimizer`` is given.
+    """
+    if policy == "auto":
+        groups = candidate_groups(model, limit)
+    else:
+        found = select_modules(model, policy)
+        cls = "/".join(dict.fromkeys(type(m).__name__ for _, m in found))
+        size = sum(p.numel() for _, m in found for p in m.parameters())
+        groups = [BlockGroup([n for n, _ in found], cls, "policy", size)]
+    before = checkpointed_blocks(model)
+    mode = "selective" if selective else "full"
+
+    def checkpoint(names: list[str]) -> None:
+        remove_activation_checkpointing(model)
+        modules = dict(model.named_modules())
+        for name in names:
+            _wrap(modules[name], mode)
+
+    restore = functools.partial(_restore, model, before)
+    return rank_groups(model, batch, groups, checkpoint, restore, **estimate_kwargs)
+
+
+def _measured(
+    model: nn.Module, batch: Any, policy: Any, selective: bool, settings: dict[str, Any]
+) -> tuple[BlockRanking, GroupSaving | None]:
+    """The ranking for ``policy`` and, when the policy's blocks free little, a group that frees
+    more than twice as much (or ``None``)."""
+    ranking = rank_blocks(model, batch, policy, selective=selective, **settings)
+    chosen = ranking.best
+    if policy == "auto" or chosen is None or ranking.share(chosen) >= LITTLE:
+        return ranking, None
+    others = rank_blocks(model, batch, "auto", selective=selective, **settings)
+    best = others.best
+    return ranking, best if best is not None and best.saved_bytes > 2 * chosen.saved_bytes else None
 
 
 # -- budget mode ----------------------------------------------------------------------------------
@@ -377,9 +307,11 @@ class ActivationCheckpointing(Technique):
     backward, recomputed instead (same maths, including dropout).
 
     Args:
-        policy: Which blocks to checkpoint: ``"auto"`` (the model's repeated blocks, e.g.
-            transformer layers), a class name (``"GPT2Block"``), a module class, a name glob
-            (``"model.layers.*"``), ``"re:<regex>"`` over qualified names, or a list of these.
+        policy: Which blocks to checkpoint: ``"auto"`` (of the model's candidate block groups,
+            the one whose checkpointing frees the most activation memory, measured by the
+            estimate on the first batch), a class name (``"GPT2Block"``), a module class, a name
+            glob (``"model.layers.*"``), ``"re:<regex>"`` over qualified names, or a list of
+            these. Blocks that free less than 5% of the activation memory are reported.
         every_n: Checkpoint every n-th selected block (1 = all of them).
         selective: Keep matmul/attention outputs and recompute only cheap ops (less memory
             saved, less recompute time).
@@ -390,9 +322,9 @@ class ActivationCheckpointing(Technique):
             that bring the estimated peak under it; fit fails if even all of them cannot.
 
     The blocks are wrapped in place when fit starts (``on_fit_start``, so layers built in
-    ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with a
-    budget, at the first training batch (the estimate needs a batch). They are unwrapped at
-    teardown. ``state_dict`` keys never change.
+    ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with
+    ``"auto"`` or a budget, at the first training batch (the estimate needs a batch). They are
+    unwrapped at teardown. ``state_dict`` keys never change.
     """
 
     stacks = False
@@ -415,30 +347,41 @@ class ActivationCheckpointing(Technique):
         self.budget = budget
         self.wrapped: list[str] = []
         self.choice: BudgetChoice | None = None
+        self.ranking: BlockRanking | None = None  # the measured saving (auto: of each candidate)
+        self._better: GroupSaving | None = None
+        self._policy: Any = self.policy  # "auto" resolved to the measured best group
         self._pending = False
+        self._check = False
         self._active = False
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
         """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed.
 
-        With a budget, the budget search runs first on the plan's model and batch (nested
-        estimates), so the estimate shows the blocks a fit would checkpoint."""
+        With ``"auto"`` the candidate groups are ranked first, and with a budget the budget
+        search runs, on the plan's model and batch (nested estimates), so the estimate shows the
+        blocks a fit would checkpoint."""
         model = plan.model
         before = checkpointed_blocks(model)
         num_blocks = None
+        settings = {
+            "optimizer": plan.optimizer,
+            "precision": plan.precision,
+            "accumulate_grad_batches": plan.accumulate_grad_batches,
+            "loss_fn": plan.loss_fn,
+        }
+        self._policy = self.policy
+        if self.policy == "auto":
+            self._measure(model, plan.batch, settings)
         if self.budget is not None:
             choice = blocks_for_budget(
                 model,
                 plan.batch,
                 self.budget,
-                self.policy,
+                self._policy,
                 every_n=self.every_n,
                 selective=self.selective,
-                optimizer=plan.optimizer,
-                precision=plan.precision,
-                accumulate_grad_batches=plan.accumulate_grad_batches,
-                loss_fn=plan.loss_fn,
+                **settings,
             )
             num_blocks = choice.num_blocks
         # offload is not run on fake tensors (no streams, no pinned memory): counted on device
@@ -446,7 +389,7 @@ class ActivationCheckpointing(Technique):
         plan.on_exit(functools.partial(_restore, model, before))
         plan.note(f"{self.name}: {self._describe(names, model)}")
         if self.offload_activations:
-            others = len(_choose(model, self.policy, self.every_n, num_blocks)[1])
+            others = len(_choose(model, self._policy, self.every_n, num_blocks)[1])
             plan.note(
                 f"{self.name}: offload_activations is not modelled by the estimate; the saved "
                 f"activations of the {others} blocks that would offload are counted on the device "
@@ -455,54 +398,80 @@ class ActivationCheckpointing(Technique):
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        own = [
-            n
-            for n, m in pl_module.named_modules()
-            if getattr(m, "gradient_checkpointing", False) is True
-        ]
+        own = [n for n, m in pl_module.named_modules() if _checkpoints_itself(m)]
         if own:
-            self.warn(
-                f"the model's own gradient checkpointing is on ({_span(own)}); with this callback "
-                "the blocks would be recomputed twice. Turn one off (e.g. "
-                "`model.gradient_checkpointing_disable()` for a transformers model)."
-            )
-        if self.budget is not None:
-            self._pending = True  # the estimate needs a batch: decide at the first training batch
+            self.warn(_OWN.format(span=_span(own)))
+        self._policy, self.ranking, self._better = self.policy, None, None
+        if self.budget is not None or self.policy == "auto":
+            # the estimate needs a batch: rank the blocks / search the budget at the first batch
+            self._pending = True
             self._select(pl_module)  # fail now if the policy matches nothing
             return
         self._apply_and_report(trainer, pl_module, None)
+        self._check = True  # measure what the chosen blocks save at the first batch
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._pending:
+        if not (self._pending or self._check):
+            return
+        settings = estimate_settings(trainer, exclude=[self])
+        if self._check:  # explicit policy, no budget: already applied; measure what it saves
+            self._check = False
+            self._measure(pl_module, batch, settings)
+            if self.ranking is not None:
+                self._apply_and_report(trainer, pl_module, None)
             return
         self._pending = False
-        self.choice = blocks_for_budget(
-            pl_module,
-            batch,
-            self.budget,
-            self.policy,
-            every_n=self.every_n,
-            selective=self.selective,
-            **estimate_settings(trainer, exclude=[self]),
-        )
-        self._apply_and_report(trainer, pl_module, self.choice.num_blocks)
+        if self.policy == "auto":
+            self._measure(pl_module, batch, settings)
+        if self.budget is not None:
+            self.choice = blocks_for_budget(
+                pl_module,
+                batch,
+                self.budget,
+                self._policy,
+                every_n=self.every_n,
+                selective=self.selective,
+                **settings,
+            )
+        self._apply_and_report(trainer, pl_module, self.choice.num_blocks if self.choice else None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._active:  # leave the model as it was given (``self.wrapped`` keeps the record)
             remove_activation_checkpointing(pl_module)
             self._active = False
-        self._pending = False
+        self._pending = self._check = False
 
     # -- helpers ----------------------------------------------------------------------------
+    def _measure(self, model: nn.Module, batch: Any, settings: dict[str, Any]) -> None:
+        """Rank the candidate groups (``"auto"``: take the best; nothing to rank with one) or
+        measure the policy's blocks."""
+        self.ranking, self._better = None, None
+        if self.policy == "auto" and len(candidate_groups(model, limit=2)) < 2:
+            return
+        try:
+            self.ranking, self._better = _measured(
+                model, batch, self.policy, self.selective, settings
+            )
+        except Exception as err:  # noqa: BLE001 - e.g. a model the fake estimate cannot run
+            auto = " auto takes the repeated blocks with the most parameters." * (
+                self.policy == "auto"
+            )
+            self.note(
+                f"could not measure what the blocks save ({type(err).__name__}: {err});{auto}"
+            )
+            return
+        if self.policy == "auto" and self.ranking.best is not None:
+            self._policy = self.ranking.best.group.policy
+
     def _select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        return _choose(model, self.policy, self.every_n, None)[0]
+        return _choose(model, self._policy, self.every_n, None)[0]
 
     def _apply(self, model: nn.Module, num_blocks: int | None, offload: bool = True) -> list[str]:
         return apply_activation_checkpointing(
             model,
-            self.policy,
+            self._policy,
             every_n=self.every_n,
             selective=self.selective,
             offload_activations=self.offload_activations and offload,
@@ -510,7 +479,9 @@ class ActivationCheckpointing(Technique):
         )
 
     def _describe(self, names: Sequence[str], model: nn.Module) -> str:
-        total = len(select_modules(model, self.policy))
+        if not names and self.policy == "auto":
+            return "no block checkpointed: the model has no repeated blocks"
+        total = len(select_modules(model, self._policy))
         kind = "selective" if self.selective else "full"
         what = f"{kind} checkpointing of {len(names)}/{total} blocks"
         if names:
@@ -521,11 +492,33 @@ class ActivationCheckpointing(Technique):
             what += f"; saved activations of {offloaded} other blocks offloaded to host"
         return what
 
+    def _savings(self, change: str, figures: dict[str, Any]) -> str:
+        """The measured saving of the chosen blocks (in ``figures``); a note when it is little."""
+        ranking = self.ranking
+        chosen = ranking.best if ranking is not None else None
+        if ranking is None or chosen is None or self.every_n > 1:
+            return change
+        figures.update(
+            activations_before_bytes=ranking.plain_activation_bytes,
+            activations_saved_bytes=chosen.saved_bytes,
+        )
+        little = little_saving(ranking, chosen, self._better)
+        if little is None:
+            return f"{change}; {ranking.describe(chosen)}"
+        self.no_effect(little)
+        return f"{change}; saves little: {ranking.describe(chosen)}"
+
     def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
         self.wrapped = self._apply(pl_module, num_blocks)
         self._active = True
         change = self._describe(self.wrapped, pl_module)
         figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
+        if not self.wrapped and self.policy == "auto":
+            self.no_effect(
+                "no block to checkpoint: the model has no repeated blocks and no block in a "
+                "ModuleList/Sequential/ModuleDict. Pass `policy=` a module class, a class name or a "
+                "name glob."
+            )
         if self.choice is not None:
             c = self.choice
             if c.num_blocks == 0:
@@ -544,6 +537,8 @@ class ActivationCheckpointing(Technique):
                 activations_before_bytes=c.plain_activation_bytes,
                 activations_after_bytes=c.activation_bytes,
             )
+        elif self.wrapped:
+            change = self._savings(change, figures)
         self.report(trainer, change, **figures)
         self.note(change)
         if self.offload_activations:
@@ -555,6 +550,17 @@ class ActivationCheckpointing(Technique):
                 )
         if num_blocks == 0:
             self.note("the plain run already fits the budget; no block is checkpointed.")
+
+
+_OWN = (
+    "the model's own gradient checkpointing is on ({span}); with this callback the blocks would "
+    "be recomputed twice. Turn one off (e.g. `model.gradient_checkpointing_disable()` for a "
+    "transformers model)."
+)
+
+
+def _checkpoints_itself(module: nn.Module) -> bool:
+    return getattr(module, "gradient_checkpointing", False) is True
 
 
 def _span(names: Sequence[str]) -> str:

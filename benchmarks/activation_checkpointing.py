@@ -22,9 +22,6 @@ Prints a table and saves benchmarks/results/activation_checkpointing{,_quick}.{m
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +31,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import environment as base_environment  # noqa: E402
+from _results import save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
@@ -200,17 +201,9 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, str], command: str) -> s
 
 
 def environment() -> dict[str, str]:
-    import lightning
-    import transformers
-
     return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": str(os.cpu_count()),
+        **base_environment(("torch", "lightning", "transformers")),
         "torch threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
     }
 
@@ -223,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         help="smaller TinyGPT, fewer timing rounds, GPT-2 at seq 256 batch 2",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result stem (default benchmarks/results/activation_checkpointing{,_quick})",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -245,14 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         command += f" --threads {args.threads}"
     env = environment()
     text = markdown(rows, env, command)
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "activation_checkpointing" + ("_quick" if args.quick else "")
-    (RESULTS / f"{stem}.md").write_text(text)
-    (RESULTS / f"{stem}.json").write_text(
-        json.dumps({"command": command, "environment": env, "rows": rows}, indent=2)
-    )
-    print(f"saved {RESULTS / stem}.md and .json")
+    stem = args.out or RESULTS / ("activation_checkpointing" + ("_quick" if args.quick else ""))
+    md, js = save_results(stem, text, {"command": command, "environment": env, "rows": rows})
+    print(f"saved {md} and {js}")
     return 0
 
 

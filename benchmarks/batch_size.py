@@ -21,9 +21,7 @@ Writes benchmarks/results/batch_size{,_quick}.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
@@ -191,10 +192,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller, for a fast check")
     parser.add_argument("--budget", default="40MiB", help="TinyGPT budget for the choice (part 1)")
+    parser.add_argument(
+        "--out", default=None, help="result stem (default benchmarks/results/batch_size{,_quick})"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
-    import lightning
-    import transformers
 
     t0 = time.perf_counter()
     rows1, info1 = part1(args)
@@ -232,35 +234,35 @@ def main() -> None:
         )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     cmd = "python benchmarks/batch_size.py" + (" --quick" if args.quick else "")
+    env = {
+        **environment(("torch", "lightning", "transformers")),
+        "torch threads": str(torch.get_num_threads()),
+        "load average": f"{load:.1f}",
+    }
     lines += [
         "",
         f"Machine load average when run: {load:.1f} on {os.cpu_count()} cores (wall samples/s shrink with it; "
         "samples per CPU-second are this process's own time). "
         f"Total {wall:.0f} s.",
         "",
-        f"Hardware/versions: {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch "
-        f"threads, Python {platform.python_version()}, torch {torch.__version__}, lightning "
-        f"{lightning.__version__}, transformers {transformers.__version__}. Command: `{cmd}`.",
+        "Hardware/versions: "
+        + ", ".join(f"{k} {v}" for k, v in env.items())
+        + f". Command: `{cmd}`.",
     ]
-    table = "\n".join(lines)
-    print(table)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "batch_size_quick" if args.quick else "batch_size"
-    (out / f"{stem}.md").write_text(table + "\n")
-    (out / f"{stem}.json").write_text(
-        json.dumps(
-            {
-                "tinygpt": {"rows": rows1, **info1},
-                "gpt2": {"rows": rows2, **info2},
-                "command": cmd,
-                "torch": torch.__version__,
-                "wall_s": wall,
-            },
-            indent=2,
-            default=str,
-        )
-        + "\n"
+    stem = args.out or ROOT / "benchmarks" / "results" / (
+        "batch_size_quick" if args.quick else "batch_size"
+    )
+    save_results(
+        stem,
+        "\n".join(lines),
+        {
+            "tinygpt": {"rows": rows1, **info1},
+            "gpt2": {"rows": rows2, **info2},
+            "command": cmd,
+            "torch": torch.__version__,
+            "wall_s": wall,
+            "environment": env,
+        },
     )
 
 

@@ -36,16 +36,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
-import platform
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import lightning
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -53,6 +50,9 @@ from lightning.pytorch import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
@@ -61,6 +61,18 @@ from lightning_efficient.techniques.compile import TorchCompile  # noqa: E402
 from lightning_efficient.techniques.curriculum import Curriculum, SequenceLengthWarmup  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def bench_environment() -> dict[str, str]:
+    """The shared environment plus this process's torch threads."""
+    return {
+        **environment(("torch", "lightning")),
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+def versions(env: dict[str, str]) -> str:
+    return ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning", "python"))
 
 
 class Clock(Callback):
@@ -177,19 +189,17 @@ def compile_line(comp: dict) -> str:
 
 def compile_only(cfg: dict, args) -> dict:
     comp = compile_part(cfg, args.backend)
+    env = bench_environment()
     meta = {
         "command": f"python benchmarks/curriculum.py --compile-only --backend {args.backend}",
         "model": "TinyGPT n_layer={n_layer} n_embd={n_embd} seq_len={seq_len}".format(
             **cfg["model"]
         ),
-        "versions": f"torch {torch.__version__}, lightning {lightning.__version__}",
+        "versions": versions(env),
     }
     table = f"{compile_line(comp)} {meta['model']}, batch 16; {meta['versions']}. Command: `{meta['command']}`."
-    print(table)
-    out = Path(args.out or RESULTS / f"curriculum_compile_{args.backend}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "compile": comp}, indent=2))
+    out = args.out or RESULTS / f"curriculum_compile_{args.backend}"
+    save_results(out, table, {"meta": meta, "compile": comp, "environment": env})
     return comp
 
 
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "tokens": mine[0]["tokens"],
             }
         )
+    env = bench_environment()
     meta = {
         "command": "python benchmarks/curriculum.py"
         + (" --quick" if args.quick else "")
@@ -295,8 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.target
         else "plain run's validation perplexity at 70% of its steps (mean over seeds)",
         "step_s_by_shape": {f"{a}x{b}": t for (a, b), t in sorted(times.items())},
-        "hardware": f"{platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), 2 cores shared with other jobs",
-        "versions": f"torch {torch.__version__}, lightning {lightning.__version__}, python {platform.python_version()}",
+        "hardware": f"{env['host']}, {env['torch threads']} torch thread(s), shared with other jobs",
+        "versions": versions(env),
     }
     base = rows[0]
 
@@ -331,16 +342,12 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         compile_line(comp),
     ]
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out or RESULTS / ("curriculum_quick" if args.quick else "curriculum"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
     for r in runs:  # per-step lists are long; keep the curves and the summaries
         r.pop("step_s")
         r["shapes"] = sorted({f"{a}x{b}" for a, b in r.pop("shapes")})
-    result = {"meta": meta, "rows": rows, "runs": runs, "compile": comp}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+    result = {"meta": meta, "rows": rows, "runs": runs, "compile": comp, "environment": env}
+    out = args.out or RESULTS / ("curriculum_quick" if args.quick else "curriculum")
+    save_results(out, "\n".join(lines), result)
     return result
 
 

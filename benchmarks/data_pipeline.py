@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,7 +36,6 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
@@ -46,6 +43,9 @@ from torch.utils.data import DataLoader, Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
@@ -322,15 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {
         "command": "python benchmarks/data_pipeline.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
+        **environment(("torch", "lightning")),
         "device": rows[0]["device"],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cpu_cores": len(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
         "auto_num_workers": auto_num_workers(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }
     d, io = workloads["decode"], workloads["input-bound"]
@@ -378,32 +376,24 @@ def main(argv: list[str] | None = None) -> int:
         f"LengthBucketSampler cuts the padded tokens by {pad['tokens_saved_fraction']:.1%} "
         f"(real tokens: {pad['real_tokens']}).",
     ]
-    text = "\n".join(md)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text + "\n")
 
     def slim(rs: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if k != "report"} for r in rs]
 
     tuned = [x["report"].get("DataLoaderTuning") for x in results["input-bound"][1][2]]
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "env": env,
-                "workloads": workloads,
-                "throughput": slim(rows),
-                "input_bound": slim(io_rows),
-                "input_bound_tuning_reports": tuned,
-                "padding": pad,
-            },
-            indent=2,
-            default=str,
-        )
-        + "\n"
+    md_path, json_path = save_results(
+        args.out,
+        "\n".join(md),
+        {
+            "env": env,
+            "workloads": workloads,
+            "throughput": slim(rows),
+            "input_bound": slim(io_rows),
+            "input_bound_tuning_reports": tuned,
+            "padding": pad,
+        },
     )
-    print(f"\nsaved {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    print(f"\nsaved {md_path} and {json_path}")
     return 0
 
 

@@ -21,18 +21,18 @@ Prints tables and saves benchmarks/results/early_stopping{,_quick}.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
 
-import lightning
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.functional import PlateauTracker, scale_lr, set_lr  # noqa: E402
@@ -232,12 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
         plat, div = plateau(32, 240, 10), divergence(60)
     else:
         plat, div = plateau(64, 300, 10), divergence(120)
+    env = {**environment(("torch", "lightning")), "torch threads": str(torch.get_num_threads())}
     meta = {
         "command": "python benchmarks/early_stopping.py" + (" --quick" if args.quick else ""),
         "model": "TinyGPT n_layer=2 n_embd=32 seq_len=32 batch=4, AdamW lr 3e-3 (cosine)",
-        "hardware": f"{platform.machine()} CPU, {torch.get_num_threads()} threads (shared)",
-        "versions": f"torch {torch.__version__}, lightning {lightning.__version__}, "
-        f"python {platform.python_version()}",
+        "hardware": f"{env['host']}, {env['torch threads']} torch threads (shared)",
+        "versions": ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning", "python")),
     }
     p = plat
     lines = [
@@ -279,13 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
         trips = ", ".join(f"{t['step']}: {t['action']}" for t in r["trips"]) or "-"
         vs = f"{r['vs_clean']:+.2%}" if r["vs_clean"] is not None else "NaN"
         lines.append(f"| {r['fault']} | {r['guard']} | {r['val_loss']:.4f} | {vs} | {trips} |")
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out or RESULTS / ("early_stopping_quick" if args.quick else "early_stopping"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    result = {"meta": meta, "plateau": plat, "divergence": div}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    result = {"meta": meta, "plateau": plat, "divergence": div, "environment": env}
+    out = args.out or RESULTS / ("early_stopping_quick" if args.quick else "early_stopping")
+    save_results(out, "\n".join(lines), result)
     return result
 
 

@@ -175,6 +175,11 @@ def without_value_checks() -> Iterator[None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sequence 128")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result stem (default benchmarks/results/estimate_accuracy{,_quick})",
+    )
     args = parser.parse_args()
     seq = 128 if args.quick else 512
     torch.set_num_threads(2)
@@ -244,7 +249,7 @@ def main() -> None:
             + (" --quick`." if args.quick else "`."),
         ]
     )
-    stem = (
+    stem = args.out or (
         ROOT
         / "benchmarks"
         / "results"

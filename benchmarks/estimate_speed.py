@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.measure import estimate_memory, measure_step  # noqa: E402
 from lightning_efficient.measure.estimate import CATEGORIES  # noqa: E402
@@ -48,10 +49,14 @@ def gpt2(**overrides):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sequence 256, batch 2")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result stem (default benchmarks/results/estimate_speed{,_quick})",
+    )
     args = parser.parse_args()
     seq, batch = (256, 2) if args.quick else (1024, 8)
     torch.set_num_threads(2)
-    import transformers
 
     with torch.device("meta"):
         model = gpt2(n_positions=1024)
@@ -108,13 +113,10 @@ def main() -> None:
         )
 
     env = {
-        "cpu": platform.processor() or platform.machine(),
+        **environment(("torch", "transformers")),
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
         "load_avg": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
     }
     title = (
         f"GPT-2 small ({n_params / 1e6:.0f}M parameters), sequence {seq}, batch {batch}, 2 steps"
@@ -148,19 +150,16 @@ def main() -> None:
         "",
     ]
     md += [
-        f"Hardware/versions: {env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, Python {env['python']}, "
+        f"Hardware/versions: {env['host']}, {env['threads']} torch threads, Python {env['python']}, "
         f"torch {env['torch']}, transformers {env['transformers']}. Command: "
         f"`python benchmarks/estimate_speed.py{' --quick' if args.quick else ''}`."
     ]
-    text = "\n".join(md)
-    print("\n" + text)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "estimate_speed_quick" if args.quick else "estimate_speed"
-    (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(
-        json.dumps({"title": title, "rows": rows, "accuracy": accuracy, "env": env}, indent=2)
-        + "\n"
+    print()
+    stem = args.out or ROOT / "benchmarks" / "results" / (
+        "estimate_speed_quick" if args.quick else "estimate_speed"
+    )
+    save_results(
+        stem, "\n".join(md), {"title": title, "rows": rows, "accuracy": accuracy, "env": env}
     )
 
 

@@ -27,9 +27,6 @@ Prints a table and saves benchmarks/results/optimizers{,_quick}{,_convergence}{,
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import warnings
@@ -40,6 +37,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import environment as base_environment  # noqa: E402
+from _results import save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
@@ -204,17 +205,9 @@ def convergence(
 
 
 def environment() -> dict[str, Any]:
-    import bitsandbytes
-    import lightning
-
     return {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": os.cpu_count(),
+        **base_environment(("torch", "lightning", "bitsandbytes")),
         "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "bitsandbytes": bitsandbytes.__version__,
         "device": "cpu (no GPU): paged optimizers fall back to plain buffers; adamw_fused runs foreach AdamW",
     }
 
@@ -303,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gradient-clip", type=float, default=None, help="gradient_clip_val of the fits"
     )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result stem (default benchmarks/results/optimizers{,_quick}{,_convergence}{,_clipped})",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings(
         "ignore", message=".*(Paged optimizers|does not have many workers|litlogger).*"
@@ -332,28 +330,24 @@ def main(argv: list[str] | None = None) -> int:
     command += " --convergence-only" if args.convergence_only else ""
     command += f" --gradient-clip {args.gradient_clip}" if args.gradient_clip else ""
     md = to_markdown(env, cfg, batch_size, mem, conv, conv_cfg, conv_batch, command)
-    print(md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "optimizers_quick" if args.quick else "optimizers"
     stem += "_convergence" if args.convergence_only else ""
     stem += "_clipped" if args.gradient_clip else ""
-    (RESULTS / f"{stem}.md").write_text(md + "\n")
-    (RESULTS / f"{stem}.json").write_text(
-        json.dumps(
-            {
-                "environment": env,
-                "config": cfg,
-                "batch_size": batch_size,
-                "convergence_config": conv_cfg,
-                "convergence_batch_size": conv_batch,
-                "memory_and_time": mem,
-                "convergence": conv,
-                "command": command,
-            },
-            indent=2,
-        )
+    md_path, json_path = save_results(
+        args.out or RESULTS / stem,
+        md,
+        {
+            "environment": env,
+            "config": cfg,
+            "batch_size": batch_size,
+            "convergence_config": conv_cfg,
+            "convergence_batch_size": conv_batch,
+            "memory_and_time": mem,
+            "convergence": conv,
+            "command": command,
+        },
     )
-    print(f"\nsaved {RESULTS / stem}.md and .json")
+    print(f"\nsaved {md_path} and {json_path}")
     return 0
 
 

@@ -14,8 +14,6 @@ Writes benchmarks/results/planner{,_quick}.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 import warnings
@@ -25,6 +23,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.planner import plan_stack  # noqa: E402
@@ -45,6 +46,9 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--out", default=None, help="result stem (default benchmarks/results/planner{,_quick})"
+    )
     args = parser.parse_args()
     seq, batch = (256, 2) if args.quick else (1024, 8)
     budgets = ["80GiB", "24GiB", "16GiB", "8GiB"] if not args.quick else ["8GiB", "3GiB", "2GiB"]
@@ -85,25 +89,17 @@ def main() -> None:
         lines.append(
             f"| {r['budget']} | {r['stack']} | {peak} | {host} | {r['estimated']} | {r['seconds']} |"
         )
-    env = {
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
     lines += [
         "",
-        f"Hardware/versions: {env}. Command: `python benchmarks/planner.py{' --quick' if args.quick else ''}`.",
+        "Hardware/versions: "
+        + ", ".join(f"{k} {v}" for k, v in env.items())
+        + f". Command: `python benchmarks/planner.py{' --quick' if args.quick else ''}`.",
     ]
-    text = "\n".join(lines)
-    print(text)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "planner_quick" if args.quick else "planner"
-    (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(
-        json.dumps({"title": title, "rows": rows, "env": env}, indent=2) + "\n"
+    stem = args.out or ROOT / "benchmarks" / "results" / (
+        "planner_quick" if args.quick else "planner"
     )
+    save_results(stem, "\n".join(lines), {"title": title, "rows": rows, "env": env})
 
 
 if __name__ == "__main__":

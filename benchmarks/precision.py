@@ -15,17 +15,17 @@ Prints a table and saves benchmarks/results/precision.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 
-import lightning
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
@@ -107,13 +107,14 @@ def main(argv: list[str] | None = None) -> dict:
         r["speed_vs_fp32"] = ref["steady_step_s"] / r["steady_step_s"]
         r["memory_vs_fp32"] = r["peak_bytes"] / ref["peak_bytes"]
         r["val_loss_vs_fp32"] = r["val_loss"] / ref["val_loss"] - 1
+    env = {**environment(("torch", "lightning")), "torch threads": str(torch.get_num_threads())}
     meta = {
         "command": "python benchmarks/precision.py" + (" --quick" if args.quick else ""),
         "model": f"TinyGPT n_layer={model_cfg['n_layer']} n_embd={model_cfg['n_embd']} seq_len={model_cfg['seq_len']} "
         f"batch={data_cfg['batch_size']}, {steps} steps, AdamW",
-        "hardware": f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
+        "hardware": f"{env['host']}, {env['torch threads']} torch threads, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}; best_precision('cpu') = {best_precision('cpu')!r}",
-        "versions": f"torch {torch.__version__}, lightning {lightning.__version__}, python {platform.python_version()}",
+        "versions": ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning", "python")),
     }
     lines = [
         f"# Precision on the CPU ({meta['model']})",
@@ -129,13 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{format_bytes(r['peak_bytes'])} | {r['memory_vs_fp32']:.2f}x | {r['final_train_loss']:.4f} | "
             f"{r['val_loss']:.4f} | {r['val_loss_vs_fp32']:+.2%} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    result = {"meta": meta, "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    result = {"meta": meta, "rows": rows, "environment": env}
+    save_results(args.out, "\n".join(lines), result)
     return result
 
 

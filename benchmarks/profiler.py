@@ -31,14 +31,12 @@ import contextlib
 import io
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
@@ -48,6 +46,9 @@ from torch.utils.data import DataLoader, Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
@@ -307,10 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 5)
     out = Path(args.out or RESULTS / ("profiler_quick" if args.quick else "profiler"))
     if args.render:
-        saved = json.loads(out.with_suffix(".json").read_text())
+        saved = json.loads(out.with_name(out.name + ".json").read_text())
         text = render(saved["env"], saved["overhead"], saved["flops"], saved["verdicts"])
-        out.with_suffix(".md").write_text(text + "\n")
-        print(text)
+        save_results(out, text, saved)
         return 0
     warnings.filterwarnings("ignore")
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -347,25 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     verdict = verdicts()
 
     env = {
+        **environment(("torch", "lightning")),
         "device": "cpu (no GPU)",
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
         "load_average_at_start": load,
         "command": "python benchmarks/profiler.py" + (" --quick" if args.quick else ""),
     }
     text = render(env, overhead, flops, verdict)
-    print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text + "\n")
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {"env": env, "overhead": overhead, "flops": flops, "verdicts": verdict}, indent=2
-        )
-        + "\n"
-    )
+    save_results(out, text, {"env": env, "overhead": overhead, "flops": flops, "verdicts": verdict})
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -43,6 +42,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import environment as base_environment  # noqa: E402
+from _results import save_results  # noqa: E402
 
 from lightning_efficient.core.validate import parse_bytes  # noqa: E402
 
@@ -83,16 +86,7 @@ def n_params(model: torch.nn.Module) -> int:
 
 
 def environment() -> dict[str, str]:
-    import deepspeed
-    import lightning
-
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "deepspeed": deepspeed.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-    }
+    env = base_environment(("torch", "lightning", "deepspeed"))
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
@@ -512,6 +506,11 @@ def main() -> None:
     parser.add_argument("--child-setting", help=argparse.SUPPRESS)
     parser.add_argument("--child-host", help=argparse.SUPPRESS)
     parser.add_argument("--host-width", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result stem (default benchmarks/results/zero_offload{,_quick,_gpu})",
+    )
     args = parser.parse_args()
     if args.child_size:
         return _train_once(args)
@@ -554,15 +553,9 @@ def main() -> None:
         }
         result["seconds"] = time.perf_counter() - t
         suffix = "_quick" if args.quick else ""
-    text = markdown(result)
-    print(text)
-    out_dir = ROOT / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"zero_offload{suffix}.md").write_text(text + "\n")
-    (out_dir / f"zero_offload{suffix}.json").write_text(
-        json.dumps(result, indent=2, default=str) + "\n"
-    )
-    print(f"saved benchmarks/results/zero_offload{suffix}.md and .json")
+    stem = args.out or ROOT / "benchmarks" / "results" / f"zero_offload{suffix}"
+    md, js = save_results(stem, markdown(result), result)
+    print(f"saved {md} and {js}")
 
 
 if __name__ == "__main__":

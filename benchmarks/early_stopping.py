@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
         "|---|---|---|---|---|---|",
         f"| full run | {p['full_steps']} | {p['full_wall_s']:.1f} s | {p['full_cpu_s']:.1f} s | "
         f"{p['full_final_ppl']:.2f} | {p['full_best_ppl']:.2f} (step {p['full_best_step']}) |",
-        f"| EarlyStopper | {p['stopped_steps']} (-{p['steps_saved_fraction']:.0%}) | "
-        f"{p['stopped_wall_s']:.1f} s (-{p['wall_saved_fraction']:.0%}) | "
-        f"{p['stopped_cpu_s']:.1f} s (-{p['cpu_saved_fraction']:.0%}) | "
+        f"| EarlyStopper | {p['stopped_steps']} ({-p['steps_saved_fraction']:+.0%}) | "
+        f"{p['stopped_wall_s']:.1f} s ({-p['wall_saved_fraction']:+.0%}) | "
+        f"{p['stopped_cpu_s']:.1f} s ({-p['cpu_saved_fraction']:+.0%}) | "
         f"{p['stopped_final_ppl']:.2f} ({p['ppl_vs_full_best']:+.2%} vs the full run's best) | "
         f"best weights of step {p['stopped_best_step']} restored |",
         "",

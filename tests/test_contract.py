@@ -299,6 +299,34 @@ CASES.append(
     )
 )
 
+# -- scale out (issue 17): FSDP2 on an unmodified module; on one process the maths is the plain
+# run's; tests/test_fsdp.py checks 2 processes against the plain run and the techniques under it
+from lightning_efficient.techniques.fsdp import DTYPES, FullyShardedStrategy  # noqa: E402
+
+CASES.append(
+    Case(
+        FullyShardedStrategy,
+        init_args={"policy": "auto", "sharding": "full"},
+        bad_args=[
+            ({"sharding": "hybrid"}, "sharding"),
+            ({"param_dtype": "int8"}, "param_dtype"),
+            ({"reduce_dtype": 16}, "reduce_dtype"),
+            ({"cpu_offload": "yes"}, "cpu_offload"),
+            ({"policy": "re:(unclosed"}, "policy"),
+            ({"process_group_backend": "mpi"}, "process_group_backend"),
+        ],
+        fuzz={
+            "sharding": st.text(max_size=8).filter(lambda s: s not in ("full", "grad_op")),
+            "param_dtype": st.text(max_size=6).filter(lambda s: s not in DTYPES) | st.integers(),
+            "cpu_offload": st.integers() | st.text(max_size=4) | st.none(),
+        },
+        kind="strategy",
+        stateful=False,
+        # on one process keep the loader's own sampler (a distributed strategy would wrap it)
+        trainer_kwargs={"use_distributed_sampler": False},
+    )
+)
+
 # -- batch size (issue 6): the plain run's batch (4) fits, so the maths is the plain run's
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
 

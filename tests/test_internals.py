@@ -226,3 +226,13 @@ def test_adafactor_init_group_and_composite_schedulers() -> None:
 def test_lightning_precision_values() -> None:
     values = I.lightning_precision_values()
     assert {"bf16-mixed", "32-true", "16-mixed"} <= set(values) and 32 in values
+
+
+def test_set_model_parallel_sizes() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    I.set_model_parallel_sizes(strategy, data_parallel=4, tensor_parallel=1)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)
+    with pytest.raises(I.InternalsError, match="_data_parallel_size"):
+        I.set_model_parallel_sizes(DDPStrategy(), data_parallel=2, tensor_parallel=1)

@@ -103,3 +103,26 @@ def test_estimate_of_a_model_per_rank() -> None:
     )
     assert max(results["full"].peak_bytes, results["zero2"].peak_bytes) < results["ddp"].peak_bytes
     assert results["full"].by_category["activations"] == one.by_category["activations"]
+
+
+def test_estimate_command_per_rank(capsys) -> None:
+    import re
+    from pathlib import Path
+
+    from lightning_efficient.cli import main
+
+    demo = str(Path(__file__).parents[1] / "configs" / "demo_plain.yaml")
+    peaks = {}
+    for flags in (
+        [],
+        ["--devices", "4", "--sharding", "full"],
+        ["--devices", "2", "--num-nodes", "2", "--sharding", "zero2"],
+    ):
+        assert main(["estimate", "--config", demo, "--batch-size", "2", "--markdown", *flags]) == 0
+        out = capsys.readouterr().out
+        peaks[" ".join(flags)] = re.search(r"\*\*peak \(\w+\)\*\* \| \*\*([0-9.]+ \w+)\*\*", out)[1]
+        if flags:
+            assert f"one rank of 4 ({flags[-1]})" in out
+    assert len(set(peaks.values())) == 3  # each strategy divides the state differently
+    with pytest.raises(SystemExit):
+        main(["estimate", "--config", demo, "--sharding", "hybrid"])

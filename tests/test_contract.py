@@ -717,10 +717,18 @@ def test_losses_match_plain_run(case: Case, tmp_path) -> None:
 # -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------
 @pytest.mark.parametrize("case", ALL, ids=ids)
 def test_ddp_two_processes(case: Case, tmp_path) -> None:
+    import os
+
     out = tmp_path / "ddp.json"
+    # a 1-process fit in this process under a launching strategy (FullyShardedStrategy) leaves
+    # Lightning's launcher variables in os.environ (LOCAL_RANK: the child would think it was
+    # launched and wait for a rank 1; MASTER_PORT: maybe still taken): the child starts clean
+    launched = ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launched}
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
         cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
         timeout=subprocess_timeout(600),

@@ -267,6 +267,13 @@ class FullyShardedStrategy(ModelParallelStrategy):
                 set_optimizer_state_dict(self.model, optimizer, state, options=options)
         return checkpoint
 
+    def teardown(self) -> None:
+        super().teardown()
+        # one process: the group (and its TCP store on MASTER_PORT) is this fit's alone; leave
+        # none behind for the next fit or a child process that reads the same MASTER_PORT
+        if self.world_size == 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def on_train_end(self) -> None:
         super().on_train_end()
         trainer = self.lightning_module.trainer

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
+from lightning_efficient.measure.per_rank import SHARDINGS, world_size_of
 from lightning_efficient.measure.settings import estimate_settings
 
 __all__ = ["estimate_command", "profile_command", "config_workload", "fail"]
@@ -51,6 +52,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default: 2)")
     p.add_argument(
         "--cuda-rounding", action="store_true", help="round allocations as the CUDA allocator does"
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks the state is divided over (default: --devices x --num-nodes)",
+    )
+    p.add_argument("--devices", type=int, default=1, help="processes per node (default: 1)")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
+    p.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default=None,
+        help="how the state is divided: ddp (default with several ranks), full / grad_op "
+        "(FSDP), zero1 / zero2 / zero3; the table is one rank's peak",
     )
     p.add_argument("--markdown", action="store_true", help="print Markdown instead of a rich table")
     return p
@@ -101,6 +117,8 @@ def estimate_command(argv: Sequence[str]) -> int:
     if args.optimizer is not None:
         settings["optimizer"] = args.optimizer
     try:
+        world = args.world_size or world_size_of(args.devices, args.num_nodes)
+        settings["world_size"], settings["sharding"] = world, args.sharding
         est = estimate_memory(
             model,
             batch,
@@ -111,6 +129,8 @@ def estimate_command(argv: Sequence[str]) -> int:
         return fail(str(err))
     optimizer = args.optimizer or "configured optimizer"
     title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {optimizer}"
+    if world > 1 or args.sharding:
+        title += f", one rank of {world} ({args.sharding or 'ddp'})"
     if args.markdown:
         print(f"{title}\n\n{est.to_markdown()}")
     else:

@@ -98,3 +98,40 @@ def subprocess_timeout(seconds: float) -> float:
     except OSError:  # pragma: no cover - platforms without a load average
         load = 1.0
     return seconds * max(1.0, load) * float(os.environ.get("LE_TEST_TIMEOUT_SCALE", "1"))
+
+
+class _Interleaved(torch.utils.data.Sampler):
+    """Rank r of w reads samples r, r + w, r + 2w, ... (the world read when iterated)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return len(range(0, self.n, world))
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return iter(range(rank, self.n, world))
+
+
+def interleaved_data(batch_size: int, **overrides: Any) -> Any:
+    """``tiny_data`` in a fixed order, each rank reading every world-size-th sample: with
+    ``use_distributed_sampler=False``, w ranks at ``batch_size`` read together what one process
+    reads at ``w * batch_size`` (the same samples, step by step)."""
+    from torch.utils.data import DataLoader
+
+    data = tiny_data(batch_size=batch_size, **overrides)
+
+    def train_dataloader() -> DataLoader:
+        n = len(data.train_set)
+        return DataLoader(
+            data.train_set, batch_size=batch_size, sampler=_Interleaved(n), drop_last=True
+        )
+
+    data.train_dataloader = train_dataloader
+    return data

@@ -299,6 +299,34 @@ CASES.append(
     )
 )
 
+# -- scale out (issue 17): FSDP2 on an unmodified module; on one process the maths is the plain
+# run's; tests/test_fsdp.py checks 2 processes against the plain run and the techniques under it
+from lightning_efficient.techniques.fsdp import DTYPES, FullyShardedStrategy  # noqa: E402
+
+CASES.append(
+    Case(
+        FullyShardedStrategy,
+        init_args={"policy": "auto", "sharding": "full"},
+        bad_args=[
+            ({"sharding": "hybrid"}, "sharding"),
+            ({"param_dtype": "int8"}, "param_dtype"),
+            ({"reduce_dtype": 16}, "reduce_dtype"),
+            ({"cpu_offload": "yes"}, "cpu_offload"),
+            ({"policy": "re:(unclosed"}, "policy"),
+            ({"process_group_backend": "mpi"}, "process_group_backend"),
+        ],
+        fuzz={
+            "sharding": st.text(max_size=8).filter(lambda s: s not in ("full", "grad_op")),
+            "param_dtype": st.text(max_size=6).filter(lambda s: s not in DTYPES) | st.integers(),
+            "cpu_offload": st.integers() | st.text(max_size=4) | st.none(),
+        },
+        kind="strategy",
+        stateful=False,
+        # on one process keep the loader's own sampler (a distributed strategy would wrap it)
+        trainer_kwargs={"use_distributed_sampler": False},
+    )
+)
+
 # -- batch size (issue 6): the plain run's batch (4) fits, so the maths is the plain run's
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery  # noqa: E402
 
@@ -689,10 +717,18 @@ def test_losses_match_plain_run(case: Case, tmp_path) -> None:
 # -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------
 @pytest.mark.parametrize("case", ALL, ids=ids)
 def test_ddp_two_processes(case: Case, tmp_path) -> None:
+    import os
+
     out = tmp_path / "ddp.json"
+    # a 1-process fit in this process under a launching strategy (FullyShardedStrategy) leaves
+    # Lightning's launcher variables in os.environ (LOCAL_RANK: the child would think it was
+    # launched and wait for a rank 1; MASTER_PORT: maybe still taken): the child starts clean
+    launched = ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launched}
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
         cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
         timeout=subprocess_timeout(600),

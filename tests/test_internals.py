@@ -259,3 +259,13 @@ def test_hf_mask_checks_answer_from_the_real_batch() -> None:
     got, assumed = mask(None)
     assert got is None and assumed == [I.NO_PADDING_NOTE]
     assert {n: getattr(mu, n) for n in present} == originals  # put back
+
+
+def test_set_model_parallel_sizes() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    I.set_model_parallel_sizes(strategy, data_parallel=4, tensor_parallel=1)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)
+    with pytest.raises(I.InternalsError, match="_data_parallel_size"):
+        I.set_model_parallel_sizes(DDPStrategy(), data_parallel=2, tensor_parallel=1)

@@ -39,6 +39,8 @@ PRIVATE_ATTRIBUTES = {
     "_init_optimizers",
     "_restore_zero_state",
     "_PRECISION_INPUT",
+    "_data_parallel_size",
+    "_tensor_parallel_size",
 }
 INTERNALS = f"{PACKAGE}.core._internals"
 

@@ -47,6 +47,7 @@ __all__ = [
     "check_deepspeed_strategy_hooks",
     "link_zero_optimizer_states",
     "torch_extension_dir",
+    "set_model_parallel_sizes",
 ]
 
 #: Versions the package is tested with: (lowest, highest) release, inclusive by minor version.
@@ -505,3 +506,18 @@ def hf_mask_checks_on_values(
     finally:
         for module, name, fn in reversed(patched):
             setattr(module, name, fn)
+
+
+# --- Lightning: FullyShardedStrategy (the model-parallel strategy's mesh sizes) ------------------
+def set_model_parallel_sizes(strategy: Any, *, data_parallel: int, tensor_parallel: int) -> None:
+    """Set the mesh sizes ``ModelParallelStrategy.setup_environment`` builds its device mesh
+    from (its constructor takes them, but the world size is known only once the trainer set the
+    devices and nodes)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy) or not hasattr(
+        strategy, "_data_parallel_size"
+    ):
+        raise _moved("lightning", "ModelParallelStrategy._data_parallel_size")
+    strategy._data_parallel_size = data_parallel
+    strategy._tensor_parallel_size = tensor_parallel

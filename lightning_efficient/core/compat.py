@@ -212,3 +212,18 @@ def _optimizer_step_veto(trainer: Any, techniques: Sequence[Any]) -> str | None:
     if not problems:
         return None
     return f"{_names(vetoes)} cannot be combined: " + "; and ".join(problems) + "."
+
+
+@rule
+def _sharded_parameters(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """A strategy that shards parameters (``shards_parameters``, e.g. FullyShardedStrategy)
+    hands techniques DTensor parameters; the ones that declare they cannot handle them stop."""
+    strategy = getattr(trainer, "strategy", None)
+    if not getattr(strategy, "shards_parameters", False):
+        return None
+    problems = [
+        f"{type(t).__name__} under {type(strategy).__name__}: {t.sharding_conflict}"
+        for t in techniques
+        if getattr(t, "sharding_conflict", None)
+    ]
+    return "; ".join(problems) or None

@@ -54,6 +54,9 @@ class Technique(Callback):
     #: Drops optimizer steps from ``on_before_optimizer_step`` (so the step must come after that
     #: hook and use the gradients it sees).
     vetoes_optimizer_step: bool = False
+    #: Why the technique cannot run when a strategy shards the parameters (DTensors under FSDP2,
+    #: ``strategy.shards_parameters``) and what to use instead; ``None``: it works sharded.
+    sharding_conflict: str | None = None
 
     def __init__(self) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ from lightning_efficient.core._internals import (
     hf_mask_checks_on_values,
     module_tensor_slots,
 )
+from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
 from lightning_efficient.measure.settings import configured_optimizer
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import (
@@ -201,6 +202,9 @@ def estimate_memory(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     cuda_rounding: bool = False,
     accumulate_grad_batches: int = 1,
+    world_size: int = 1,
+    sharding: str | None = None,
+    block_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Device memory of ``steps`` training steps of ``model`` on ``batch``, without allocating.
 
@@ -225,8 +229,15 @@ def estimate_memory(
         cuda_rounding: Round every allocation the way the CUDA caching allocator does
             (512 bytes; 2 MiB blocks above 1 MiB).
         accumulate_grad_batches: Micro-batches per optimizer step.
+        world_size: Ranks the training state is divided over (``batch`` is one rank's batch).
+        sharding: How it is divided: ``"ddp"`` (the default when ``world_size > 1``),
+            ``"full"`` / ``"grad_op"`` (FSDP), ``"zero1"``, ``"zero2"``, ``"zero3"``; the result
+            is one rank's peak (:mod:`lightning_efficient.measure.per_rank`).
+        block_bytes: Parameter bytes of the largest block (gathered whole by FSDP / ZeRO-3);
+            ``None``: the largest member of a ``ModuleList``.
     """
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
+    check_sharding(world_size, sharding)
     notes = []
     if optimizer is None and hasattr(model, "configure_optimizers"):
         optimizer, note = configured_optimizer(model, foreach_default=True)
@@ -266,6 +277,15 @@ def estimate_memory(
                 model.train(was_training)
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
+    if world_size > 1 or sharding is not None:  # one rank's share (measure/per_rank.py)
+        result = per_rank_for_model(
+            result,
+            model,
+            world_size=world_size,
+            sharding=sharding,
+            precision=precision,
+            block_bytes=block_bytes,
+        )
     return result
 
 

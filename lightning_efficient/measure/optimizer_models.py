@@ -387,6 +387,8 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     the measurement; this is the quick count."""
     seen, total = set(), 0
     for value in optimizer_state_tensors(optimizer):
+        if callable(getattr(value, "to_local", None)):  # a DTensor (FSDP2): this rank's shard
+            value = value.to_local()
         storage = value.untyped_storage()
         key = (storage.data_ptr(), value.device)
         if key not in seen:

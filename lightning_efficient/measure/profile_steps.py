@@ -41,6 +41,14 @@ def _count_once(self, trainer: Any, pl_module: Any, batch: Any) -> None:
     self._count_samples = batch_counts(batch)[0]
     if self.flops_per_step is not None:
         return
+    sharder = trainer.strategy if getattr(trainer.strategy, "shards_parameters", False) else None
+    if sharder is not None:  # a fake forward would run the strategy's gather hooks on fake tensors
+        self._count_error = f"parameters sharded by {type(sharder).__name__}"
+        self.note(
+            f"FLOPs are not counted on fake tensors when {type(sharder).__name__} shards the "
+            "parameters; MFU is unknown. Pass StepProfiler(flops_per_step=...) to set them."
+        )
+        return
     try:
         self._count = count_flops(pl_module, batch, precision=_precision(trainer))
     except Exception as err:  # a model that needs real values; MFU is then unknown
@@ -54,6 +62,9 @@ def _count_once(self, trainer: Any, pl_module: Any, batch: Any) -> None:
 def _plain_estimate(self, trainer: Any, pl_module: Any) -> int | None:
     from lightning_efficient.measure.estimate import estimate_memory
 
+    if getattr(trainer.strategy, "shards_parameters", False):
+        self.note("compare_plain: not estimated when the strategy shards the parameters; skipped.")
+        return None
     try:
         batch = _example_batch(trainer)
         if batch is None:

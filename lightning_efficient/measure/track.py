@@ -66,6 +66,8 @@ class _Storage:
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     for x in tree_flatten(obj)[0]:
         if isinstance(x, torch.Tensor):
+            if hasattr(x, "placements") and callable(getattr(x, "to_local", None)):
+                x = x.to_local()  # a DTensor (FSDP2): this rank holds its local shard only
             yield x
 
 

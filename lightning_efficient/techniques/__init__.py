@@ -21,6 +21,7 @@ from lightning_efficient.techniques.dataloading import (
     LengthBucketSampler,
 )
 from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper
+from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision
 from lightning_efficient.techniques.zero_offload import ZeROOffload
@@ -42,6 +43,7 @@ TECHNIQUES: list[type] = [
     Curriculum,
     SequenceLengthWarmup,
     ZeROOffload,
+    FullyShardedStrategy,
     EarlyStopper,
     DivergenceGuard,
 ]

@@ -67,6 +67,17 @@ class OptimizerSwap(Technique):
     def steps_in_backward(self) -> bool:  # read by the compatibility rules
         return self.optimizer_in_backward
 
+    @property
+    def sharding_conflict(self) -> str | None:  # read by the compatibility rules
+        module = optimizer_class(self.optimizer_name).__module__
+        if module.startswith("torch."):
+            return None  # torch's optimizers step DTensor shards
+        return (
+            f"the optimizer {self.optimizer_name!r} ({module}) steps plain tensors and cannot "
+            "step sharded (DTensor) parameters. Use OptimizerSwap('adamw_fused') (torch's AdamW) "
+            "under FSDP, or ZeROOffload / DDP to keep a non-torch optimizer"
+        )
+
     def __init__(
         self,
         name: str,

@@ -89,3 +89,26 @@ def test_every_card_lists_the_bad_inputs_each_argument_refuses() -> None:
         assert not missing, (
             f"{card.name}: arguments of {cls.__name__} not in its bad-input list: {missing}"
         )
+
+
+def test_index_is_generated() -> None:
+    """docs/index.md is what `python benchmarks/make_index.py` writes from the registry and the
+    benchmark results now (re-run the script after a benchmark or a new technique)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "make_index", DOCS.parent / "benchmarks" / "make_index.py"
+    )
+    make_index = importlib.util.module_from_spec(spec)
+    sys.modules["make_index"] = make_index  # dataclasses look their module up there
+    spec.loader.exec_module(make_index)
+    assert (DOCS / "index.md").read_text() == make_index.render(), (
+        "docs/index.md is stale: run python benchmarks/make_index.py"
+    )
+    from lightning_efficient.techniques import TECHNIQUES
+
+    text = (DOCS / "index.md").read_text()
+    assert all(f"`{t.__name__}`" in text for t in TECHNIQUES)
+    for link in re.findall(r"\]\(([^)#]+)\)", text):  # every card, notebook and results file
+        assert (DOCS / link).resolve().exists(), link

@@ -35,6 +35,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: what Lightning's launch writes into os.environ; a child process started after an in-process
+#: fit that left them would think it was launched already (LOCAL_RANK) and wait for its peers
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "RANK",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_variables_leak():
+    before = {k: os.environ.get(k) for k in _LAUNCHER_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def deepspeed_extensions():
     """DeepSpeed's CPU extensions, built once per session before a test needs them and outside

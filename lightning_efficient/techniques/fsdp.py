@@ -21,6 +21,7 @@ step (``core.compat``).
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +53,8 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 #: The LightningModule methods that run the forward (FSDP's hooks must run around them).
+#: Variables Lightning's launch sets in ``os.environ``; a 1-process fit puts them back as they were
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
@@ -186,6 +189,8 @@ class FullyShardedStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.sharded_blocks: list[str] = []
+        # as they were before the launch (which runs before any hook) writes them
+        self._environ_before = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
 
     def setup_environment(self) -> None:
         # one data-parallel dimension over every rank (the parent's default is nodes x devices)
@@ -273,6 +278,12 @@ class FullyShardedStrategy(ModelParallelStrategy):
         # none behind for the next fit or a child process that reads the same MASTER_PORT
         if self.world_size == 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if self.world_size == 1:  # nor the launcher variables (a child would think it was launched)
+            for key, value in getattr(self, "_environ_before", {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def on_train_end(self) -> None:
         super().on_train_end()

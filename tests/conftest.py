@@ -35,27 +35,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-#: what Lightning's launch writes into os.environ; a child process started after an in-process
-#: fit that left them would think it was launched already (LOCAL_RANK) and wait for its peers
-_LAUNCHER_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "WORLD_SIZE",
-    "RANK",
-)
-
-
+# an in-process fit that left Lightning's launcher variables would make a child process started
+# by a later test think it was launched already (LOCAL_RANK) and wait for its peers
 @pytest.fixture(autouse=True)
 def _no_launcher_variables_leak():
-    before = {k: os.environ.get(k) for k in _LAUNCHER_VARIABLES}
+    from lightning_efficient.core.environ import launcher_environ, restore_environ
+
+    before = launcher_environ()
     yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    restore_environ(before)
 
 
 @pytest.fixture(scope="session")

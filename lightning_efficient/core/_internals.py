@@ -397,7 +397,9 @@ def _hf_batch_facts(
 ) -> tuple[bool | None, bool | None]:
     """(padded, packed) of a real batch tensor as transformers would find them; ``None``: not
     known (no values, or not an integer/bool tensor)."""
-    if real is None or real.is_meta or real.is_floating_point() or real.is_complex():
+    if real is None or isinstance(real, FakeTensor) or real.is_meta:
+        return None, None  # no values to read (a batch given fake, on meta, or by shape)
+    if real.is_floating_point() or real.is_complex():
         return None, None
     if real.numel() == 0 or real.dim() > 2:
         return None, None

@@ -21,7 +21,6 @@ step (``core.compat``).
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_efficient.core import _internals
+from lightning_efficient.core.environ import launcher_environ, restore_environ
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import techniques_of
 from lightning_efficient.core.validate import check_bool, check_choice
@@ -53,8 +53,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 #: The LightningModule methods that run the forward (FSDP's hooks must run around them).
-#: Variables Lightning's launch sets in ``os.environ``; a 1-process fit puts them back as they were
-LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
@@ -190,7 +188,7 @@ class FullyShardedStrategy(ModelParallelStrategy):
         )
         self.sharded_blocks: list[str] = []
         # as they were before the launch (which runs before any hook) writes them
-        self._environ_before = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
+        self._environ_before = launcher_environ()
 
     def setup_environment(self) -> None:
         # one data-parallel dimension over every rank (the parent's default is nodes x devices)
@@ -274,16 +272,11 @@ class FullyShardedStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         super().teardown()
-        # one process: the group (and its TCP store on MASTER_PORT) is this fit's alone; leave
-        # none behind for the next fit or a child process that reads the same MASTER_PORT
-        if self.world_size == 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        if self.world_size == 1:  # nor the launcher variables (a child would think it was launched)
-            for key, value in getattr(self, "_environ_before", {}).items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        # one process: put the launcher variables back, so a process started later does not
+        # think it was launched; the process group itself stays for the next fit here (a group
+        # destroyed under DeepSpeed's cached groups breaks a later ZeRO fit in this process)
+        if self.world_size == 1:
+            restore_environ(self._environ_before)
 
     def on_train_end(self) -> None:
         super().on_train_end()

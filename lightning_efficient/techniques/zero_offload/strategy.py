@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch.optim import Optimizer
 
 from lightning_efficient.core._internals import DeepSpeedStrategyHooks
+from lightning_efficient.core.environ import launcher_environ, restore_environ
 from lightning_efficient.core.validate import check_choice
 from lightning_efficient.techniques.zero_offload.config import (
     ESTIMATE_TRACKS,
@@ -43,7 +44,6 @@ from lightning_efficient.techniques.zero_offload.state import (
 __all__ = ["ZeROOffload"]
 
 # what Lightning and DeepSpeed export to os.environ when they start the process group
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
 _TRUST_HINT = "pass weights_only=False to trainer.fit (or validate/test/predict) with ckpt_path"
 
 
@@ -150,7 +150,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
 
     def after_launcher_configured(self) -> None:
         # before fit's launch exports the group's address, port and ranks to os.environ
-        self._env_before = {k: os.environ.get(k) for k in _DIST_ENV}
+        self._env_before = launcher_environ()
 
     def teardown(self) -> None:
         super().teardown()
@@ -158,11 +158,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
             # one process: the launcher and DeepSpeed exported the group's address, port and
             # ranks to os.environ, where processes started later (a DDP launch, tests) would
             # inherit a port this process still listens on. Put the environment back.
-            for key, value in self._env_before.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environ(self._env_before)
 
     def setup(self, trainer: Any) -> None:
         if self.config is not None and self.lightning_module is not None:

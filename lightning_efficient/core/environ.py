@@ -1,0 +1,29 @@
+"""The variables Lightning's launch writes into ``os.environ``, and putting them back.
+
+A 1-process fit under a launching strategy (DeepSpeed, FSDP) exports the process group's address,
+port and ranks; a process started afterwards from the same parent (a DDP run from a notebook, a
+test's child) would inherit them, think it was launched already (``LOCAL_RANK``) and wait for its
+peers. Strategies snapshot the variables before the launch and restore them at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["LAUNCHER_VARIABLES", "launcher_environ", "restore_environ"]
+
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+
+
+def launcher_environ() -> dict[str, str | None]:
+    """The launcher variables as they are now (``None``: not set)."""
+    return {key: os.environ.get(key) for key in LAUNCHER_VARIABLES}
+
+
+def restore_environ(before: dict[str, str | None]) -> None:
+    """Put the variables back as ``before`` recorded them (unset those that were not set)."""
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

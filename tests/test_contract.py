@@ -24,6 +24,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping
 
 from lightning_efficient.cli import EfficientCLI
+from lightning_efficient.core.environ import LAUNCHER_VARIABLES
 from lightning_efficient.core.report import report_for
 
 HERE = Path(__file__).parent
@@ -723,8 +724,7 @@ def test_ddp_two_processes(case: Case, tmp_path) -> None:
     # a 1-process fit in this process under a launching strategy (FullyShardedStrategy) leaves
     # Lightning's launcher variables in os.environ (LOCAL_RANK: the child would think it was
     # launched and wait for a rank 1; MASTER_PORT: maybe still taken): the child starts clean
-    launched = ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in launched}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
         cwd=tmp_path,

@@ -16,6 +16,7 @@ import torch
 from helpers import SaveAt, fit, params_of, tiny_model
 
 from lightning_efficient import functional as F
+from lightning_efficient.core.environ import LAUNCHER_VARIABLES
 from lightning_efficient.techniques.zero_offload import (
     SUPPORTED_OPTIMIZERS,
     ZeROOffload,
@@ -551,7 +552,7 @@ def test_yaml_short_name_through_the_cli(tmp_path) -> None:
 
 def test_single_process_fit_leaves_no_process_group_address_in_the_environment(runs) -> None:
     # the fits above ran in this process; a DDP launch from here must not inherit their port
-    for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for key in LAUNCHER_VARIABLES:
         assert key not in os.environ, key
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
-from torch.utils.data.distributed import DistributedSampler
 
-from lightning_efficient.core.validate import check_bool, check_float, check_int
+from lightning_efficient.core.validate import check_float, check_int
+from lightning_efficient.techniques._sharded_sampler import ShardedSampler
 from lightning_efficient.techniques.curriculum.difficulty import easiest_first
 from lightning_efficient.techniques.curriculum.schedule import (
     check_pacing,
@@ -67,7 +67,7 @@ def pool_walk(
         yield chunk
 
 
-class CurriculumSampler(DistributedSampler):
+class CurriculumSampler(ShardedSampler):
     """Indices easiest first: at step t only the easiest ``fraction(t)`` of the dataset is drawn.
 
     Usable without Lightning (give it to a DataLoader with the same ``batch_size``); the
@@ -138,50 +138,11 @@ class CurriculumSampler(DistributedSampler):
         self.duration = check_int("duration", duration, minimum=0)
         self.stages = check_int("stages", stages, minimum=1)
         self.seed = check_int("seed", seed)
-        self._num_replicas = check_int("num_replicas", num_replicas, minimum=1, allow_none=True)
-        self._rank = check_int("rank", rank, minimum=0, allow_none=True)
-        if num_replicas is not None and rank is not None and rank >= num_replicas:
-            raise ValueError(f"`rank` must be < num_replicas={num_replicas}; got {rank}.")
-        self.drop_last = check_bool("drop_last", drop_last)
+        self.sample_count = len(self.difficulty)
+        self._init_ranks(num_replicas, rank, drop_last)
         self.batches_per_step = check_int("batches_per_step", batches_per_step, minimum=1)
         self.order = easiest_first(self.difficulty, self.seed)
-        self.epoch = 0
-        self.position = 0
         self.start_batch: int | None = None  # None: epoch x batches_per_epoch
-
-    # -- DDP ---------------------------------------------------------------------------------
-    @staticmethod
-    def _group() -> tuple[int, int]:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(), dist.get_rank()
-        return 1, 0
-
-    @property
-    def num_replicas(self) -> int:  # type: ignore[override]
-        return self._num_replicas if self._num_replicas is not None else self._group()[0]
-
-    @num_replicas.setter
-    def num_replicas(self, value: int) -> None:
-        self._num_replicas = value
-
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return self._rank if self._rank is not None else self._group()[1]
-
-    @rank.setter
-    def rank(self, value: int) -> None:
-        self._rank = value
-
-    @property
-    def num_samples(self) -> int:  # type: ignore[override]
-        n, r = len(self.difficulty), self.num_replicas
-        return n // r if self.drop_last else math.ceil(n / r)
-
-    @property
-    def total_size(self) -> int:  # type: ignore[override]
-        return self.num_samples * self.num_replicas
 
     @property
     def batches_per_epoch(self) -> int:
@@ -236,9 +197,6 @@ class CurriculumSampler(DistributedSampler):
                 yield i
             done += len(mine)
         self.position = 0
-
-    def __len__(self) -> int:
-        return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

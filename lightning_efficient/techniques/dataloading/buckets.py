@@ -6,19 +6,18 @@ it shards itself) and ``padding_stats``, which counts the padding a batching cos
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data.distributed import DistributedSampler
 
 from lightning_efficient.core.validate import check_bool, check_int
+from lightning_efficient.techniques._sharded_sampler import ShardedSampler
 
 __all__ = ["LengthBucketSampler", "padding_stats"]
 
 
-class LengthBucketSampler(DistributedSampler):
+class LengthBucketSampler(ShardedSampler):
     """Indices grouped by length: samples of similar length land in the same batch, so less padding.
 
     Each epoch the indices are shuffled by ``(seed, epoch)``, cut into buckets of ``bucket_size``
@@ -82,50 +81,11 @@ class LengthBucketSampler(DistributedSampler):
         self.bucket_size = check_int("bucket_size", bucket_size, minimum=1)
         self.shuffle = check_bool("shuffle", shuffle)
         self.seed = check_int("seed", seed)
-        self._num_replicas = check_int("num_replicas", num_replicas, minimum=1, allow_none=True)
-        self._rank = check_int("rank", rank, minimum=0, allow_none=True)
-        if num_replicas is not None and rank is not None and rank >= num_replicas:
-            raise ValueError(f"`rank` must be < num_replicas={num_replicas}; got {rank}.")
-        self.drop_last = check_bool("drop_last", drop_last)
-        self.epoch = 0
-        self.position = 0
+        self.sample_count = len(self.lengths)
+        self._init_ranks(num_replicas, rank, drop_last)
         self.dataset = dataset
         if dataset is not None:
             self.check_dataset(dataset)
-
-    # -- DDP ---------------------------------------------------------------------------------
-    @staticmethod
-    def _group() -> tuple[int, int]:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(), dist.get_rank()
-        return 1, 0
-
-    @property
-    def num_replicas(self) -> int:  # type: ignore[override]
-        return self._num_replicas if self._num_replicas is not None else self._group()[0]
-
-    @num_replicas.setter
-    def num_replicas(self, value: int) -> None:
-        self._num_replicas = value
-
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return self._rank if self._rank is not None else self._group()[1]
-
-    @rank.setter
-    def rank(self, value: int) -> None:
-        self._rank = value
-
-    @property
-    def num_samples(self) -> int:  # type: ignore[override]
-        n, r = len(self.lengths), self.num_replicas
-        return n // r if self.drop_last else math.ceil(n / r)
-
-    @property
-    def total_size(self) -> int:  # type: ignore[override]
-        return self.num_samples * self.num_replicas
 
     def check_dataset(self, dataset: Any) -> None:
         """Raise a ValueError when ``dataset`` has another number of samples than ``lengths``."""
@@ -178,9 +138,6 @@ class LengthBucketSampler(DistributedSampler):
             self.position += 1
             yield i
         self.position = 0
-
-    def __len__(self) -> int:
-        return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _results import QUIET_TRAINER  # noqa: E402
 
 import lightning_efficient as le  # noqa: E402
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
@@ -433,10 +435,7 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         precision=precision,
         max_steps=spec["steps"],
         callbacks=[*callbacks, clock],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )

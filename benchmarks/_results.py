@@ -30,17 +30,21 @@ def version_of(dist: str) -> str:
         return "not installed"
 
 
+#: The Trainer keywords every benchmark fit uses: no logger, checkpoints, progress bar or summary
+#: (they would write files and print between the measured steps).
+QUIET_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
 def fmt_bytes(n: float | None) -> str:
     """Binary size as the package writes it (``3.00 GiB``); ``-`` for ``None``."""
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    from lightning_efficient.core.validate import format_bytes
+
+    return "-" if n is None else format_bytes(n)
 
 
 def _host_ram_bytes() -> int | None:

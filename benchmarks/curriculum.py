@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import environment, save_results  # noqa: E402
+from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
@@ -112,10 +112,7 @@ def run(name: str, callbacks: list, cfg: dict, seed: int) -> dict:
         limit_val_batches=cfg["val_batches"],
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[*callbacks, clock],
     )
     t0 = time.perf_counter()

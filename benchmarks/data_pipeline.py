@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import environment, save_results  # noqa: E402
+from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
@@ -141,10 +141,7 @@ def run(name: str, technique: Callback | None, w: dict, args: argparse.Namespace
         accelerator="auto",
         devices=1,
         max_steps=args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         callbacks=callbacks,
     )

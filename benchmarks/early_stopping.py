@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import environment, save_results  # noqa: E402
+from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.functional import PlateauTracker, scale_lr, set_lr  # noqa: E402
@@ -102,10 +102,7 @@ def _fit(callbacks, data_cfg, **trainer_kwargs):
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         num_sanity_val_steps=0,
         limit_val_batches=4,
         callbacks=callbacks,

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import QUIET_TRAINER, save_results  # noqa: E402
 from _results import environment as base_environment  # noqa: E402
-from _results import save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
@@ -169,10 +169,7 @@ def convergence(
                 accelerator="cpu",
                 devices=1,
                 max_steps=steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
+                **QUIET_TRAINER,
                 num_sanity_val_steps=0,
                 limit_val_batches=0,
                 gradient_clip_val=gradient_clip,
@@ -182,9 +179,7 @@ def convergence(
             val = pl.Trainer(
                 accelerator="cpu",
                 devices=1,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
+                **QUIET_TRAINER,
             )
             loss = float(val.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
             out.append(

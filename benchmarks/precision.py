@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import environment, save_results  # noqa: E402
+from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
@@ -68,10 +68,7 @@ def run(precision: str, model_cfg: dict, data_cfg: dict, steps: int) -> dict:
         devices=1,
         precision=precision,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         num_sanity_val_steps=0,
         limit_val_batches=8,
         callbacks=[probe],

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import environment, save_results  # noqa: E402
+from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
@@ -87,10 +87,7 @@ def _trainer(steps: int, callbacks: list, **kw) -> pl.Trainer:
         accelerator="cpu",
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=callbacks,

@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _results import QUIET_TRAINER, save_results  # noqa: E402
 from _results import environment as base_environment  # noqa: E402
-from _results import save_results  # noqa: E402
 
 from lightning_efficient.core.validate import parse_bytes  # noqa: E402
 
@@ -335,10 +335,7 @@ def _train_once(args: argparse.Namespace) -> None:
         strategy=strategy,
         precision=args.precision,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
     )
     result = {"model": label, "parameters": n_params(model), "setting": args.child_setting}
     try:

@@ -211,15 +211,21 @@ def test_optimizer_in_backward_and_offload() -> None:
 
 
 def test_cuda_rounding() -> None:
-    assert [cuda_round(n) for n in (0, 1, 512, 513, 2**20, 2**20 + 1, 5 * 2**20)] == [
+    mib = 2**20
+    sizes = (0, 1, 512, 513, mib, mib + 1, 5 * mib, 2.25 * mib, 10 * mib, 11 * mib + 512)
+    assert [cuda_round(int(n)) for n in sizes] == [
         0,
         512,
         512,
         1024,
-        2**20,
-        2**21,
-        6 * 2**20,
+        mib,
+        mib + 512,  # cut from a 20 MiB segment, which is split: no 2 MiB rounding
+        5 * mib,
+        int(2.25 * mib),  # GPT-2's 768 x 768 fp32 weights: 2.25 MiB, not 4
+        10 * mib,  # a segment of its own, exactly 2 MiB-aligned
+        12 * mib,  # 1 MiB - 512 left in its 12 MiB segment: too little to split off
     ]
+    assert cuda_round(10 * mib + 512) == 10 * mib + 512  # 2 MiB - 512 left: split off
     model, x = _wide()
     plain = estimate_memory(model, x, loss_fn=_mse)
     rounded = estimate_memory(model, x, loss_fn=_mse, cuda_rounding=True)

@@ -164,16 +164,22 @@ class EstimatePlan:
 
 
 def cuda_round(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request of ``nbytes``.
+    """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
+    (``torch.cuda.memory_allocated``), when the request is served from a fresh segment.
 
-    Requests are rounded up to 512 bytes; requests above 1 MiB (the large pool) are served in
-    2 MiB blocks. Empty requests take nothing.
+    Every request is rounded up to 512 bytes. Requests below 10 MiB are cut from a 2 MiB (small
+    pool) or 20 MiB (large pool) segment, which is split, so they take just that. Larger requests
+    get a segment of their own rounded up to 2 MiB; the allocator splits off the rest only when
+    more than 1 MiB is left over, otherwise the whole segment counts as allocated to the tensor.
+    Empty requests take nothing.
     """
     if nbytes <= 0:
         return 0
-    if nbytes > 2**20:
-        return -(-nbytes // 2**21) * 2**21
-    return -(-nbytes // 512) * 512
+    size = -(-nbytes // 512) * 512
+    if size < 10 * 2**20:
+        return size
+    segment = -(-size // 2**21) * 2**21
+    return size if segment - size > 2**20 else segment
 
 
 def resolve_optimizer(optimizer: Any) -> Callable[[list[dict]], torch.optim.Optimizer]:

@@ -62,6 +62,8 @@ class EarlyStopper(Technique):
         check_finite: Stop when the monitored value is NaN or infinite.
     """
 
+    decision_figures = ("stopped_step", "best_step")
+
     def __init__(
         self,
         monitor: str = "val_loss",

@@ -70,7 +70,10 @@ def main(strategy_name: str, out: Path) -> None:
         limit_val_batches=0,
     )
     report = report_for(trainer)
+    # shown once on every rank: a later call on rank zero alone runs no collective (no hang)
+    again = report.show(trainer) if trainer.is_global_zero else False
     result = {
+        "shown_again": again,
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "own_peak_bytes": memory.measurement.peak_bytes,

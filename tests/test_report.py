@@ -189,6 +189,7 @@ def test_two_ranks_print_one_report_with_the_worst_rank(strategy: str, tmp_path)
     assert "lightning-efficient report (2 ranks)" in proc.stdout
     assert "took different decisions" not in proc.stderr
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["shown_again"] is False  # and it returned at once, without a collective
     # rank 1 held 2 MiB more through the measured backward: the report names it the worst
     assert r1["own_peak_bytes"] > r0["own_peak_bytes"] + 2**20
     memory = r0["report"]["MemoryBreakdown"]

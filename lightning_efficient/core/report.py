@@ -274,15 +274,18 @@ class EfficiencyReport:
         """Print the table and log the metrics once per change; only on global rank zero.
 
         Under several ranks it first gathers every rank's figures (``gather``, a collective:
-        call it on every rank, as the techniques do at the end of fit). Returns True when it
-        printed.
+        every rank calls it, as the techniques do at the end of fit; each rank keeps the same
+        "shown" state, so a later call skips the collective on every rank alike). Returns True
+        when it printed.
         """
-        self.gather(trainer)  # before any return: every rank reaches the collective
-        if self._shown or not self._entries:
+        if self._shown:
             return False
-        if trainer is not None and not getattr(trainer, "is_global_zero", True):
+        self.gather(trainer)  # every rank reaches the collective; rows of all ranks after it
+        if not self._entries:
             return False
         self._shown = True
+        if trainer is not None and not getattr(trainer, "is_global_zero", True):
+            return False
         self.print()
         logger = getattr(trainer, "logger", None)
         metrics = self.metrics()

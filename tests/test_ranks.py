@@ -74,3 +74,4 @@ def test_no_collective_without_a_process_group(world_size: int) -> None:
     trainer = Trainer()
     trainer.world_size = world_size
     assert distributed_world(trainer) == 1
+    assert distributed_world(None) == 1  # no trainer (a report shown by hand): never gathers

@@ -133,10 +133,10 @@ def spread_dict(name: str, values: Sequence[Any], decisions: Sequence[str] = ())
 
 def distributed_world(trainer: Any) -> int:
     """Ranks of the trainer's default process group, or 1 when there is no collective to run
-    (no group, one rank, or a trainer of one process in a process that has a group)."""
+    (no trainer, no group, one rank, or a trainer of one process in a process with a group)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if trainer is None or not (dist.is_available() and dist.is_initialized()):
         return 1
     world = dist.get_world_size()
     if world < 2 or getattr(trainer, "world_size", world) != world:

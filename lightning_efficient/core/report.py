@@ -169,7 +169,9 @@ class EfficiencyReport:
                 "change": e.change,
                 "decisions": list(e.decisions),
                 "figures": {
-                    k: v for k, v in e.figures.items() if v is None or isinstance(v, (int, float))
+                    k: v
+                    for k, v in e.figures.items()
+                    if v is None or isinstance(v, (int, float, str))
                 },
             }
             for e in self._entries.values()

@@ -1,9 +1,10 @@
 """The efficiency report gathered over 2 CPU processes (gloo): MemoryBreakdown, StepProfiler,
 EarlyStopper and DivergenceGuard in one fit, where rank 1 holds an extra 2 MiB tensor through
-the backward of the measured step (its tracked peak is higher). Each rank writes
-``OUT/rank<r>.json`` (its report after the gather, its own measured peak).
+the backward of the measured step (its tracked peak is higher). For each strategy named, one
+fit in the same 2 processes (a second fit reuses the process group); each rank writes
+``OUT/<strategy>-rank<r>.json`` (its report after the gather, its own measured peak).
 
-Usage: python tests/_reports_ddp.py {ddp|fsdp} OUT  (Lightning re-launches this script for rank 1)
+Usage: python tests/_reports_ddp.py ddp,fsdp OUT  (Lightning re-launches this script for rank 1)
 """
 
 import json
@@ -81,9 +82,12 @@ def main(strategy_name: str, out: Path) -> None:
         "markdown": report.to_markdown(),
         "metrics": report.metrics(),
     }
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, default=str))
+    (out / f"{strategy_name}-rank{trainer.global_rank}.json").write_text(
+        json.dumps(result, default=str)
+    )
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], Path(sys.argv[2]))
+    for name in sys.argv[1].split(","):
+        main(name, Path(sys.argv[2]))

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 from rich.console import Console
 
 from lightning_efficient.core.report import EfficiencyReport, format_figure, report_for
+
+HERE = Path(__file__).parent
 
 
 def _report() -> EfficiencyReport:
@@ -73,3 +81,144 @@ def test_report_per_trainer() -> None:
     report_for(a).add("X", "changed")
     assert "X" in report_for(a) and "X" not in report_for(b)
     assert report_for(a) is report_for(a)
+
+
+# -- several ranks -------------------------------------------------------------------------------
+def _gathered() -> EfficiencyReport:
+    """A report as rank zero holds it after a gather over 2 ranks (figures set by hand)."""
+    report = EfficiencyReport()
+    mem = report.add("MemoryBreakdown", "measured step 1", peak_bytes=790 * 2**10, groups=2)
+    mem.per_rank = [{"peak_bytes": 790 * 2**10, "groups": 2}, {"peak_bytes": 803 * 2**10}]
+    stop = report.add("EarlyStopper", "stopped at step 13", stopped_step=13, step_s=0.5)
+    stop.decisions = ("stopped_step",)
+    stop.per_rank = [{"stopped_step": 13, "step_s": 0.5}, {"stopped_step": 13, "step_s": 0.5}]
+    report.ranks = 2
+    return report
+
+
+def test_gathered_rows_show_the_spread(tmp_path) -> None:
+    report = _gathered()
+    md = report.to_markdown().splitlines()
+    assert md[2] == (
+        "| MemoryBreakdown | measured step 1 | peak_bytes=803.00 KiB (worst rank 1; ranks "
+        "790.00-803.00 KiB), groups=2 |"
+    )
+    assert (
+        md[3]
+        == "| EarlyStopper | stopped at step 13 | stopped_step=13 (same on 2 ranks), step_s=0.5 s |"
+    )
+    row = report.to_dict()["MemoryBreakdown"]
+    assert row["peak_bytes"] == 790 * 2**10  # this rank's own value stays
+    assert row["spread"] == {
+        "peak_bytes": {"min": 790 * 2**10, "max": 803 * 2**10, "worst_rank": 1}
+    }
+    assert row["per_rank"][1] == {"peak_bytes": 803 * 2**10}
+    assert report.to_dict()["EarlyStopper"]["spread"]["stopped_step"] == {
+        "same": True,
+        "values": [13, 13],
+    }
+    metrics = report.metrics()
+    assert metrics["efficiency/MemoryBreakdown/peak_bytes/max"] == 803 * 2**10
+    assert metrics["efficiency/MemoryBreakdown/peak_bytes/min"] == 790 * 2**10
+    assert "efficiency/MemoryBreakdown/groups/max" not in metrics
+    console = Console(record=True, width=200)
+    console.print(report.to_rich())
+    text = console.export_text()
+    assert "lightning-efficient report (2 ranks)" in text and "worst rank 1" in text
+    assert report.disagreements() == []
+    report["EarlyStopper"].per_rank[1]["stopped_step"] = 14
+    assert report.disagreements() == [
+        "EarlyStopper: the ranks took different decisions, stopped_step: rank 0 13, rank 1 14."
+    ]
+    assert "stopped_step=13 (ranks differ: 13, 14)" in report.to_markdown()
+    png = report.to_png(tmp_path / "ranks.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_process_fit_gathers_nothing_and_renders_as_before(tmp_path, monkeypatch) -> None:
+    import torch.distributed as dist
+    from helpers import fit
+
+    from lightning_efficient.measure import MemoryBreakdown
+    from lightning_efficient.techniques import EarlyStopper
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a 1-process fit ran a collective")
+
+    monkeypatch.setattr(dist, "all_gather_object", no_collective)
+    stopper = EarlyStopper("train_loss", check_every_n_steps=1, patience=2, min_delta=10.0)
+    trainer, _, _ = fit(
+        tmp_path, [MemoryBreakdown(print_table=False), stopper], max_steps=4, limit_val_batches=0
+    )
+    report = report_for(trainer)
+    assert report.gather(trainer) is False and report.ranks == 1
+    assert all(e.per_rank is None for e in report.entries)
+    assert report["EarlyStopper"].decisions == ("stopped_step", "best_step")
+    assert "stopped_step" in report["EarlyStopper"].figures and "MemoryBreakdown" in report
+    # the rendering of one process: every figure as format_figure writes it, nothing added
+    lines = report.to_markdown().splitlines()[2:]
+    for line, e in zip(lines, report.entries, strict=True):
+        figures = ", ".join(f"{k}={format_figure(k, v)}" for k, v in e.figures.items())
+        assert line == f"| {e.technique} | {e.change} | {figures} |"
+    assert "rank" not in report.to_markdown() and "per_rank" not in str(report.to_dict())
+    assert not any(k.endswith(("/max", "/min")) for k in report.metrics())
+
+
+# -- 2 processes: gathered once, printed once by rank zero ---------------------------------------
+@pytest.mark.slow
+def test_two_ranks_print_one_report_with_the_worst_rank(tmp_path) -> None:
+    """One launch of 2 processes, two fits in it: DDP, then FullyShardedStrategy."""
+    import os
+
+    from helpers import subprocess_timeout
+
+    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_reports_ddp.py"), "ddp,fsdp", str(tmp_path)],
+        cwd=tmp_path,
+        env={**env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=subprocess_timeout(500),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # both ranks' output is captured (rank 1 inherits the launcher's streams): one table a fit
+    assert proc.stdout.count("lightning-efficient report (2 ranks)") == 2, proc.stdout[-4000:]
+    assert proc.stdout.count("lightning-efficient report") == 2
+    assert "took different decisions" not in proc.stderr
+    for strategy in ("ddp", "fsdp"):
+        r0, r1 = (json.loads((tmp_path / f"{strategy}-rank{r}.json").read_text()) for r in (0, 1))
+        _check_gathered(r0, r1)
+    assert "FullyShardedStrategy" in r0["report"]  # the second fit was sharded
+
+
+def _check_gathered(r0: dict, r1: dict) -> None:
+    assert r0["shown_again"] is False  # and it returned at once, without a collective
+    # rank 1 held 2 MiB more through the measured backward: the report names it the worst
+    assert r1["own_peak_bytes"] > r0["own_peak_bytes"] + 2**20
+    memory = r0["report"]["MemoryBreakdown"]
+    assert memory["peak_bytes"] == r0["own_peak_bytes"]  # rank zero's own figure stays
+    assert memory["spread"]["peak_bytes"] == {
+        "min": r0["own_peak_bytes"],
+        "max": r1["own_peak_bytes"],
+        "worst_rank": 1,
+    }
+    rows = {line.split(" | ")[0].strip("| "): line for line in r0["markdown"].splitlines()}
+    assert "(worst rank 1; ranks " in rows["MemoryBreakdown"]
+    assert r0["metrics"]["efficiency/MemoryBreakdown/peak_bytes/max"] == r1["own_peak_bytes"]
+    # the profiler's step time of the slowest rank, with both ranks' range
+    profiler = r0["report"]["StepProfiler"]
+    step = profiler["spread"]["step_s"]
+    times = [f["step_s"] for f in profiler["per_rank"]]
+    assert step == {"min": min(times), "max": max(times), "slowest_rank": times.index(max(times))}
+    # early stopping: the same decision on both ranks, said so in the row
+    stopper = r0["report"]["EarlyStopper"]
+    stopped = stopper["stopped_step"]
+    assert stopped == r0["global_step"] == r1["global_step"] == 5
+    assert stopper["spread"]["stopped_step"] == {"same": True, "values": [stopped, stopped]}
+    assert f"stopped_step={stopped} (same on 2 ranks)" in rows["EarlyStopper"]
+    assert "trips=0 (same on 2 ranks)" in rows["DivergenceGuard"]
+    # every rank gathered the same figures (all_gather); only rank zero printed them
+    assert r1["report"]["MemoryBreakdown"]["per_rank"] == memory["per_rank"]

@@ -3,15 +3,30 @@
 Techniques add an entry (``report_for(trainer).add(...)``); the last technique callback to reach
 ``on_fit_end`` shows the table once, on rank zero, and logs its numbers as logger metrics.
 The same report renders as a rich table, Markdown, a dict, or a PNG bar chart.
+
+Under several ranks ``show`` first gathers every rank's figures (one collective, so every rank
+calls it; nothing is gathered on one process) and rank zero prints once, with the spread where
+it matters (``core/ranks.py``): the worst rank of ``*_bytes`` figures, the slowest of ``*_s``
+figures, and whether all ranks took the same decisions.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_efficient.core.ranks import (
+    annotate,
+    distributed_world,
+    gather_objects,
+    is_number,
+    spread_dict,
+    spread_kind,
+    spread_of,
+)
 from lightning_efficient.core.validate import format_bytes
 
 __all__ = ["ReportEntry", "EfficiencyReport", "report_for", "format_figure"]
@@ -23,11 +38,36 @@ class ReportEntry:
 
     Figure names follow a unit convention that the renderers use: ``*_bytes`` are bytes,
     ``*_s`` seconds, ``*_ratio`` a ratio against the plain run, anything else a plain number.
+
+    ``decisions`` names the figures every rank must agree on (e.g. an early stopper's
+    ``stopped_step``). ``per_rank`` is ``None`` on one process; after a gather under several
+    ranks, every rank's figures in rank order (``{}`` for a rank without this row).
     """
 
     technique: str
     change: str
     figures: dict[str, Any] = field(default_factory=dict)
+    decisions: tuple[str, ...] = ()
+    per_rank: list[dict[str, Any]] | None = None
+
+    def names(self) -> list[str]:
+        """The figures shown: this rank's, then decisions only other ranks reported."""
+        names = list(self.figures)
+        for figures in self.per_rank or ():
+            names += [k for k in figures if k in self.decisions and k not in names]
+        return names
+
+    def ranks_of(self, name: str) -> list[Any] | None:
+        """The figure on every rank (``None`` where a rank lacks it), or ``None`` ungathered."""
+        if self.per_rank is None:
+            return None
+        return [figures.get(name) for figures in self.per_rank]
+
+    def text(self, name: str) -> str:
+        """``name=value`` as the report shows it, with the ranks' spread where it matters."""
+        values = self.ranks_of(name)
+        shown = annotate(name, values, format_figure, self.decisions) if values else None
+        return f"{name}={shown or format_figure(name, self.figures.get(name))}"
 
 
 def format_figure(name: str, value: Any) -> str:
@@ -44,12 +84,18 @@ def format_figure(name: str, value: Any) -> str:
     return str(value)
 
 
+def _or_dash(name: str, value: Any) -> str:
+    return "-" if value is None else format_figure(name, value)
+
+
 class EfficiencyReport:
     """Entries keyed by technique name; adding the same technique again replaces its entry."""
 
     def __init__(self) -> None:
         self._entries: dict[str, ReportEntry] = {}
         self._shown = False
+        #: Ranks gathered by the last ``gather`` (1: one process, nothing gathered).
+        self.ranks = 1
 
     def add(self, technique: str, change: str, **figures: Any) -> ReportEntry:
         entry = ReportEntry(technique, change, dict(figures))
@@ -77,26 +123,87 @@ class EfficiencyReport:
         return self._entries[technique]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {e.technique: {"change": e.change, **e.figures} for e in self._entries.values()}
+        """``{technique: {"change", **figures}}``; gathered rows add ``per_rank`` (every rank's
+        figures) and ``spread`` (``{figure: {"min", "max", "worst_rank"}}`` for sizes,
+        ``slowest_rank`` for times, ``{"same", "values"}`` for decisions)."""
+        out: dict[str, dict[str, Any]] = {}
+        for e in self._entries.values():
+            row = {"change": e.change, **e.figures}
+            if e.per_rank is not None:
+                row["per_rank"] = [dict(f) for f in e.per_rank]
+                spreads = {k: spread_dict(k, e.ranks_of(k) or [], e.decisions) for k in e.names()}
+                row["spread"] = {k: v for k, v in spreads.items() if v is not None}
+            out[e.technique] = row
+        return out
 
     def metrics(self) -> dict[str, float]:
-        """Numeric figures as flat logger metrics: ``efficiency/<technique>/<figure>``."""
+        """Numeric figures as flat logger metrics: ``efficiency/<technique>/<figure>`` (this
+        rank's value); gathered sizes and times add ``.../<figure>/max`` and ``.../min``."""
         out = {}
         for e in self._entries.values():
             for k, v in e.figures.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if is_number(v):
                     out[f"efficiency/{e.technique}/{k}"] = float(v)
+                    spread = spread_of(e.ranks_of(k) or [])
+                    if spread is not None and spread_kind(k) is not None:
+                        out[f"efficiency/{e.technique}/{k}/max"] = spread.high
+                        out[f"efficiency/{e.technique}/{k}/min"] = spread.low
         return out
 
     def _rows(self) -> list[tuple[str, str, str]]:
         return [
-            (
-                e.technique,
-                e.change,
-                ", ".join(f"{k}={format_figure(k, v)}" for k, v in e.figures.items()),
-            )
+            (e.technique, e.change, ", ".join(e.text(k) for k in e.names()))
             for e in self._entries.values()
         ]
+
+    # -- several ranks ---------------------------------------------------------------------
+    def gather(self, trainer: Any) -> bool:
+        """Gather every rank's figures into ``per_rank`` of each row (one collective: every rank
+        of the trainer's process group must call it at the same point). On one process it
+        does nothing and returns False. Rank zero warns when ranks took different decisions."""
+        world = distributed_world(trainer)
+        if world < 2:
+            return False
+        local = {
+            e.technique: {
+                "change": e.change,
+                "decisions": list(e.decisions),
+                "figures": {
+                    k: v
+                    for k, v in e.figures.items()
+                    if v is None or isinstance(v, (int, float, str))
+                },
+            }
+            for e in self._entries.values()
+        }
+        ranks = gather_objects(local, world)
+        self.ranks = world
+        for technique in dict.fromkeys(t for rows in ranks for t in rows):
+            held = [r for r, rows in enumerate(ranks) if technique in rows]
+            entry = self._entries.get(technique)
+            if entry is None:  # reported by other ranks only
+                first = ranks[held[0]][technique]
+                change = f"{first['change']} (reported on ranks {', '.join(map(str, held))})"
+                entry = self._entries[technique] = ReportEntry(technique, change)
+            for r in held:
+                extra = ranks[r][technique]["decisions"]
+                entry.decisions += tuple(d for d in extra if d not in entry.decisions)
+            entry.per_rank = [dict(rows.get(technique, {}).get("figures", {})) for rows in ranks]
+        if getattr(trainer, "is_global_zero", True):
+            for message in self.disagreements():
+                warnings.warn(message, stacklevel=2)
+        return True
+
+    def disagreements(self) -> list[str]:
+        """One message per decision figure whose gathered values differ between ranks."""
+        out = []
+        for e in self._entries.values():
+            for k in e.decisions:
+                values = e.ranks_of(k)
+                if values and any(v != values[0] for v in values):
+                    shown = ", ".join(f"rank {r} {_or_dash(k, v)}" for r, v in enumerate(values))
+                    out.append(f"{e.technique}: the ranks took different decisions, {k}: {shown}.")
+        return out
 
     def to_markdown(self) -> str:
         lines = ["| Technique | What changed | Figures |", "|---|---|---|"]
@@ -106,7 +213,10 @@ class EfficiencyReport:
     def to_rich(self):  # -> rich.table.Table
         from rich.table import Table
 
-        table = Table(title="lightning-efficient report", show_lines=False)
+        title = "lightning-efficient report"
+        if any(e.per_rank is not None for e in self._entries.values()):
+            title += f" ({self.ranks} ranks)"
+        table = Table(title=title, show_lines=False)
         for col in ("Technique", "What changed", "Figures"):
             table.add_column(col, overflow="fold")
         for row in self._rows():
@@ -133,18 +243,25 @@ class EfficiencyReport:
             from lightning_efficient.core.validate import missing_extra
 
             raise missing_extra("matplotlib", "plot", "EfficiencyReport.to_png") from err
-        labels, values, units = [], [], []
+        labels, values, units, spans = [], [], [], []
         for e in self._entries.values():
             for k, v in e.figures.items():
                 if figure is not None and figure not in k:
                     continue
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if is_number(v):
                     scale, unit = (2**30, "GiB") if k.endswith("_bytes") else (1, "")
                     labels.append(f"{e.technique}\n{k}")
                     values.append(v / scale)
                     units.append(unit)
+                    spread = spread_of(e.ranks_of(k) or []) if spread_kind(k) else None
+                    if spread is not None and not spread.equal:  # the ranks' min to max
+                        spans.append((len(values) - 1, spread.low / scale, spread.high / scale))
         fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(values)), 3.5))
         ax.bar(range(len(values)), values, color="#4c72b0")
+        if spans:
+            x, low, high = zip(*spans)
+            ax.vlines(x, low, high, color="#c44e52", linewidth=3, label="ranks' min-max")
+            ax.legend(fontsize=7)
         ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=7)
         ax.set_title("lightning-efficient report")
         if units and all(u == "GiB" for u in units):
@@ -158,13 +275,19 @@ class EfficiencyReport:
     def show(self, trainer: Any = None) -> bool:
         """Print the table and log the metrics once per change; only on global rank zero.
 
-        Returns True when it printed.
+        Under several ranks it first gathers every rank's figures (``gather``, a collective:
+        every rank calls it, as the techniques do at the end of fit; each rank keeps the same
+        "shown" state, so a later call skips the collective on every rank alike). Returns True
+        when it printed.
         """
-        if self._shown or not self._entries:
+        if self._shown:
             return False
-        if trainer is not None and not getattr(trainer, "is_global_zero", True):
+        self.gather(trainer)  # every rank reaches the collective; rows of all ranks after it
+        if not self._entries:
             return False
         self._shown = True
+        if trainer is not None and not getattr(trainer, "is_global_zero", True):
+            return False
         self.print()
         logger = getattr(trainer, "logger", None)
         metrics = self.metrics()

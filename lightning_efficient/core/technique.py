@@ -23,6 +23,7 @@ class Technique(Callback):
     - ``self.report(trainer, change, **figures)`` adds the technique's row to the efficiency
       report, which is shown once at the end of fit on rank zero (by the last technique among
       the trainer's callbacks; subclasses that override ``on_fit_end`` call ``super()`` last).
+      Under several ranks every rank reaches that point and the figures are gathered first.
     - ``self.note(message)`` / ``self.no_effect(message)`` log once, on rank zero.
     - ``setup`` runs the package's compatibility rules once per fit (``compat.check``).
     - ``restore(trainer, pl_module)`` undoes what the technique changed outside the weights
@@ -57,6 +58,9 @@ class Technique(Callback):
     #: Why the technique cannot run when a strategy shards the parameters (DTensors under FSDP2,
     #: ``strategy.shards_parameters``) and what to use instead; ``None``: it works sharded.
     sharding_conflict: str | None = None
+    #: Report figures that are decisions every rank must take alike (e.g. ``stopped_step``):
+    #: under several ranks the report says "same on N ranks", or warns that the ranks differ.
+    decision_figures: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,7 +72,8 @@ class Technique(Callback):
         return type(self).__name__
 
     def report(self, trainer: Any, change: str, **figures: Any) -> None:
-        report_for(trainer).add(self.name, change, **figures)
+        entry = report_for(trainer).add(self.name, change, **figures)
+        entry.decisions = tuple(self.decision_figures)
 
     def note(self, message: str) -> None:
         if message not in self._said:

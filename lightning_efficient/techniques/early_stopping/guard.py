@@ -64,6 +64,7 @@ class DivergenceGuard(Technique):
 
     stacks = False
     vetoes_optimizer_step = True
+    decision_figures = ("trips", "rollbacks")
 
     def __init__(
         self,

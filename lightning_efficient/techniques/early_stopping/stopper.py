@@ -32,10 +32,9 @@ class EarlyStopper(Technique):
     """Stop training when a logged metric stops improving, reaches a threshold, or a time,
     token or sample budget is spent; at the end put back the best weights seen.
 
-    It can check every N training steps, smooth a noisy metric, restore the best weights
-    however the fit ended, and keeps its state (best weights included) in the checkpoint, so a
-    run resumed with ``ckpt_path=`` decides as an uninterrupted one. Under DDP the value is
-    averaged and budgets summed over the ranks first, so every rank decides the same.
+    It can check every N training steps and smooth a noisy metric; its state (best weights
+    included) is in the checkpoint, so a run resumed with ``ckpt_path=`` decides as an
+    uninterrupted one; under DDP the value is averaged and budgets summed over the ranks first.
 
     Args:
         monitor: Name of a logged metric (``trainer.callback_metrics``), e.g. ``"val_loss"``.
@@ -61,6 +60,8 @@ class EarlyStopper(Technique):
         strict: A missing metric is an error listing the logged ones (``False``: a warning).
         check_finite: Stop when the monitored value is NaN or infinite.
     """
+
+    decision_figures = ("stopped_step", "best_step")
 
     def __init__(
         self,

@@ -192,3 +192,12 @@ def test_plan_command_ranks(capsys) -> None:
     assert "one rank of 4" in out and "ddp x 4" in out
     plan = yaml.safe_load(out.split("Add to your config")[1].split(":\n", 1)[1])
     assert plan["trainer"]["devices"] == 2 and plan["trainer"]["num_nodes"] == 2
+
+
+def test_estimate_command_reads_the_configured_strategy(capsys) -> None:
+    """Without --devices/--sharding the estimate is one rank of the config's own strategy."""
+    args = ["estimate", "--config", str(DEMO), "--batch-size", "2", "--markdown"]
+    args += ["--trainer.accelerator=cpu", "--trainer.devices=2"]
+    args += ["--trainer.strategy=FullyShardedStrategy", "--trainer.strategy.sharding=grad_op"]
+    assert main(args) == 0
+    assert "one rank of 2 (grad_op)" in capsys.readouterr().out

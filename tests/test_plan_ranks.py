@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import tiny_model
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
@@ -201,3 +202,28 @@ def test_estimate_command_reads_the_configured_strategy(capsys) -> None:
     args += ["--trainer.strategy=FullyShardedStrategy", "--trainer.strategy.sharding=grad_op"]
     assert main(args) == 0
     assert "one rank of 2 (grad_op)" in capsys.readouterr().out
+
+
+def test_estimate_settings_of_an_already_sharded_module() -> None:
+    """During an FSDP2 fit the module holds DTensors and the tracker counts this rank's shards:
+    the settings do not divide the state a second time."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    created = not dist.is_initialized()  # a 1-process FSDP fit earlier keeps its group
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert all(callable(getattr(p, "to_local", None)) for p in model.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = Trainer(strategy=FullyShardedStrategy(), devices=1, **QUIET)
+        trainer.strategy.connect(model)
+        settings = estimate_settings(trainer)
+        assert (settings["world_size"], settings["sharding"]) == (1, None)
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -152,7 +152,9 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
     - ``cuda_rounding``: True when the trainer runs on a CUDA device;
     - ``world_size``: the trainer's ranks, and ``sharding``: how its strategy divides the state
       (:func:`strategy_sharding`; ``"ddp"`` for an unknown strategy on several ranks, ``None``
-      on one rank without a sharding strategy), so the estimate is one rank's peak.
+      on one rank without a sharding strategy), so the estimate is one rank's peak. A module
+      whose parameters are already sharded (DTensors, during an FSDP2 fit) is estimated as it
+      is: the tracker counts this rank's shards (``world_size`` 1, no second division).
     """
     skip = {id(t) for t in exclude}
     callbacks = [
@@ -187,6 +189,13 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
 
 def _world_and_sharding(trainer: Any, strategy: Any) -> dict[str, Any]:
     world = int(getattr(trainer, "world_size", 1) or 1)
+    model = getattr(trainer, "lightning_module", None)
+    if model is not None and any(
+        callable(getattr(p, "to_local", None)) for p in model.parameters()
+    ):
+        # already sharded (FSDP2 DTensors, during a fit): the tracker counts this rank's shards,
+        # so the state must not be divided again (the gathered blocks are not counted then)
+        return {"world_size": 1, "sharding": None}
     sharding = strategy_sharding(strategy) if strategy is not None else None
     if sharding is None and world > 1:
         sharding = "ddp"  # several ranks, state not divided: every rank holds all of it

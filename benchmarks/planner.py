@@ -6,9 +6,14 @@ sequence 1024, batch 8, AdamW, fp32 as configured. For each budget the planner w
 CUDA allocator rounding, fits. Each row: the budget, the stack chosen, its device peak and host
 memory, how many stacks were estimated and the seconds the plan took on this CPU.
 
+With ``--ranks 2,8`` the plans are for several ranks: the batch is one rank's, every peak is
+one rank's, and the ladder shards the state across the ranks (FSDP) before it offloads; the
+results add the whole ladder at 8 ranks (every rung estimated) for the last budget.
+
 Run:  python benchmarks/planner.py          (GPT-2 small, seq 1024, batch 8)
       python benchmarks/planner.py --quick  (sequence 256, batch 2)
-Writes benchmarks/results/planner{,_quick}.{md,json}.
+      python benchmarks/planner.py --ranks 2,8
+Writes benchmarks/results/planner{,_quick,_ranks}.{md,json}.
 """
 
 from __future__ import annotations
@@ -49,7 +54,13 @@ def main() -> None:
     parser.add_argument(
         "--out", default=None, help="result stem (default benchmarks/results/planner{,_quick})"
     )
+    parser.add_argument(
+        "--ranks", default=None, help="comma-separated world sizes to plan for (e.g. 2,8)"
+    )
     args = parser.parse_args()
+    if args.ranks:
+        ranks_main(args)
+        return
     seq, batch = (256, 2) if args.quick else (1024, 8)
     budgets = ["80GiB", "24GiB", "16GiB", "8GiB"] if not args.quick else ["8GiB", "3GiB", "2GiB"]
     model = gpt2()
@@ -100,6 +111,94 @@ def main() -> None:
         "planner_quick" if args.quick else "planner"
     )
     save_results(stem, "\n".join(lines), {"title": title, "rows": rows, "env": env})
+
+
+def ranks_main(args: argparse.Namespace) -> None:
+    """Plans for several ranks (GPT-2 small, seq 1024, batch 8 per rank)."""
+    worlds = [int(w) for w in args.ranks.split(",")]
+    seq, batch = (256, 2) if args.quick else (1024, 8)
+    budgets = ["3GiB", "2GiB"] if args.quick else ["24GiB", "16GiB", "8GiB"]
+    model = gpt2()
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    rows, full_table = [], ""
+    for world in worlds:
+        for budget in budgets:
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = plan_stack(
+                    model, ids, budget, optimizer="adamw", loss_fn=lm_loss, world_size=world
+                )
+            seconds = time.perf_counter() - start
+            chosen = result.chosen
+            est = result.estimate_of(chosen) if chosen else None
+            rows.append(
+                {
+                    "ranks": world,
+                    "budget": budget,
+                    "stack": chosen.name if chosen else "nothing fits",
+                    "sharding": result.shardings.get(id(chosen)) if chosen else None,
+                    "peak_bytes": est.peak_bytes if est else None,
+                    "host_bytes": est.host_bytes if est else None,
+                    "estimated": len(result.tried),
+                    "seconds": round(seconds, 1),
+                    "tried": [
+                        (r.name, result.shardings.get(id(r)), e.peak_bytes if e else None, p)
+                        for r, e, p in result.tried
+                    ],
+                }
+            )
+    world = max(worlds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = plan_stack(
+            model,
+            ids,
+            budgets[-1],
+            optimizer="adamw",
+            loss_fn=lm_loss,
+            world_size=world,
+            try_all=True,
+        )
+    full_table = every.to_markdown()
+    title = (
+        f"Planner on GPT-2 small (124M) on several ranks, sequence {seq}, batch {batch} per rank, "
+        "AdamW, fp32 as configured"
+    )
+    lines = [
+        f"### {title}",
+        "",
+        "| Ranks | Budget per rank | Stack chosen | Sharding | Device peak per rank | Host per rank "
+        "| Stacks estimated | Seconds |",
+        "|---:|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
+        host = format_bytes(r["host_bytes"]) if r["host_bytes"] else "-"
+        lines.append(
+            f"| {r['ranks']} | {r['budget']} | {r['stack']} | {r['sharding'] or '-'} | {peak} "
+            f"| {host} | {r['estimated']} | {r['seconds']} |"
+        )
+    env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
+    command = f"python benchmarks/planner.py --ranks {args.ranks}{' --quick' if args.quick else ''}"
+    lines += [
+        "",
+        f"#### Every rung at {world} ranks, budget {budgets[-1]} per rank",
+        "",
+        full_table,
+        "",
+        "Hardware/versions: "
+        + ", ".join(f"{k} {v}" for k, v in env.items())
+        + f". Command: `{command}`.",
+    ]
+    stem = args.out or ROOT / "benchmarks" / "results" / (
+        "planner_ranks_quick" if args.quick else "planner_ranks"
+    )
+    save_results(
+        stem,
+        "\n".join(lines),
+        {"title": title, "rows": rows, "every_rung": full_table, "env": env},
+    )
 
 
 if __name__ == "__main__":

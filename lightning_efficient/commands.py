@@ -57,16 +57,20 @@ def _parser() -> argparse.ArgumentParser:
         "--world-size",
         type=int,
         default=None,
-        help="ranks the state is divided over (default: --devices x --num-nodes)",
+        help="ranks the state is divided over (default: --devices x --num-nodes, else the "
+        "config's trainer's)",
     )
-    p.add_argument("--devices", type=int, default=1, help="processes per node (default: 1)")
-    p.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
+    p.add_argument(
+        "--devices", type=int, default=None, help="processes per node (default: the config's)"
+    )
+    p.add_argument("--num-nodes", type=int, default=None, help="nodes (default: the config's)")
     p.add_argument(
         "--sharding",
         choices=SHARDINGS,
         default=None,
         help="how the state is divided: ddp (default with several ranks), full / grad_op "
-        "(FSDP), zero1 / zero2 / zero3; the table is one rank's peak",
+        "(FSDP), zero1 / zero2 / zero3 (default: the config's strategy's); the table is one "
+        "rank's peak",
     )
     p.add_argument("--markdown", action="store_true", help="print Markdown instead of a rich table")
     return p
@@ -117,8 +121,14 @@ def estimate_command(argv: Sequence[str]) -> int:
     if args.optimizer is not None:
         settings["optimizer"] = args.optimizer
     try:
-        world = args.world_size or world_size_of(args.devices, args.num_nodes)
-        settings["world_size"], settings["sharding"] = world, args.sharding
+        world = args.world_size or settings["world_size"]
+        if args.world_size is None and (args.devices is not None or args.num_nodes is not None):
+            world = world_size_of(
+                args.devices if args.devices is not None else getattr(trainer, "num_devices", 1),
+                args.num_nodes if args.num_nodes is not None else trainer.num_nodes,
+            )
+        sharding = args.sharding or settings["sharding"]
+        settings["world_size"], settings["sharding"] = world, sharding
         est = estimate_memory(
             model,
             batch,
@@ -129,8 +139,8 @@ def estimate_command(argv: Sequence[str]) -> int:
         return fail(str(err))
     optimizer = args.optimizer or "configured optimizer"
     title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {optimizer}"
-    if world > 1 or args.sharding:
-        title += f", one rank of {world} ({args.sharding or 'ddp'})"
+    if world > 1 or sharding:
+        title += f", one rank of {world} ({sharding or 'ddp'})"
     if args.markdown:
         print(f"{title}\n\n{est.to_markdown()}")
     else:

@@ -5,7 +5,11 @@ The planner walks a ladder of stacks ordered by what they cost in speed (precisi
 to host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
 no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried.
 
-    lightning-efficient plan --config my.yaml --budget 24GiB
+On several ranks (``world_size > 1``) every rung is one rank's peak (``batch`` is one rank's
+batch), and the ladder shards the state across the ranks (FSDP SHARD_GRAD_OP, then FULL_SHARD,
+then with checkpointing) before it offloads to the host; see :func:`default_ladder`.
+
+    lightning-efficient plan --config my.yaml --budget 24GiB [--devices 8 --num-nodes 2]
 
 prints the table and the yaml to add to the config.
 """
@@ -17,27 +21,39 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_efficient.core.validate import check_bool, check_choice, format_bytes, parse_bytes
+from lightning_efficient.core.validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    format_bytes,
+    parse_bytes,
+)
 from lightning_efficient.measure.estimate import (
     PRECISIONS,
     EstimateError,
     MemoryEstimate,
     estimate_memory,
 )
-from lightning_efficient.measure.settings import estimate_settings
+from lightning_efficient.measure.per_rank import SHARDINGS
+from lightning_efficient.measure.settings import estimate_settings, strategy_sharding
 
 __all__ = ["Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
 
 
 @dataclass
 class Rung:
-    """One stack to try: a precision, callbacks and an optional strategy, built fresh on demand."""
+    """One stack to try: a precision, callbacks and an optional strategy, built fresh on demand.
+
+    ``sharding``: how the rung divides the state across ranks when it has no strategy of its
+    own (``None``: as configured); a rung's strategy declares its own (``strategy_sharding``).
+    """
 
     name: str
     precision: str
     make_callbacks: Callable[[], list[Any]] = list
     make_strategy: Callable[[], Any] | None = None
     cost: str = ""
+    sharding: str | None = None
 
     def build(self) -> tuple[list[Any], Any]:
         return self.make_callbacks(), (self.make_strategy() if self.make_strategy else None)
@@ -51,6 +67,9 @@ class PlanResult:
     tried: list[tuple[Rung, MemoryEstimate | None, str]] = field(default_factory=list)
     chosen: Rung | None = None
     errors: list[EstimateError] = field(default_factory=list)
+    world_size: int = 1
+    #: the sharding each tried rung was estimated with (by ``id`` of the rung)
+    shardings: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def not_estimable(self) -> EstimateError | None:
@@ -60,22 +79,51 @@ class PlanResult:
             return self.errors[0]
         return None
 
-    def rows(self) -> list[tuple[str, str, str, str, str]]:
+    def estimate_of(self, rung: Rung) -> MemoryEstimate | None:
+        """The estimate of a tried ``rung`` (``None``: not estimated or not tried)."""
+        return next((est for r, est, _ in self.tried if r is rung), None)
+
+    def columns(self) -> tuple[str, ...]:
+        if self.world_size == 1:
+            return ("Stack", "Device peak", "Host memory", "Verdict", "Costs")
+        return (
+            "Stack",
+            "Sharding",
+            "Device peak per rank",
+            "Host memory per rank",
+            "Verdict",
+            "Costs",
+        )
+
+    def rows(self) -> list[tuple[str, ...]]:
         out = []
         for rung, est, problem in self.tried:
             peak = format_bytes(est.peak_bytes) if est else "-"
             host = format_bytes(est.host_bytes) if est and est.host_bytes else "-"
             verdict = "fits" if est and not problem else (problem or "over budget")
             mark = "<- plan" if rung is self.chosen else ""
-            out.append((rung.name, peak, host, f"{verdict} {mark}".strip(), rung.cost))
+            cells = [rung.name, peak, host, f"{verdict} {mark}".strip(), rung.cost]
+            if self.world_size > 1:
+                sharding = self.shardings.get(id(rung)) or "ddp"
+                cells.insert(1, f"{sharding} x {self.world_size}")
+            out.append(tuple(cells))
         return out
 
+    def title(self) -> str:
+        ranks = f", one rank of {self.world_size}" if self.world_size > 1 else ""
+        return f"Plan for a budget of {format_bytes(self.budget_bytes)}{ranks}"
+
     def to_markdown(self) -> str:
+        columns = self.columns()
+        align = [
+            "---" if c in ("Stack", "Sharding", "Verdict", "Costs") else "---:" for c in columns
+        ]
         lines = [
-            f"Budget: {format_bytes(self.budget_bytes)}",
+            f"Budget: {format_bytes(self.budget_bytes)}"
+            + (f" per rank, {self.world_size} ranks" if self.world_size > 1 else ""),
             "",
-            "| Stack | Device peak | Host memory | Verdict | Costs |",
-            "|---|---:|---:|---|---|",
+            f"| {' | '.join(columns)} |",
+            f"|{'|'.join(align)}|",
         ]
         lines += [f"| {' | '.join(r)} |" for r in self.rows()]
         return "\n".join(lines)
@@ -83,21 +131,26 @@ class PlanResult:
     def table(self):  # -> rich.table.Table
         from rich.table import Table
 
-        table = Table(title=f"Plan for a budget of {format_bytes(self.budget_bytes)}")
-        for col in ("Stack", "Device peak", "Host memory", "Verdict", "Costs"):
+        table = Table(title=self.title())
+        for col in self.columns():
             table.add_column(col, overflow="fold")
         for row in self.rows():
             table.add_row(*row)
         return table
 
-    def to_yaml(self) -> str:
-        """The ``trainer:`` section to add to a LightningCLI config for the chosen stack."""
+    def to_yaml(self, *, devices: int | None = None, num_nodes: int | None = None) -> str:
+        """The ``trainer:`` section to add to a LightningCLI config for the chosen stack;
+        ``devices``/``num_nodes`` (when given) are written too."""
         if self.chosen is None:
             return ""
         import yaml
 
         callbacks, strategy = self.chosen.build()
         trainer: dict[str, Any] = {"precision": self.chosen.precision}
+        if devices is not None:
+            trainer["devices"] = check_int("devices", devices, minimum=1)
+        if num_nodes is not None:
+            trainer["num_nodes"] = check_int("num_nodes", num_nodes, minimum=1)
         if callbacks:
             trainer["callbacks"] = [_class_spec(cb) for cb in callbacks]
         if strategy is not None:
@@ -120,13 +173,29 @@ def default_ladder(
     bf16: bool = True,
     accumulate_grad_batches: int = 1,
     configured: Sequence[Any] = (),
+    world_size: int = 1,
+    configured_sharding: str | None = None,
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
-    and strategy) the config already has; the first rung, "as configured", estimates them."""
+    and strategy) the config already has; the first rung, "as configured", estimates them.
+
+    One device (``world_size=1``): as configured, bf16, 8-bit optimizer states, checkpointing
+    (fewest blocks, then all), optimizer in backward, then ZeRO offload to the host.
+
+    Several ranks: as configured, bf16, then sharding across the ranks before anything lossy
+    or slow: ``FullyShardedStrategy(sharding="grad_op")`` (the same communication volume as
+    DDP), ``FullyShardedStrategy()`` (full sharding, +50% communication), full sharding with
+    the fewest checkpointed blocks, then all blocks, then ZeRO offload to the host. The 8-bit
+    rungs are left out: bitsandbytes cannot step sharded parameters, and full sharding divides
+    the optimizer state by the rank count where 8-bit states divide it by 4.
+    ``configured_sharding``: how the configured strategy divides the state (a sharding rung
+    that divides no more than it is left out).
+    """
     from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
     from lightning_efficient.techniques.optimizers import OptimizerSwap
     from lightning_efficient.techniques.zero_offload import ZeROOffload
 
+    check_int("world_size", world_size, minimum=1)
     low = "bf16-mixed" if bf16 and precision == "32-true" else precision
 
     def swap() -> Any:
@@ -140,27 +209,30 @@ def default_ladder(
     rungs = [Rung("as configured", precision, lambda: list(configured), cost="none")]
     if low != precision:
         rungs.append(Rung(low, low, cost="none on bf16 hardware; loss within ~2% of fp32"))
-    rungs += [
-        Rung(
-            f"{low} + adamw8bit",
-            low,
-            lambda: [swap()],
-            cost="8-bit optimizer states (lossy, small)",
-        ),
-        Rung(
-            f"{low} + adamw8bit + checkpoint fewest blocks",
-            low,
-            lambda: [swap(), ac(budget_bytes)],
-            cost="recompute some blocks' forward",
-        ),
-        Rung(
-            f"{low} + adamw8bit + checkpoint all blocks",
-            low,
-            lambda: [swap(), ac()],
-            cost="recompute every block's forward (~+30% step time)",
-        ),
-    ]
-    if accumulate_grad_batches == 1:
+    if world_size > 1:
+        rungs += _sharding_rungs(low, budget_bytes, ac, configured_sharding)
+    else:
+        rungs += [
+            Rung(
+                f"{low} + adamw8bit",
+                low,
+                lambda: [swap()],
+                cost="8-bit optimizer states (lossy, small)",
+            ),
+            Rung(
+                f"{low} + adamw8bit + checkpoint fewest blocks",
+                low,
+                lambda: [swap(), ac(budget_bytes)],
+                cost="recompute some blocks' forward",
+            ),
+            Rung(
+                f"{low} + adamw8bit + checkpoint all blocks",
+                low,
+                lambda: [swap(), ac()],
+                cost="recompute every block's forward (~+30% step time)",
+            ),
+        ]
+    if accumulate_grad_batches == 1 and world_size == 1:
         rungs.append(
             Rung(
                 f"{low} + adamw8bit in backward + checkpoint all blocks",
@@ -202,6 +274,60 @@ def default_ladder(
     return rungs
 
 
+#: Shardings that divide at least the optimizer state, gradients and parameters in flight as
+#: much as SHARD_GRAD_OP does (a grad_op rung adds nothing to them), and as much as FULL_SHARD.
+_AT_LEAST_GRAD_OP = ("zero2", "zero3", "grad_op", "full")
+_AT_LEAST_FULL = ("zero3", "full")
+
+
+def _sharding_rungs(
+    low: str, budget_bytes: int, ac: Callable[..., Any], configured_sharding: str | None
+) -> list[Rung]:
+    """The multi-rank rungs between bf16 and host offload (see :func:`default_ladder`)."""
+    from lightning_efficient.techniques.fsdp import FullyShardedStrategy
+
+    def fsdp(sharding: str) -> Callable[[], Any]:
+        args = {"sharding": sharding} if sharding != "full" else {}
+        return lambda: _with_args(FullyShardedStrategy(**args), **args)
+
+    rungs = []
+    if configured_sharding not in _AT_LEAST_GRAD_OP:
+        rungs.append(
+            Rung(
+                f"{low} + FSDP grad_op",
+                low,
+                make_strategy=fsdp("grad_op"),
+                cost="state sharded; communication as DDP (all-gather + reduce-scatter)",
+            )
+        )
+    if configured_sharding not in _AT_LEAST_FULL:
+        rungs.append(
+            Rung(
+                f"{low} + FSDP full",
+                low,
+                make_strategy=fsdp("full"),
+                cost="parameters gathered again in backward (+50% communication over DDP)",
+            )
+        )
+    rungs += [
+        Rung(
+            f"{low} + FSDP full + checkpoint fewest blocks",
+            low,
+            lambda: [ac(budget_bytes)],
+            fsdp("full"),
+            cost="+ recompute some blocks' forward",
+        ),
+        Rung(
+            f"{low} + FSDP full + checkpoint all blocks",
+            low,
+            lambda: [ac()],
+            fsdp("full"),
+            cost="+ recompute every block's forward (~+30% step time)",
+        ),
+    ]
+    return rungs
+
+
 def _with_args(obj: Any, **init_args: Any) -> Any:
     """Remember the constructor arguments, so the plan can be written back as yaml."""
     obj.plan_init_args = init_args
@@ -222,15 +348,26 @@ def plan_stack(
     try_all: bool = False,
     cuda_rounding: bool = True,
     loss_fn: Callable[[Any, Any], Any] | None = None,
+    world_size: int = 1,
+    sharding: str | None = None,
 ) -> PlanResult:
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
     fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
     estimated (for the table); otherwise the walk stops at the first fit. ``model``, ``batch``,
     ``optimizer`` and ``loss_fn`` are as for :func:`estimate_memory` (``optimizer=None``: the
-    model's ``configure_optimizers``); ``configured`` as for :func:`default_ladder`."""
+    model's ``configure_optimizers``); ``configured`` as for :func:`default_ladder`.
+
+    ``world_size``: ranks of the run (``batch`` is one rank's batch; every peak and the budget
+    are one rank's). ``sharding``: how the configured strategy divides the state (``None``:
+    ``"ddp"`` on several ranks); a rung with a strategy is estimated with that strategy's
+    sharding (its ``estimate_sharding``), a rung without one with ``sharding``.
+    """
     budget_bytes = parse_bytes("budget", budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
+    check_int("world_size", world_size, minimum=1)
+    if sharding is not None:
+        check_choice("sharding", sharding, SHARDINGS)
     rungs = (
         list(ladder)
         if ladder is not None
@@ -240,12 +377,16 @@ def plan_stack(
             bf16=bf16,
             accumulate_grad_batches=accumulate_grad_batches,
             configured=configured,
+            world_size=world_size,
+            configured_sharding=sharding,
         )
     )
-    result = PlanResult(budget_bytes)
+    result = PlanResult(budget_bytes, world_size=world_size)
     for rung in rungs:
         callbacks, strategy = rung.build()
         techniques = [*callbacks, *([strategy] if strategy is not None else [])]
+        rung_sharding = _rung_sharding(rung, strategy, sharding, world_size)
+        result.shardings[id(rung)] = rung_sharding
         try:
             est = estimate_memory(
                 model,
@@ -256,6 +397,7 @@ def plan_stack(
                 accumulate_grad_batches=accumulate_grad_batches,
                 cuda_rounding=cuda_rounding,
                 loss_fn=loss_fn,
+                **({"world_size": world_size, "sharding": rung_sharding} if world_size > 1 else {}),
             )
         except EstimateError as err:  # a rung the fake-tensor estimate cannot run
             result.tried.append((rung, None, f"not estimated: {_first_line(err)}"))
@@ -271,6 +413,17 @@ def plan_stack(
             if not try_all:
                 break
     return result
+
+
+def _rung_sharding(
+    rung: Rung, strategy: Any, configured: str | None, world_size: int
+) -> str | None:
+    """The sharding a rung is estimated with: its strategy's, else the rung's, else the
+    configured one (``"ddp"`` on several ranks); ``None`` on one rank."""
+    if world_size == 1:
+        return None
+    own = strategy_sharding(strategy) if strategy is not None else None
+    return own or rung.sharding or configured or "ddp"
 
 
 def _first_line(err: BaseException, limit: int = 100) -> str:
@@ -300,6 +453,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all", action="store_true", help="estimate every rung, not just up to the first fit"
     )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="processes per node (default: the config's); the budget and --batch-size are one rank's",
+    )
+    p.add_argument("--num-nodes", type=int, default=None, help="nodes (default: the config's)")
     return p
 
 
@@ -311,7 +471,10 @@ def plan_command(argv: Sequence[str]) -> int:
     args, rest = _parser().parse_known_args(list(argv))
     try:
         budget = parse_bytes("--budget", args.budget)
-    except ValueError as err:
+        for name, value in (("--devices", args.devices), ("--num-nodes", args.num_nodes)):
+            if value is not None:
+                check_int(name, value, minimum=1)
+    except (TypeError, ValueError) as err:
         return fail(str(err))
     work = config_workload(args.config, rest, args.batch_size)
     if isinstance(work, int):
@@ -319,6 +482,10 @@ def plan_command(argv: Sequence[str]) -> int:
     model, batch, trainer, _ = work
     precision = args.precision or work[3]
     settings = estimate_settings(trainer)
+    devices, num_nodes, world_size = _ranks(trainer, args.devices, args.num_nodes, settings)
+    sharding = settings["sharding"] if world_size > 1 else None
+    if world_size > 1 and sharding is None:
+        sharding = "ddp"
     result = plan_stack(
         model,
         batch,
@@ -329,6 +496,8 @@ def plan_command(argv: Sequence[str]) -> int:
         accumulate_grad_batches=settings["accumulate_grad_batches"],
         optimizer=settings["optimizer"],
         configured=settings["callbacks"],
+        world_size=world_size,
+        sharding=sharding,
     )
     if result.not_estimable is not None:
         return fail(
@@ -340,5 +509,24 @@ def plan_command(argv: Sequence[str]) -> int:
             f"no stack fits {format_bytes(budget)}: lower the batch size or sequence length, or "
             "use more devices."
         )
-    print(f"\nAdd to your config ({result.chosen.name}):\n\n{result.to_yaml()}")
+    yaml_text = result.to_yaml(devices=devices, num_nodes=num_nodes)
+    print(f"\nAdd to your config ({result.chosen.name}):\n\n{yaml_text}")
     return 0
+
+
+def _ranks(
+    trainer: Any, devices: int | None, num_nodes: int | None, settings: dict[str, Any]
+) -> tuple[int | None, int | None, int]:
+    """``(devices, num_nodes, world_size)``: the ones given on the command line, else the
+    config's trainer's (``None``: not given, so not written to the yaml)."""
+    if devices is None and num_nodes is None:
+        return None, None, int(settings.get("world_size", 1) or 1)
+    per_node = devices if devices is not None else _trainer_devices(trainer)
+    nodes = num_nodes if num_nodes is not None else int(getattr(trainer, "num_nodes", 1) or 1)
+    return devices, num_nodes, per_node * nodes
+
+
+def _trainer_devices(trainer: Any) -> int:
+    """Processes per node of a built trainer (its devices; 1 when it does not say)."""
+    devices = getattr(trainer, "num_devices", None)
+    return int(devices) if isinstance(devices, int) and devices >= 1 else 1

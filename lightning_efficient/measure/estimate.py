@@ -256,6 +256,9 @@ def estimate_memory(
             accumulate_grad_batches=accumulate_grad_batches,
             loss_fn=loss_fn,
             notes=notes,
+            world_size=world_size,
+            sharding=sharding,
+            cuda_rounding=cuda_rounding,
         )
         try:
             for cb in callbacks:

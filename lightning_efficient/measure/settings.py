@@ -1,6 +1,7 @@
 """What an estimate needs to know about a fit, taken from the fit itself: the optimizer the module
 configures (class, options and param groups), the precision, the accumulation, the techniques
-that change the plan, and whether the device rounds allocations like CUDA.
+that change the plan, whether the device rounds allocations like CUDA, and the world size and
+sharding of the strategy (the estimate is one rank's peak).
 
 One place for it, used by the ``estimate``/``plan`` commands, the planner, activation
 checkpointing's budget search and the batch-size search, so that they all estimate the run the
@@ -18,7 +19,12 @@ from torch import nn
 
 from lightning_efficient.measure.types import PRECISIONS
 
-__all__ = ["configured_optimizer", "estimate_settings", "optimizer_factory_like"]
+__all__ = [
+    "configured_optimizer",
+    "estimate_settings",
+    "optimizer_factory_like",
+    "strategy_sharding",
+]
 
 
 def _first_optimizer(config: Any) -> torch.optim.Optimizer | None:
@@ -106,6 +112,33 @@ def configured_optimizer(
     return factory, f"optimizer as configured: {type(optimizer).__name__}"
 
 
+def strategy_sharding(strategy: Any) -> str | None:
+    """How ``strategy`` divides the training state across ranks, as ``estimate_memory``'s
+    ``sharding`` names it, or ``None`` when it divides nothing (one device).
+
+    A strategy of this package declares it (``estimate_sharding``: ``FullyShardedStrategy`` gives
+    ``"full"``/``"grad_op"``, ``ZeROOffload`` ``"zero2"``/``"zero3"``). Lightning's own: DDP (and
+    its subclasses) ``"ddp"``; ``FSDPStrategy`` by its sharding strategy (FULL_SHARD: ``"full"``,
+    SHARD_GRAD_OP: ``"grad_op"``, NO_SHARD: ``"ddp"``; hybrid sharding is not modelled and counts
+    as ``"full"``); ``DeepSpeedStrategy`` by its ZeRO stage (0: ``"ddp"``).
+    """
+    declared = getattr(strategy, "estimate_sharding", None)
+    if isinstance(declared, str):
+        return declared
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        config = getattr(strategy, "config", None) or {}
+        stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
+        return f"zero{stage}" if stage in (1, 2, 3) else "ddp"
+    if isinstance(strategy, FSDPStrategy):
+        name = getattr(getattr(strategy, "sharding_strategy", None), "name", "FULL_SHARD")
+        return {"SHARD_GRAD_OP": "grad_op", "NO_SHARD": "ddp"}.get(name, "full")
+    if isinstance(strategy, DDPStrategy):
+        return "ddp"
+    return None
+
+
 def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str, Any]:
     """``estimate_memory`` keyword arguments for the fit ``trainer`` runs (or will run).
 
@@ -116,7 +149,12 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
     - ``optimizer``: during a fit, the trainer's optimizer (class, options, groups); before a
       fit, ``None`` (the module's ``configure_optimizers``); when a technique swaps optimizers,
       its ``configure_estimate`` sets the estimate's optimizer as it does for the fit;
-    - ``cuda_rounding``: True when the trainer runs on a CUDA device.
+    - ``cuda_rounding``: True when the trainer runs on a CUDA device;
+    - ``world_size``: the trainer's ranks, and ``sharding``: how its strategy divides the state
+      (:func:`strategy_sharding`; ``"ddp"`` for an unknown strategy on several ranks, ``None``
+      on one rank without a sharding strategy), so the estimate is one rank's peak. A module
+      whose parameters are already sharded (DTensors, during an FSDP2 fit) is estimated as it
+      is: the tracker counts this rank's shards (``world_size`` 1, no second division).
     """
     skip = {id(t) for t in exclude}
     callbacks = [
@@ -135,6 +173,7 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
         "callbacks": callbacks,
         "cuda_rounding": device == "cuda",
         "optimizer": None,
+        **_world_and_sharding(trainer, strategy),
     }
     optimizers: Sequence[Any] = getattr(trainer, "optimizers", None) or []
     swapped = any(getattr(cb, "swaps_optimizer", False) for cb in callbacks)
@@ -146,3 +185,18 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
             optimizers[0], model, foreach_default=device == "cuda"
         )
     return settings
+
+
+def _world_and_sharding(trainer: Any, strategy: Any) -> dict[str, Any]:
+    world = int(getattr(trainer, "world_size", 1) or 1)
+    model = getattr(trainer, "lightning_module", None)
+    if model is not None and any(
+        callable(getattr(p, "to_local", None)) for p in model.parameters()
+    ):
+        # already sharded (FSDP2 DTensors, during a fit): the tracker counts this rank's shards,
+        # so the state must not be divided again (the gathered blocks are not counted then)
+        return {"world_size": 1, "sharding": None}
+    sharding = strategy_sharding(strategy) if strategy is not None else None
+    if sharding is None and world > 1:
+        sharding = "ddp"  # several ranks, state not divided: every rank holds all of it
+    return {"world_size": world, "sharding": sharding}

@@ -132,6 +132,9 @@ class EstimatePlan:
         optimizer_in_backward: Step and free each gradient in a post-accumulate-grad hook.
         offload: Categories kept in host memory (counted as ``host_bytes``, not device bytes).
         notes: What the techniques changed (``plan.note(...)`` appends); shown with the estimate.
+        world_size: Ranks the state is divided over, and ``sharding`` how (the result is one
+            rank's peak); a technique that runs nested estimates passes both on, and
+            ``cuda_rounding`` (allocations rounded as the CUDA allocator does).
     """
 
     model: nn.Module
@@ -143,6 +146,9 @@ class EstimatePlan:
     offload: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    world_size: int = 1
+    sharding: str | None = None
+    cuda_rounding: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def on_exit(self, fn: Callable[[], None]) -> None:

@@ -196,6 +196,19 @@ def _measured(
     return ranking, best if best is not None and best.saved_bytes > 2 * chosen.saved_bytes else None
 
 
+#: What a nested estimate repeats of the plan (world size and sharding: the budget bounds one
+#: rank's peak, ``measure/per_rank.py``; the allocator rounding of the outer estimate).
+_PLAN_SETTINGS = (
+    "optimizer",
+    "precision",
+    "accumulate_grad_batches",
+    "loss_fn",
+    "world_size",
+    "sharding",
+    "cuda_rounding",
+)
+
+
 # -- budget mode ----------------------------------------------------------------------------------
 @dataclass
 class BudgetChoice:
@@ -364,12 +377,7 @@ class ActivationCheckpointing(Technique):
         model = plan.model
         before = checkpointed_blocks(model)
         num_blocks = None
-        settings = {
-            "optimizer": plan.optimizer,
-            "precision": plan.precision,
-            "accumulate_grad_batches": plan.accumulate_grad_batches,
-            "loss_fn": plan.loss_fn,
-        }
+        settings = {k: getattr(plan, k) for k in _PLAN_SETTINGS}
         self._policy = self.policy
         if self.policy == "auto":
             self._measure(model, plan.batch, settings)

@@ -162,6 +162,11 @@ class FullyShardedStrategy(ModelParallelStrategy):
     #: Read by ``core.compat``: parameters are DTensors, each rank holds a shard.
     shards_parameters: bool = True
 
+    @property
+    def estimate_sharding(self) -> str:
+        """Read by ``measure.settings``: the per-rank estimate's ``sharding`` for this strategy."""
+        return self.sharding
+
     def __init__(
         self,
         policy: Any = "auto",

@@ -109,6 +109,12 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         self._converted = ""
         self._env_before: dict[str, str | None] | None = None
 
+    @property
+    def estimate_sharding(self) -> str:
+        """Read by ``measure.settings``: the per-rank estimate's ``sharding`` (``"zero2"``,
+        ``"zero3"``)."""
+        return f"zero{self.stage}"
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(

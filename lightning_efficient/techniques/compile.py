@@ -299,6 +299,7 @@ class TorchCompile(Technique):
         self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)
         self._names: list[str] = []
         self._model: nn.Module | None = None
+        self._previous: dict[str, Any] = {}
         self._watch: CompileWatch | None = None
         self._fell_back: str | None = None
         self._timer: Any = None
@@ -312,6 +313,8 @@ class TorchCompile(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._watch = CompileWatch(on_recompile=self._check_recompiles).install()
         self._model = pl_module
+        # what each module had before (``None``: eager; a user's own ``module.compile()`` stays)
+        self._previous = {n: compiled_call(m) for n, m in pl_module.named_modules()}
         self._fell_back = None
         self._warned_recompiles = False
         self._names = compile_modules(
@@ -465,11 +468,15 @@ class TorchCompile(Technique):
         self._finish()
         super().on_fit_end(trainer, pl_module)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def restore(self, trainer: Any, pl_module: Any) -> None:
+        """Every module this callback compiled runs as it did before fit (eagerly, or under the
+        user's own ``module.compile()``); safe to call twice."""
         self._finish()
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._finish()
+        if self._model is not None:
+            for name in self._names:
+                module = self._model.get_submodule(name)
+                set_compiled_call(module, self._previous.get(name))
+        self._model, self._previous = None, {}
 
 
 def _span(names: list[str]) -> str:

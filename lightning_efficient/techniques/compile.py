@@ -17,7 +17,8 @@
   Dynamo's compile callbacks (``on_compile_start``/``on_compile_end``).
 - ``TorchCompile`` (callback) compiles at fit start, reports compile time, first-step time and
   steady-state step time apart, and warns once when recompilations pass a threshold, naming the
-  cause (usually changing shapes) and the fix (pad or bucket lengths).
+  cause (usually changing shapes) and the fix (pad or bucket lengths); after fit (and on an
+  exception) it puts back what each module it compiled had before.
 """
 
 from __future__ import annotations

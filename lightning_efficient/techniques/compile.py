@@ -5,6 +5,8 @@
   ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
   compiled graph, so compile time is about one block's, not the whole model's. The parts outside
   the blocks (embeddings, final norm, head; the loss in ``training_step``) stay eager: compiling
+  each as a region of its own was measured no faster and costlier to compile
+  (``benchmarks/compile.py``, variant ``regional+outer``; docs/compile.md), and compiling
   the parent's ``forward`` with a graph break at each block call does not work, because Dynamo
   skips a whole frame that breaks inside a ``for`` loop (``for block in self.blocks``), and
   ``torch.compiler.nested_compile_region`` on a block instance's ``forward`` gave outputs that

@@ -18,6 +18,7 @@ from helpers import fit, tiny_model
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_efficient.core._internals import compiled_call
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.techniques._blocks import find_repeated_blocks
@@ -80,13 +81,21 @@ def test_whole_model_when_not_regional_or_no_blocks() -> None:
     assert compile_modules(flat, backend="aot_eager") == [""]
 
 
+class _Probe(pl.Callback):
+    """Records which blocks are checkpointed and compiled while training runs."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.seen = (set(checkpointed_blocks(pl_module)), compiled_modules(pl_module))
+
+
 # -- equivalence -------------------------------------------------------------------------------
 @pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
 def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
-    tc = TorchCompile(backend="aot_eager", regional=regional)
-    trainer, model, rec = fit(tmp_path, [tc], max_steps=4)
+    tc, probe = TorchCompile(backend="aot_eager", regional=regional), _Probe()
+    trainer, model, rec = fit(tmp_path, [tc, probe], max_steps=4)
     _close(rec.losses, eager_losses)
-    assert compiled_modules(model) == (["blocks.0", "blocks.1"] if regional else [""])
+    assert probe.seen[1] == (["blocks.0", "blocks.1"] if regional else [""])
+    assert compiled_modules(model) == []  # restored after fit
     figures = report_for(trainer)["TorchCompile"].figures
     assert figures["compiled_modules"] == (2 if regional else 1)
     # the report says how many graphs were captured (identical blocks share one)
@@ -123,13 +132,6 @@ def test_self_log_in_training_step_keeps_working(tmp_path) -> None:
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(rec.losses[-1], rel=1e-6)
 
 
-class _Probe(pl.Callback):
-    """Records which blocks are checkpointed and compiled while training runs."""
-
-    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        self.seen = (set(checkpointed_blocks(pl_module)), compiled_modules(pl_module))
-
-
 @pytest.mark.parametrize("order", ["checkpointing-first", "compile-first"])
 def test_with_activation_checkpointing_both_orders(order, tmp_path, eager_losses) -> None:
     ac, tc, probe = ActivationCheckpointing(), TorchCompile(backend="aot_eager"), _Probe()
@@ -141,6 +143,28 @@ def test_with_activation_checkpointing_both_orders(order, tmp_path, eager_losses
     _close(rec.losses, eager_losses)
     assert probe.seen == ({"blocks.0", "blocks.1"}, ["blocks.0", "blocks.1"])
     assert set(model.state_dict()) == plain_keys
+
+
+def test_restore_after_fit_and_a_second_fit_with_a_new_trainer(tmp_path) -> None:
+    torch.manual_seed(0)
+    plain = tiny_model()
+    torch.manual_seed(0)
+    model = tiny_model()
+    model.head.compile(backend="eager")  # the user's own compile stays as it was
+    users = compiled_call(model.head)
+    forwards = {n: m.forward for n, m in model.named_modules()}
+    for run in range(2):  # each fit with a new Trainer and a new callback
+        _, _, eager = fit(tmp_path / f"plain{run}", model=plain, max_steps=2)
+        tc, probe = TorchCompile(backend="aot_eager"), _Probe()
+        _, _, rec = fit(tmp_path / f"compiled{run}", [tc, probe], model=model, max_steps=2)
+        # compiled while training, with the same losses as eager ...
+        assert probe.seen[1] == ["blocks.0", "blocks.1", "head"]
+        _close(rec.losses, eager.losses)
+        # ... and after fit every block runs as before: eagerly, the forwards untouched
+        assert compiled_modules(model) == ["head"] and compiled_call(model.head) is users
+        assert {n: m.forward for n, m in model.named_modules()} == forwards
+        tc.restore(None, model)  # safe twice
+        assert compiled_modules(model) == ["head"]
 
 
 # -- failure and recompiles --------------------------------------------------------------------

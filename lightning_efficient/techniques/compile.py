@@ -5,6 +5,8 @@
   ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
   compiled graph, so compile time is about one block's, not the whole model's. The parts outside
   the blocks (embeddings, final norm, head; the loss in ``training_step``) stay eager: compiling
+  each as a region of its own was measured no faster and costlier to compile
+  (``benchmarks/compile.py``, variant ``regional+outer``; docs/compile.md), and compiling
   the parent's ``forward`` with a graph break at each block call does not work, because Dynamo
   skips a whole frame that breaks inside a ``for`` loop (``for block in self.blocks``), and
   ``torch.compiler.nested_compile_region`` on a block instance's ``forward`` gave outputs that
@@ -17,7 +19,8 @@
   Dynamo's compile callbacks (``on_compile_start``/``on_compile_end``).
 - ``TorchCompile`` (callback) compiles at fit start, reports compile time, first-step time and
   steady-state step time apart, and warns once when recompilations pass a threshold, naming the
-  cause (usually changing shapes) and the fix (pad or bucket lengths).
+  cause (usually changing shapes) and the fix (pad or bucket lengths); after fit (and on an
+  exception) it puts back what each module it compiled had before.
 """
 
 from __future__ import annotations
@@ -299,6 +302,7 @@ class TorchCompile(Technique):
         self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)
         self._names: list[str] = []
         self._model: nn.Module | None = None
+        self._previous: dict[str, Any] = {}
         self._watch: CompileWatch | None = None
         self._fell_back: str | None = None
         self._timer: Any = None
@@ -312,6 +316,8 @@ class TorchCompile(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._watch = CompileWatch(on_recompile=self._check_recompiles).install()
         self._model = pl_module
+        # what each module had before (``None``: eager; a user's own ``module.compile()`` stays)
+        self._previous = {n: compiled_call(m) for n, m in pl_module.named_modules()}
         self._fell_back = None
         self._warned_recompiles = False
         self._names = compile_modules(
@@ -465,11 +471,15 @@ class TorchCompile(Technique):
         self._finish()
         super().on_fit_end(trainer, pl_module)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def restore(self, trainer: Any, pl_module: Any) -> None:
+        """Every module this callback compiled runs as it did before fit (eagerly, or under the
+        user's own ``module.compile()``); safe to call twice."""
         self._finish()
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._finish()
+        if self._model is not None:
+            for name in self._names:
+                module = self._model.get_submodule(name)
+                set_compiled_call(module, self._previous.get(name))
+        self._model, self._previous = None, {}
 
 
 def _span(names: list[str]) -> str:

@@ -3,6 +3,7 @@
 MemoryBreakdown's tracked peak of step 1 when asked). Options come as one JSON object.
 
 Usage: python tests/_fsdp_fit.py '{"callbacks": {"ActivationCheckpointing": {}}, ...}' OUT
+(keys: callbacks, strategy, trainer, model (``tiny_model`` overrides), steps, save_at)
 (Lightning re-launches this script for rank 1.)
 
 Each rank reads every other sample (``interleaved_data``), so the two ranks' batches of 4 together
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers import SaveAt, fit, interleaved_data
+from helpers import SaveAt, fit, interleaved_data, tiny_model
 from lightning.pytorch import Callback
 
 from lightning_efficient import techniques
@@ -51,6 +52,7 @@ def main(options: dict, out: Path) -> None:
             str(out),
             callbacks,
             strategy=strategy,
+            model=tiny_model(**options["model"]) if options.get("model") else None,
             data=interleaved_data(4),
             use_distributed_sampler=False,
             **kwargs,

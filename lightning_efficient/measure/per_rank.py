@@ -308,7 +308,7 @@ def root_parameter_bytes(model: nn.Module, precision: str = "32-true") -> int:
     """Parameter bytes outside the layer stack (embeddings, final norm, head): what FSDP2's root
     module holds; 0 when there is no layer stack (the whole model is then one block)."""
     stack = _layer_stack(model, precision)
-    return parameter_bytes(model, precision) - sum(stack) if stack else 0
+    return max(0, parameter_bytes(model, precision) - sum(stack)) if stack else 0
 
 
 def check_sharding(world_size: Any, sharding: Any) -> None:

@@ -12,8 +12,8 @@ counted as they happen.
 A storage can also change size without an operation: FSDP2 frees each block's gathered
 parameters with ``untyped_storage().resize_(0)`` after its forward and backward and allocates them
 again with ``resize_(n)`` before the next use, on the same storage object. A dispatch mode does
-not see that (measured on a 2-process FSDP2 run: every gathered block looked live for the whole
-step, 6.6% over the real peak). While a tracker is active, ``UntypedStorage.resize_`` reports to
+not see that (on a 2-process FSDP2 run every gathered block looked live for the whole step).
+While a tracker is active, ``UntypedStorage.resize_`` reports to
 it: a resize of a tracked storage is logged as the free of the old size and the allocation of
 the new one.
 

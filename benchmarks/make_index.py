@@ -141,7 +141,7 @@ def _fsdp() -> tuple[str, str]:
         f"ranks (GPT-2 small, estimate); peak {pct(fsdp['vs_one_device'])} (activations dominate)",
         f"an all-gather per block each forward and backward; per-rank estimate within "
         f"{max(abs(r['gap']) for r in measured['runs']):.2%} of real 2-process CPU runs "
-        f"({len(measured['runs'])}: 2 sizes, full and grad-op)",
+        f"({len(measured['runs'])} runs: 2 sizes, full and grad-op)",
     )
 
 

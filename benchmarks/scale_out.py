@@ -96,12 +96,13 @@ def _figures(est, one) -> dict:
 SIZES = {
     "tiny GPT (2 blocks, n_embd 32)": {},
     "tiny GPT x3.7 (4 blocks, n_embd 48)": {"n_layer": 4, "n_embd": 48},
+    "tiny GPT (2 blocks, n_embd 32), no checkpointing": {"checkpointing": False},
 }
 
 
 def measured() -> dict:
-    """Real 2-process FullyShardedStrategy fits (activation checkpointing, CPU, gloo) of two
-    sizes under FULL_SHARD and SHARD_GRAD_OP: the tracked peak of step 1 on each rank, and the
+    """Real 2-process FullyShardedStrategy fits (CPU, gloo) of two sizes with activation
+    checkpointing and the small one without, under FULL_SHARD and SHARD_GRAD_OP: the tracked peak of step 1 on each rank, and the
     per-rank estimate of the same step."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import tiny_model
@@ -111,13 +112,15 @@ def measured() -> dict:
     )
 
     rows = []
-    for label, size in SIZES.items():
+    for label, setup in SIZES.items():
+        size = {k: v for k, v in setup.items() if k != "checkpointing"}
+        checkpointing = setup.get("checkpointing", True)
         for sharding in ("full", "grad_op"):
+            callbacks = {"MemoryBreakdown": {"sample_steps": [1], "print_table": False}}
+            if checkpointing:
+                callbacks = {"ActivationCheckpointing": {}, **callbacks}
             options = {
-                "callbacks": {
-                    "ActivationCheckpointing": {},
-                    "MemoryBreakdown": {"sample_steps": [1], "print_table": False},
-                },
+                "callbacks": callbacks,
                 "steps": 2,
                 "allocator_step": 1,
                 "model": size,
@@ -138,7 +141,8 @@ def measured() -> dict:
                 )
                 ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
             model = tiny_model(**size)
-            apply_activation_checkpointing(model, "auto")
+            if checkpointing:
+                apply_activation_checkpointing(model, "auto")
             batch = (torch.zeros(4, 32, dtype=torch.long),) * 2
             est = estimate_memory(model, batch, optimizer="adamw", world_size=2, sharding=sharding)
             plain = estimate_memory(model, batch, optimizer="adamw")
@@ -159,7 +163,8 @@ def measured() -> dict:
                 }
             )
     return {
-        "workload": "activation checkpointing, batch 4 x seq 32 per rank, fp32, 2 CPU processes",
+        "workload": "activation checkpointing unless said, batch 4 x seq 32 per rank, fp32, "
+        "2 CPU processes",
         "runs": rows,
         "allocator_note": "the CPU allocator's peak over the same step (torch.profiler memory "
         "events, measure/allocator.py), an instrument independent of the tracker; it also sees "

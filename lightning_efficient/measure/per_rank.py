@@ -34,7 +34,7 @@ backward                        are freed only when its own backward ends, the l
 B gathered (``full``): the      ``reshard_after_forward=True``; in backward the next block is
 current block; + B prefetched   all-gathered (prefetched) when the current one starts, except
 in backward                     after the first block (nothing left); during the head's backward
-                                (no gradients yet) the last block is the prefetched one
+                                (no gradients yet) no block is gathered
 P - finished blocks gathered    ``reshard_after_forward=False`` keeps every block gathered from
 (``grad_op``)                   its forward until its backward ends (then it is resharded)
 gradients whole: the head's     autograd writes each gradient whole into the gathered parameter;
@@ -145,8 +145,8 @@ def buffer_bytes(
         whole, done = whole + done - blocks, blocks
     if sharding == "grad_op":  # blocks are resharded as their backward ends
         gathered = max(param_bytes - done, root_bytes + block_bytes)
-    elif grads_live == 0:  # the head's backward: the root and the prefetched last block
-        gathered = root_bytes + block_bytes
+    elif grads_live == 0:  # the head's backward: the root only (the last block is gathered
+        gathered = root_bytes  # when its own backward starts)
     else:  # the root, the current block and the prefetched next one (none after the first)
         left = param_bytes - root_bytes - done - block_bytes  # blocks still to run backward
         gathered = root_bytes + block_bytes + (block_bytes if left >= block_bytes else 0)

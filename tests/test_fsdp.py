@@ -119,10 +119,11 @@ def test_report_printed_once(fsdp_run) -> None:
 
 
 def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
-    """MemoryBreakdown tracks each rank's real tensors (a DTensor counts as its local shard);
-    the per-rank estimate of the same step (fake tensors, FSDP full over 2 ranks) is compared.
-    Measured here: the estimate is 7% under the tracked peak (the gathered blocks' buffers are
-    counted as two blocks; the real run holds more temporaries in backward)."""
+    """MemoryBreakdown tracks each rank's real tensors (a DTensor counts as its local shard, and
+    FSDP2's ``resize_`` frees of gathered blocks are followed); the per-rank estimate of the same
+    step (fake tensors, FSDP full over 2 ranks: the root and the current block gathered, the
+    head's and the current block's gradients whole, the last reduce-scatter input kept) is within
+    5% of it. Measured here: within 0.01% (benchmarks/scale_out.py, two sizes and shardings)."""
     from lightning_efficient.measure.estimate import estimate_memory
     from lightning_efficient.techniques.activation_checkpointing import (
         apply_activation_checkpointing,
@@ -137,7 +138,7 @@ def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
         tracked = rank["report"]["MemoryBreakdown"]
         assert tracked["parameters_bytes"] == whole / 2  # this rank's shards only
         assert tracked["optimizer_state_bytes"] <= whole + 256  # AdamW's 2 moments of half
-        assert abs(est.peak_bytes - tracked["peak_bytes"]) / tracked["peak_bytes"] < 0.15
+        assert abs(est.peak_bytes - tracked["peak_bytes"]) / tracked["peak_bytes"] < 0.05
 
 
 # -- refusals: at fit start, before anything is sharded ---------------------------------------
@@ -280,3 +281,90 @@ def test_demo_yaml_on_two_nodes_then_resumed_on_one(tmp_path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "Restored all states" in resumed.stderr + resumed.stdout
     assert (tmp_path / "run" / "checkpoints" / "epoch=0-step=5.ckpt").exists()
+
+
+# -- the strategy's options and the techniques that change behaviour with ranks: one 2-process run
+@pytest.fixture(scope="module")
+def fsdp_checks(tmp_path_factory) -> list[dict]:
+    """tests/_fsdp_checks.py: five fits one after the other in the same 2 processes."""
+    out = tmp_path_factory.mktemp("fsdp_checks")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_fsdp_checks.py"), str(out)],
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=subprocess_timeout(900),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_mixed_precision_gathers_bf16_and_keeps_fp32_shards(fsdp_checks, plain_losses) -> None:
+    for rank in fsdp_checks:
+        mixed = rank["mixed"]
+        assert mixed["dtype_in_forward"] == ["torch.bfloat16"]  # a block's weight, gathered
+        assert mixed["sharded_dtypes"] == mixed["local_dtypes"] == ["torch.float32"]  # the master
+        assert (mixed["param_dtype"], mixed["reduce_dtype"]) == ("torch.bfloat16", "None")
+    # the two ranks' bf16 losses average to the plain fp32 run's, within bf16's precision
+    r0, r1 = (r["mixed"]["losses"] for r in fsdp_checks)
+    mean = torch.tensor([(a + b) / 2 for a, b in zip(r0, r1)])
+    assert mean.tolist() != plain_losses  # bf16 did change the computation
+    torch.testing.assert_close(mean, torch.tensor(plain_losses), rtol=2e-2, atol=0)
+
+
+@pytest.mark.slow
+def test_cpu_offload_policy_reaches_fully_shard(fsdp_checks, plain_losses) -> None:
+    """On a CPU machine the shards are in host memory with or without the option (there is no
+    device to offload from): what can be checked is that FSDP2 received CPUOffloadPolicy (pinned
+    memory only with CUDA) for every block and the root, and that the maths is unchanged."""
+    for rank in fsdp_checks:
+        offload = rank["offload"]
+        assert offload["policy"] == offload["root_policy"] == "CPUOffloadPolicy"
+        assert offload["pin_memory"] is False and offload["local_devices"] == ["cpu"]
+    r0, r1 = (r["offload"]["losses"] for r in fsdp_checks)
+    mean = [(a + b) / 2 for a, b in zip(r0, r1)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(plain_losses), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_curriculum_gives_disjoint_shards_under_fsdp(fsdp_checks) -> None:
+    from _ddp_curriculum import BATCH, DURATION, SCORES
+
+    from lightning_efficient.techniques.curriculum import CurriculumSampler, easiest_first
+
+    ranks = [r["curriculum"] for r in fsdp_checks]
+    assert all(r["sampler"] == "CurriculumSampler" and r["world"] == 2 for r in ranks)
+    ranked = easiest_first(SCORES, seed=5)
+    reference = CurriculumSampler(
+        SCORES, BATCH, start_fraction=0.25, duration=DURATION, seed=5, num_replicas=2, rank=0
+    )
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 8
+    for step, (a, b) in enumerate(zip(ranks[0]["seen"], ranks[1]["seen"])):
+        assert set(a).isdisjoint(b), f"step {step}: both ranks trained on {set(a) & set(b)}"
+        assert set(a) | set(b) <= set(ranked[: reference.pool_at(step)])
+
+
+@pytest.mark.slow
+def test_early_stopping_takes_the_same_decision_on_every_rank_under_fsdp(fsdp_checks) -> None:
+    import math
+
+    r0, r1 = (r["early_stopping"] for r in fsdp_checks)
+    # the monitored metric differs per rank (logged without sync); alone, rank 0 would keep
+    # step 6 as best and rank 1 step 14; their mean is lowest at step 10
+    assert (r0["probe_at_5"], r1["probe_at_5"]) == (1.0, 81.0)
+    assert r0["stopper"] == r1["stopper"] and r0["stopper"]["best_step"] == 10
+    assert r0["global_step"] == r1["global_step"] == r0["stopper"]["stopped_step"] == 13
+    # NaN on rank 1 only: both ranks skip the same update; the gathered parameters agree
+    assert r0["guard_trips"] == r1["guard_trips"] == [3]
+    assert r0["params_sum"] == r1["params_sum"] and math.isfinite(r0["params_sum"])
+
+
+@pytest.mark.slow
+def test_batch_size_keeps_the_effective_batch_across_ranks_under_fsdp(fsdp_checks) -> None:
+    for rank in fsdp_checks:
+        r = rank["batch_size"]
+        # micro-batch x accumulation x ranks == target, on both ranks
+        assert r["world_size"] == 2 and r["micro"] * r["accumulate_grad_batches"] * 2 == 16
+        assert r["accumulate_grad_batches"] == 2 and r["global_step"] == 3
+        assert r["samples_seen"] == 3 * 2 * 4  # 3 steps x 2 micro-batches x 4 samples

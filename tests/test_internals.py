@@ -269,3 +269,9 @@ def test_set_model_parallel_sizes() -> None:
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)
     with pytest.raises(I.InternalsError, match="_data_parallel_size"):
         I.set_model_parallel_sizes(DDPStrategy(), data_parallel=2, tensor_parallel=1)
+
+
+def test_fsdp_policies_refuses_a_plain_module() -> None:
+    # the policies of a sharded module are read in the 2-process FSDP run (tests/_fsdp_checks.py)
+    with pytest.raises(I.InternalsError, match="_get_fsdp_state"):
+        I.fsdp_policies(torch.nn.Linear(2, 2))

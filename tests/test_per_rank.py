@@ -11,9 +11,12 @@ from lightning_efficient.measure.estimate import estimate_memory
 from lightning_efficient.measure.per_rank import (
     SHARDINGS,
     buffer_bytes,
+    fsdp_whole_gradients,
     largest_block_bytes,
     parameter_bytes,
     per_rank_estimate,
+    per_rank_phase,
+    root_parameter_bytes,
     shard_factors,
     world_size_of,
 )
@@ -47,8 +50,10 @@ def _one_device() -> MemoryEstimate:
         ("zero1", (P, P + B, OPT / 4)),
         ("zero2", (P, P / 4 + B, OPT / 4)),
         ("zero3", (P / 4 + 2 * B, P / 4 + B, OPT / 4)),
-        ("full", (P / 4 + 2 * B, P / 4 + B, OPT / 4)),
-        ("grad_op", (P, P / 4 + B, OPT / 4)),  # P/4 shard + 3P/4 kept gathered
+        # FSDP2 at the end of backward (every gradient there, every block finished): the last
+        # block gathered, its reduce-scatter input kept (the moments before: below)
+        ("full", (P / 4 + B, P / 4 + B, OPT / 4)),
+        ("grad_op", (P / 4 + B, P / 4 + B, OPT / 4)),
     ],
 )
 def test_one_rank_of_four_analytic(sharding: str, expected: tuple) -> None:
@@ -60,6 +65,102 @@ def test_one_rank_of_four_analytic(sharding: str, expected: tuple) -> None:
     assert est.by_category["activations"] == A and est.by_category["temporaries"] == T
     assert est.peak_bytes == sum(est.by_category.values())
     assert sharding in est.notes[-1]
+
+
+# FSDP2 by moment: a root of R (head gradients H come first) and 4 blocks of B2
+R, B2, H = 200, 100, 50
+P2 = R + 4 * B2
+FSDP = dict(world_size=4, param_bytes=P2, block_bytes=B2, root_bytes=R, head_grad_bytes=H)
+
+
+def _moment(grads: int) -> dict[str, int]:
+    return {
+        "parameters": P2,
+        "gradients": grads,
+        "optimizer_state": 2 * P2,
+        "activations": A,
+        "temporaries": T,
+    }
+
+
+def test_fsdp_gradients_whole_and_finished() -> None:
+    # the head's gradients, then the last block finished, 30 bytes of the next one
+    assert fsdp_whole_gradients(H + B2 + 30, block_bytes=B2, root_bytes=R, head_grad_bytes=H) == (
+        H + 30,
+        B2,
+    )
+    assert fsdp_whole_gradients(H, block_bytes=B2, root_bytes=R, head_grad_bytes=H) == (H, 0)
+    # no first level known: the root's gradients are taken as the head's
+    assert fsdp_whole_gradients(R + 10, block_bytes=B2, root_bytes=R) == (R + 10, 0)
+
+
+@pytest.mark.parametrize(
+    "grads,gathered,grad_bytes",
+    [
+        (0, R, 0),  # the head's backward: the root only
+        (H + 30, R + 2 * B2, 20 + 60),  # last block: + the prefetched next one; all whole
+        # one block finished: its gradients 1/4, its reduce-scatter input B2 kept
+        (H + B2 + 30, R + 2 * B2, 45 + (80 - 20) + B2),
+        (H + 3 * B2 + 10, R + B2, 90 + (60 - 15) + B2),  # the first block: nothing to prefetch
+    ],
+)
+def test_fsdp_full_shard_backward_moments(grads: int, gathered: int, grad_bytes: int) -> None:
+    got = per_rank_phase(_moment(grads), "backward", sharding="full", **FSDP)
+    assert got["parameters"] == P2 / 4 + gathered
+    assert got["gradients"] == grad_bytes
+    assert got["optimizer_state"] == 2 * P2 / 4
+    assert (got["activations"], got["temporaries"]) == (A, T)
+
+
+def test_fsdp_shard_grad_op_and_other_phases() -> None:
+    # grad_op: every block gathered until its backward ends
+    got = per_rank_phase(_moment(H + B2 + 30), "backward", sharding="grad_op", **FSDP)
+    assert got["parameters"] == P2 / 4 + P2 - B2
+    fwd = {"full": R + B2, "grad_op": P2}
+    for sharding, gathered in fwd.items():
+        got = per_rank_phase(_moment(P2), "forward", sharding=sharding, **FSDP)
+        assert got["parameters"] == P2 / 4 + gathered
+        assert got["gradients"] == P2 / 4  # the last step's, sharded
+        step = per_rank_phase(_moment(P2), "optimizer", sharding=sharding, **FSDP)
+        assert step["parameters"] == P2 / 4 and step["temporaries"] == T / 4
+
+
+def test_the_rank_peak_is_the_largest_moment() -> None:
+    """Dividing finished gradients moves the rank's peak to an earlier moment of backward."""
+    early = {**_moment(0), "temporaries": 1400}
+    late = {**_moment(P2), "temporaries": 850}
+    one = MemoryEstimate(
+        sum(late.values()),
+        late,
+        "backward",
+        {"backward": sum(late.values())},
+        phase_by_category={"backward": late},
+        backward_levels=[early, {**_moment(H), "temporaries": 100}, late],
+    )
+    assert sum(early.values()) < one.peak_bytes
+    est = per_rank_estimate(
+        one, world_size=4, sharding="full", param_bytes=P2, block_bytes=B2, root_bytes=R
+    )
+    assert est.by_category["temporaries"] == 1400 and est.by_category["gradients"] == 0
+    assert est.peak_phase == "backward" and "peak in backward" in est.notes[-1]
+    assert est.peak_bytes == sum(est.by_category.values()) < one.peak_bytes
+
+
+def test_tracker_follows_storage_resizes() -> None:
+    """FSDP2 frees gathered parameters with ``untyped_storage().resize_(0)``, no operation a
+    dispatch mode sees: the tracker hears of it while active, and puts the method back."""
+    from lightning_efficient.measure.track import StorageTracker
+
+    tracker = StorageTracker(fake=False)
+    with tracker:
+        gathered = torch.ones(1000)  # 4000 bytes
+        gathered.untyped_storage().resize_(0)  # freed
+        other = torch.ones(1000) * 2  # peak without the resize: 12000
+        gathered.untyped_storage().resize_(4000)  # again
+        del other
+    result = tracker.summary()
+    assert result.peak_bytes == 8000
+    assert "resize_" not in vars(torch.UntypedStorage)
 
 
 def test_one_rank_is_the_device() -> None:
@@ -91,6 +192,7 @@ def test_estimate_of_a_model_per_rank() -> None:
     assert parameter_bytes(model) == whole
     block = largest_block_bytes(model)
     assert block == 4 * sum(p.numel() for p in model.blocks[0].parameters())
+    assert root_parameter_bytes(model) == whole - 2 * block  # embeddings and the final norm
     one = estimate_memory(model, batch, optimizer="adamw")
     results = {
         s: estimate_memory(model, batch, optimizer="adamw", world_size=2, sharding=s)
@@ -102,7 +204,9 @@ def test_estimate_of_a_model_per_rank() -> None:
         one.by_category["optimizer_state"] / 2, abs=1
     )
     assert max(results["full"].peak_bytes, results["zero2"].peak_bytes) < results["ddp"].peak_bytes
-    assert results["full"].by_category["activations"] == one.by_category["activations"]
+    # activations are not divided: those of the one-device moment the rank's peak is at
+    moments = [*one.backward_levels, *one.phase_by_category.values()]
+    assert results["full"].by_category["activations"] in {m["activations"] for m in moments}
 
 
 def test_estimate_command_per_rank(capsys) -> None:

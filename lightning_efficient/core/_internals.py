@@ -523,3 +523,17 @@ def set_model_parallel_sizes(strategy: Any, *, data_parallel: int, tensor_parall
         raise _moved("lightning", "ModelParallelStrategy._data_parallel_size")
     strategy._data_parallel_size = data_parallel
     strategy._tensor_parallel_size = tensor_parallel
+
+
+# --- torch: FSDP2's policies of a sharded module (what FullyShardedStrategy's options set) -------
+def fsdp_policies(module: Any) -> tuple[Any, Any]:
+    """The ``(MixedPrecisionPolicy, OffloadPolicy)`` that ``fully_shard`` stored for ``module``
+    (an ``FSDPModule``; torch keeps them on the module's parameter group, with no public getter).
+    On a CPU machine CPU offload moves nothing, so the policy is what can be checked."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _moved("torch", "FSDPModule._get_fsdp_state")
+    group = getattr(get_state(), "_fsdp_param_group", None)
+    if group is None or not hasattr(group, "offload_policy") or not hasattr(group, "mp_policy"):
+        raise _moved("torch", "FSDPState._fsdp_param_group.offload_policy")
+    return group.mp_policy, group.offload_policy

@@ -9,6 +9,14 @@ stores it in ``.grad``), and ``summary()`` replays the log with the final labels
 follows storages, not modules, forwards that activation checkpointing re-runs during backward are
 counted as they happen.
 
+A storage can also change size without an operation: FSDP2 frees each block's gathered
+parameters with ``untyped_storage().resize_(0)`` after its forward and backward and allocates them
+again with ``resize_(n)`` before the next use, on the same storage object. A dispatch mode does
+not see that (on a 2-process FSDP2 run every gathered block looked live for the whole step).
+While a tracker is active, ``UntypedStorage.resize_`` reports to
+it: a resize of a tracked storage is logged as the free of the old size and the allocation of
+the new one.
+
 ``run_steps`` is the training step both the estimate (fake tensors) and ``measure_step`` (real
 tensors on the CPU) run, so the two are compared on the same steps and categories.
 """
@@ -71,6 +79,36 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield x
 
 
+#: Trackers active now; ``UntypedStorage.resize_`` reports to them while there are any.
+_RESIZE_LISTENERS: list[StorageTracker] = []
+_ORIGINAL_RESIZE: list[Any] = []  # the method replaced while trackers listen (0 or 1 item)
+
+
+def _reporting_resize(storage: Any, size: int) -> Any:
+    out = _ORIGINAL_RESIZE[0](storage, size)
+    for tracker in _RESIZE_LISTENERS:
+        tracker._resized(storage)
+    return out
+
+
+def _listen_to_resizes(tracker: StorageTracker) -> None:
+    if not _RESIZE_LISTENERS:
+        _ORIGINAL_RESIZE.append(torch.UntypedStorage.resize_)
+        torch.UntypedStorage.resize_ = _reporting_resize  # type: ignore[method-assign]
+    _RESIZE_LISTENERS.append(tracker)
+
+
+def _stop_listening(tracker: StorageTracker) -> None:
+    if tracker in _RESIZE_LISTENERS:
+        _RESIZE_LISTENERS.remove(tracker)
+    if not _RESIZE_LISTENERS and _ORIGINAL_RESIZE:
+        original = _ORIGINAL_RESIZE.pop()
+        if "resize_" in vars(torch.UntypedStorage):  # the base class's own method comes back
+            del torch.UntypedStorage.resize_
+        if torch.UntypedStorage.resize_ is not original:  # pragma: no cover - defensive
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
 class StorageTracker(TorchDispatchMode):
     """Counts live storage bytes by category while active (``with tracker: ...``).
 
@@ -119,6 +157,23 @@ class StorageTracker(TorchDispatchMode):
         self._events.append((rec, 1, self.phase))
         return rec
 
+    def _resized(self, st: Any) -> None:
+        """``st`` was resized in place (FSDP2's free / re-allocation of gathered parameters)."""
+        key = id(st)
+        rec = self._live.get(key)
+        if rec is None:
+            return
+        nbytes = int(st.nbytes())
+        if nbytes and self.rounding is not None:
+            nbytes = int(self.rounding(nbytes))
+        if nbytes == rec.nbytes:
+            return
+        self._events.append((rec, -1, self.phase))
+        new = _Storage(nbytes, rec.category)
+        self._live[key] = new
+        self._refs[key] = weakref.ref(st, lambda _r, key=key, rec=new: self._free(key, rec))
+        self._events.append((new, 1, self.phase))
+
     def _free(self, key: int, rec: _Storage) -> None:
         if self._live.get(key) is rec:
             del self._live[key]
@@ -156,6 +211,15 @@ class StorageTracker(TorchDispatchMode):
         )
 
     # -- the dispatch hook -------------------------------------------------------------------
+    def __enter__(self) -> StorageTracker:
+        out = super().__enter__()
+        _listen_to_resizes(self)
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        _stop_listening(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
@@ -173,6 +237,8 @@ class StorageTracker(TorchDispatchMode):
         current = dict.fromkeys(CATEGORIES, 0)
         peak, at_peak, peak_phase = 0, dict(current), "forward"
         phase_peaks: dict[str, int] = {}
+        phase_by_category: dict[str, dict[str, int]] = {}
+        levels: dict[int, dict[str, int]] = {}  # backward: gradient bytes -> the most at that level
         for rec, sign, phase in self._events:
             n = sign * rec.nbytes
             if offload.get(rec.category, False):
@@ -181,10 +247,13 @@ class StorageTracker(TorchDispatchMode):
                 continue
             device += n
             current[rec.category] += n
-            if phase in phase_peaks:
-                phase_peaks[phase] = max(phase_peaks[phase], device)
-            else:
+            if phase not in phase_peaks or device > phase_peaks[phase]:
                 phase_peaks[phase] = device
+                phase_by_category[phase] = dict(current)
+            if phase == "backward":
+                level = levels.get(current["gradients"])
+                if level is None or device > sum(level.values()):
+                    levels[current["gradients"]] = dict(current)
             if device > peak:
                 peak, at_peak, peak_phase = device, dict(current), phase
         return MemoryEstimate(
@@ -193,7 +262,27 @@ class StorageTracker(TorchDispatchMode):
             peak_phase=peak_phase,
             phase_peaks=phase_peaks,
             host_bytes=host_peak,
+            phase_by_category=phase_by_category,
+            backward_levels=_frontier(levels),
         )
+
+
+def _frontier(levels: dict[int, dict[str, int]]) -> list[dict[str, int]]:
+    """The backward moments no later moment exceeds in the bytes other than gradients (the
+    candidates for the peak once a strategy divides the gradients), and the first moment with
+    gradients (whose amount tells the head's gradients), ordered by gradients."""
+    out: list[dict[str, int]] = []
+    best_rest = -1
+    for grads in sorted(levels, reverse=True):
+        cats = levels[grads]
+        rest = sum(cats.values()) - grads
+        if rest > best_rest:
+            out.append(cats)
+            best_rest = rest
+    first = min((g for g in levels if g > 0), default=None)
+    if first is not None and all(c["gradients"] != first for c in out):
+        out.append(levels[first])
+    return sorted(out, key=lambda c: c["gradients"])
 
 
 # -- the training step both the estimate and the real measurement run -----------------------------

@@ -61,6 +61,11 @@ class MemoryEstimate:
         phase_peaks: The peak of each phase.
         host_bytes: Peak bytes kept in host memory by offloading techniques.
         notes: What the techniques changed.
+        phase_by_category: Bytes live at each phase's peak per category (empty when unknown);
+            the per-rank estimate (``measure.per_rank``) divides each phase as a strategy does.
+        backward_levels: Moments of backward by category, one for each amount of gradients
+            live (those no other moment exceeds in both gradients and the rest): sharding
+            divides finished gradients, so the rank's peak can be earlier in backward.
     """
 
     peak_bytes: int
@@ -69,6 +74,8 @@ class MemoryEstimate:
     phase_peaks: dict[str, int]
     host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    phase_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
+    backward_levels: list[dict[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -35,7 +35,6 @@ PRIVATE_ATTRIBUTES = {
     "_parallel_devices",
     "_hp_optimizer_states_linked",
     "_lazy_init_hp_params_optimizer_state",
-    "_configure_launcher",
     "_init_optimizers",
     "_restore_zero_state",
     "_PRECISION_INPUT",

@@ -237,7 +237,6 @@ from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402  (impor
 #: Private hooks of Lightning's ``DeepSpeedStrategy`` that ``DeepSpeedStrategyHooks`` overrides
 #: or calls; a Lightning release without one of them fails at strategy construction, by name.
 DEEPSPEED_STRATEGY_HOOKS = (
-    "_configure_launcher",
     "_init_optimizers",
     "_auto_select_batch_size",
     "_restore_zero_state",
@@ -256,7 +255,6 @@ class DeepSpeedStrategyHooks(DeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` with its private hooks routed to public methods, so a
     subclass (``ZeROOffload``) overrides only public names:
 
-    - ``after_launcher_configured()``: the launcher is configured, fit has not launched yet.
     - ``convert_optimizer(optimizer, scheduler_config)``: the module's optimizer and scheduler
       config before DeepSpeed wraps them; returns the pair DeepSpeed gets.
     - ``restore_zero_state(checkpoint, strict)``: Lightning's gathered ZeRO-3 ``load_state_dict``.
@@ -268,9 +266,6 @@ class DeepSpeedStrategyHooks(DeepSpeedStrategy):
         check_deepspeed_strategy_hooks()
         super().__init__(*args, **kwargs)
 
-    def after_launcher_configured(self) -> None:
-        """Called once the launcher is configured, before fit launches the processes."""
-
     def convert_optimizer(self, optimizer: Any, scheduler_config: Any) -> tuple[Any, Any]:
         """The optimizer (and scheduler config) DeepSpeed wraps; unchanged by default."""
         return optimizer, scheduler_config
@@ -278,10 +273,6 @@ class DeepSpeedStrategyHooks(DeepSpeedStrategy):
     def restore_zero_state(self, checkpoint: Any, strict: bool) -> None:
         """Load ``checkpoint["state_dict"]`` into a ZeRO-3 partitioned module (collective)."""
         self._restore_zero_state(checkpoint, strict=strict)
-
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self.after_launcher_configured()
 
     def _init_optimizers(self) -> tuple[Any, Any]:
         return self.convert_optimizer(*super()._init_optimizers())

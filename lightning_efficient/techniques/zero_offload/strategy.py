@@ -107,7 +107,8 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         self._template: dict[str, Any] | None = None
         self._loaded_plain = False
         self._converted = ""
-        self._env_before: dict[str, str | None] | None = None
+        # as they were before fit's launch writes them (the same timing as FullyShardedStrategy)
+        self._env_before = launcher_environ()
 
     @property
     def estimate_sharding(self) -> str:
@@ -154,13 +155,9 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         else:
             super().setup_environment()
 
-    def after_launcher_configured(self) -> None:
-        # before fit's launch exports the group's address, port and ranks to os.environ
-        self._env_before = launcher_environ()
-
     def teardown(self) -> None:
         super().teardown()
-        if self.world_size == 1 and self._env_before is not None:
+        if self.world_size == 1:
             # one process: the launcher and DeepSpeed exported the group's address, port and
             # ranks to os.environ, where processes started later (a DDP launch, tests) would
             # inherit a port this process still listens on. Put the environment back.

@@ -23,7 +23,10 @@ class RankNaN(NaNAt):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
-def main(out: str) -> None:
+def run(strategy, params_sum, **trainer_kwargs) -> tuple[int, dict]:
+    """Fit on 2 ranks under ``strategy`` with the rank-dependent metric and rank 1's NaN; returns
+    the global rank and what the test compares across ranks. ``params_sum(model)``: the sum of
+    the full parameters (a sharded strategy gathers them)."""
     model = tiny_model()
     probe: list[float] = []
     training_step = model.training_step
@@ -42,13 +45,12 @@ def main(out: str) -> None:
         None,
         [stopper, guard, RankNaN([3])],
         model=model,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
+        strategy=strategy,
         max_steps=30,
         limit_val_batches=0,
+        **trainer_kwargs,
     )
-    result = {
+    return trainer.global_rank, {
         "global_step": trainer.global_step,
         "stopper": {
             "stopped_step": stopper.stopped_step,
@@ -58,9 +60,18 @@ def main(out: str) -> None:
         },
         "probe_at_5": probe[5],  # this rank's own value at step 5
         "guard_trips": [t["step"] for t in guard.trips],
-        "params_sum": float(sum(p.double().sum() for p in model.parameters())),
+        "params_sum": params_sum(model),
     }
-    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main(out: str) -> None:
+    rank, result = run(
+        "ddp",
+        lambda model: float(sum(p.double().sum() for p in model.parameters())),
+        accelerator="cpu",
+        devices=2,
+    )
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from _batch_size_helpers import OOMGPT
-from _early_stopping_ddp import RankNaN
+from _early_stopping_ddp import run
 from helpers import TINY_MODEL, fit, interleaved_data, tiny_model
 
 from lightning_efficient.core import _internals
-from lightning_efficient.techniques import Curriculum, DivergenceGuard, EarlyStopper
+from lightning_efficient.techniques import Curriculum
 from lightning_efficient.techniques.batch_size import EfficientBatchSize
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 
@@ -103,43 +103,16 @@ def curriculum(out: Path) -> dict:
 
 
 def early_stopping() -> dict:
-    model = tiny_model()
-    probe: list[float] = []
-    training_step = model.training_step
-
-    def logged_step(batch, batch_idx):  # the module's own step, plus a rank-dependent metric
-        loss = training_step(batch, batch_idx)
-        centre = 6 if model.global_rank == 0 else 14
-        probe.append(float((model.global_step - centre) ** 2))
-        model.log("probe", probe[-1])
-        return loss
-
-    model.training_step = logged_step
-    stopper = EarlyStopper("probe", check_every_n_steps=1, patience=2, restore_best=False)
-    guard = DivergenceGuard("skip")
-    trainer, model, _ = fit(
-        None,
-        [stopper, guard, RankNaN([3])],
-        model=model,
-        max_steps=30,
-        limit_val_batches=0,
-        **_two_ranks(FullyShardedStrategy()),
-    )
-    return {
-        "global_step": trainer.global_step,
-        "stopper": {
-            "stopped_step": stopper.stopped_step,
-            "best_step": stopper.tracker.best_step,
-            "best": stopper.tracker.best,
-            "checks": stopper.tracker.checks,
-        },
-        "probe_at_5": probe[5],
-        "guard_trips": [t["step"] for t in guard.trips],
+    _, result = run(
+        FullyShardedStrategy(),
         # the full parameters (gathered), the same on every rank when the decisions were
-        "params_sum": float(
+        lambda model: float(
             sum(p.detach().full_tensor().double().sum() for p in model.parameters())
         ),
-    }
+        accelerator="cpu",
+        devices=2,
+    )
+    return result
 
 
 def batch_size() -> dict:

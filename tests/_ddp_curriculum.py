@@ -19,6 +19,22 @@ N, BATCH, DURATION = 48, 3, 6
 SCORES = [float((i * 29) % N) for i in range(N)]  # a permutation of 0..47: sample i's difficulty
 
 
+def check_disjoint_shards(ranks: list[dict]) -> None:
+    """Assert what each rank wrote: 8 steps, the two ranks' samples disjoint at every step and
+    all drawn from the curriculum's pool of that step."""
+    from lightning_efficient.techniques.curriculum import CurriculumSampler, easiest_first
+
+    assert all(r["sampler"] == "CurriculumSampler" and r["world"] == 2 for r in ranks)
+    ranked = easiest_first(SCORES, seed=5)
+    reference = CurriculumSampler(
+        SCORES, BATCH, start_fraction=0.25, duration=DURATION, seed=5, num_replicas=2, rank=0
+    )
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 8
+    for step, (a, b) in enumerate(zip(ranks[0]["seen"], ranks[1]["seen"])):
+        assert set(a).isdisjoint(b), f"step {step}: both ranks trained on {set(a) & set(b)}"
+        assert set(a) | set(b) <= set(ranked[: reference.pool_at(step)])
+
+
 class Ids(Dataset):
     scores = SCORES
 

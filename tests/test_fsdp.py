@@ -329,20 +329,9 @@ def test_cpu_offload_policy_reaches_fully_shard(fsdp_checks, plain_losses) -> No
 
 @pytest.mark.slow
 def test_curriculum_gives_disjoint_shards_under_fsdp(fsdp_checks) -> None:
-    from _ddp_curriculum import BATCH, DURATION, SCORES
+    from _ddp_curriculum import check_disjoint_shards
 
-    from lightning_efficient.techniques.curriculum import CurriculumSampler, easiest_first
-
-    ranks = [r["curriculum"] for r in fsdp_checks]
-    assert all(r["sampler"] == "CurriculumSampler" and r["world"] == 2 for r in ranks)
-    ranked = easiest_first(SCORES, seed=5)
-    reference = CurriculumSampler(
-        SCORES, BATCH, start_fraction=0.25, duration=DURATION, seed=5, num_replicas=2, rank=0
-    )
-    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 8
-    for step, (a, b) in enumerate(zip(ranks[0]["seen"], ranks[1]["seen"])):
-        assert set(a).isdisjoint(b), f"step {step}: both ranks trained on {set(a) & set(b)}"
-        assert set(a) | set(b) <= set(ranked[: reference.pool_at(step)])
+    check_disjoint_shards([r["curriculum"] for r in fsdp_checks])
 
 
 @pytest.mark.slow

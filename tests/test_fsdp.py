@@ -23,6 +23,7 @@ from lightning_efficient.core import compat
 from lightning_efficient.core.technique import techniques_of
 from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.techniques import ActivationCheckpointing, OptimizerSwap
+from lightning_efficient.techniques.batch_size import OOMRecovery
 from lightning_efficient.techniques.fsdp import (
     FullyShardedStrategy,
     optimizer_param_names,
@@ -156,6 +157,17 @@ def test_an_optimizer_that_cannot_step_dtensors_is_refused() -> None:
     assert "OptimizerSwap under FullyShardedStrategy" in message
     assert "adamw_fused" in message  # the alternative
     assert "ActivationCheckpointing" not in message  # works sharded
+    batch_split = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=FullyShardedStrategy(),
+        callbacks=[OOMRecovery()],
+        logger=False,
+    )
+    with pytest.raises(
+        SettingsError, match="OOMRecovery under FullyShardedStrategy.*EfficientBatchSize"
+    ):
+        compat.check(batch_split, techniques_of(batch_split))
     ok = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -357,3 +369,34 @@ def test_batch_size_keeps_the_effective_batch_across_ranks_under_fsdp(fsdp_check
         assert r["world_size"] == 2 and r["micro"] * r["accumulate_grad_batches"] * 2 == 16
         assert r["accumulate_grad_batches"] == 2 and r["global_step"] == 3
         assert r["samples_seen"] == 3 * 2 * 4  # 3 steps x 2 micro-batches x 4 samples
+
+
+@pytest.mark.slow
+def test_every_contract_case_trains_under_fsdp(tmp_path) -> None:
+    """Each technique (but the strategies and the refused ones: 8-bit optimizers, OOMRecovery) fits 3 steps under
+    FullyShardedStrategy with 2 processes, and those that report add their row."""
+    from _fsdp_case import runs_under_fsdp
+    from test_contract import ALL
+
+    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+
+    out = tmp_path / "cases.json"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_fsdp_case.py"), str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=subprocess_timeout(900),
+    )
+    ran = json.loads(out.read_text()) if out.exists() else {}
+    assert proc.returncode == 0, f"ran {sorted(ran)}; {proc.stderr[-4000:]}"
+    expected = [c for c in ALL if runs_under_fsdp(c)]
+    assert sorted(ran) == sorted(c.id for c in expected) and len(expected) >= 15
+    for case in expected:
+        result = ran[case.id]
+        assert result["world_size"] == 2 and result["global_step"] == 3, case.id
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), case.id
+        if case.reports:
+            assert case.cls.__name__ in result["report"], case.id

@@ -59,6 +59,11 @@ class OOMRecovery(Technique):
     """
 
     recovers_from_oom = True  # read by the compatibility rules
+    sharding_conflict = (  # read by the compatibility rules
+        "OOM recovery splits a batch through the module's steps on single-device and DDP "
+        "strategies only, and would do nothing here. Use EfficientBatchSize (it sizes one rank's "
+        "micro-batch by the estimate before training), or DDP to keep OOM recovery"
+    )
 
     def __init__(
         self,

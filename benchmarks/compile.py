@@ -11,6 +11,8 @@ on-disk caches are disabled so every compile is a cold one.
     python benchmarks/compile.py            # TinyGPT 6 x 128, seq 128, batch 8
     python benchmarks/compile.py --quick    # 4 x 64, seq 64
     python benchmarks/compile.py --threads 1 --out benchmarks/results/compile_1thread
+    python benchmarks/compile.py --variants whole regional --n-embd 256 \
+        --out benchmarks/results/compile_width256    # wider blocks (n_head = n_embd / 32)
 
 Prints a table and saves benchmarks/results/compile.{md,json} (through ``_results.save_results``).
 """
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--n-embd", type=int, default=None, help="model width (default 128)")
+    ap.add_argument("--n-layer", type=int, default=None, help="blocks (default 6)")
     ap.add_argument("--out", default=str(RESULTS / "compile"))
     ap.add_argument(
         "--variants",
@@ -147,6 +151,10 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = dict(n_layer=6, n_embd=128, n_head=4, seq_len=128, dropout=0.0)
         bsz, rounds = 8, 40
     rounds = args.rounds or rounds
+    if args.n_embd:
+        cfg.update(n_embd=args.n_embd, n_head=max(1, args.n_embd // 32))
+    if args.n_layer:
+        cfg["n_layer"] = args.n_layer
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (bsz, cfg["seq_len"] + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])

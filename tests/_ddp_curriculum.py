@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient.techniques import Curriculum
 
-N, BATCH, DURATION = 48, 3, 6
+N, BATCH, DURATION, START, SEED = 48, 3, 6, 0.25, 5
 SCORES = [float((i * 29) % N) for i in range(N)]  # a permutation of 0..47: sample i's difficulty
 
 
@@ -25,14 +25,28 @@ def check_disjoint_shards(ranks: list[dict]) -> None:
     from lightning_efficient.techniques.curriculum import CurriculumSampler, easiest_first
 
     assert all(r["sampler"] == "CurriculumSampler" and r["world"] == 2 for r in ranks)
-    ranked = easiest_first(SCORES, seed=5)
+    ranked = easiest_first(SCORES, seed=SEED)
     reference = CurriculumSampler(
-        SCORES, BATCH, start_fraction=0.25, duration=DURATION, seed=5, num_replicas=2, rank=0
+        SCORES, BATCH, start_fraction=START, duration=DURATION, seed=SEED, num_replicas=2, rank=0
     )
     assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 8
     for step, (a, b) in enumerate(zip(ranks[0]["seen"], ranks[1]["seen"])):
         assert set(a).isdisjoint(b), f"step {step}: both ranks trained on {set(a) & set(b)}"
         assert set(a) | set(b) <= set(ranked[: reference.pool_at(step)])
+
+
+def trainer_args() -> dict:
+    """The Trainer keywords of the one-epoch curriculum run, under any 2-rank strategy."""
+    return {
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": [
+            Curriculum("attr:scores", start_fraction=START, duration=DURATION, seed=SEED)
+        ],
+    }
 
 
 class Ids(Dataset):
@@ -72,15 +86,5 @@ class Module(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Curriculum("attr:scores", start_fraction=0.25, duration=DURATION, seed=5)],
-    )
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", **trainer_args())
     trainer.fit(Module(sys.argv[1]))

@@ -24,7 +24,6 @@ from _early_stopping_ddp import run
 from helpers import TINY_MODEL, fit, interleaved_data, tiny_model
 
 from lightning_efficient.core import _internals
-from lightning_efficient.techniques import Curriculum
 from lightning_efficient.techniques.batch_size import EfficientBatchSize
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 
@@ -83,19 +82,11 @@ def cpu_offload() -> dict:
 
 
 def curriculum(out: Path) -> dict:
-    from _ddp_curriculum import DURATION, Module
+    from _ddp_curriculum import Module, trainer_args
 
     where = out / "curriculum"
     where.mkdir(exist_ok=True)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Curriculum("attr:scores", start_fraction=0.25, duration=DURATION, seed=5)],
-        **_two_ranks(FullyShardedStrategy()),
-    )
+    trainer = pl.Trainer(**trainer_args(), **_two_ranks(FullyShardedStrategy()))
     module = Module(str(where))
     trainer.fit(module)
     sampler = trainer.train_dataloader.sampler

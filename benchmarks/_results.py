@@ -11,12 +11,20 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PACKAGES", "environment", "fmt_bytes", "save_results", "table", "version_of"]
+__all__ = [
+    "PACKAGES",
+    "environment",
+    "fmt_bytes",
+    "provenance",
+    "save_results",
+    "table",
+    "version_of",
+]
 
 #: Distributions whose versions a result names.
 PACKAGES = ("torch", "lightning", "deepspeed", "bitsandbytes", "transformers", "triton")
@@ -84,6 +92,12 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
     for row in rows:
         lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
     return "\n".join(lines)
+
+
+def provenance(env: Mapping[str, Any], command: str | None = None) -> str:
+    """The line a result ends with: the hardware and versions, then the command that made it."""
+    line = "Hardware/versions: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "."
+    return f"{line} Command: `{command}`." if command else line
 
 
 def save_results(

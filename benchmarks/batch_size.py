@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import environment, save_results  # noqa: E402
+from _results import environment, provenance, save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
@@ -245,9 +245,7 @@ def main() -> None:
         "samples per CPU-second are this process's own time). "
         f"Total {wall:.0f} s.",
         "",
-        "Hardware/versions: "
-        + ", ".join(f"{k} {v}" for k, v in env.items())
-        + f". Command: `{cmd}`.",
+        provenance(env, cmd),
     ]
     stem = args.out or ROOT / "benchmarks" / "results" / (
         "batch_size_quick" if args.quick else "batch_size"

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import environment, save_results, table  # noqa: E402
+from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.measure import estimate as estimate_module  # noqa: E402
 from lightning_efficient.measure import estimate_memory  # noqa: E402
@@ -244,7 +244,7 @@ def main() -> None:
                 align="llrrrrrr",
             ),
             "",
-            "Hardware/versions: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".",
+            provenance(env),
             "Command: `python benchmarks/estimate_accuracy.py"
             + (" --quick`." if args.quick else "`."),
         ]

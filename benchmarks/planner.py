@@ -30,10 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import environment, save_results  # noqa: E402
+from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.planner import plan_stack  # noqa: E402
+
+
+def _bytes_cells(row: dict) -> tuple[str, str]:
+    """A row's device peak and host bytes as table cells ("-" where none)."""
+    peak, host = (format_bytes(row[k]) if row[k] else "-" for k in ("peak_bytes", "host_bytes"))
+    return peak, host
 
 
 def gpt2() -> torch.nn.Module:
@@ -88,24 +94,20 @@ def main() -> None:
     title = (
         f"Planner on GPT-2 small (124M), sequence {seq}, batch {batch}, AdamW, fp32 as configured"
     )
+    env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
     lines = [
         f"### {title}",
         "",
-        "| Budget | Stack chosen | Device peak | Host | Stacks estimated | Seconds |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
-        host = format_bytes(r["host_bytes"]) if r["host_bytes"] else "-"
-        lines.append(
-            f"| {r['budget']} | {r['stack']} | {peak} | {host} | {r['estimated']} | {r['seconds']} |"
-        )
-    env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
-    lines += [
+        table(
+            ["Budget", "Stack chosen", "Device peak", "Host", "Stacks estimated", "Seconds"],
+            [
+                (r["budget"], r["stack"], *_bytes_cells(r), r["estimated"], r["seconds"])
+                for r in rows
+            ],
+            align="llrrrr",
+        ),
         "",
-        "Hardware/versions: "
-        + ", ".join(f"{k} {v}" for k, v in env.items())
-        + f". Command: `python benchmarks/planner.py{' --quick' if args.quick else ''}`.",
+        provenance(env, f"python benchmarks/planner.py{' --quick' if args.quick else ''}"),
     ]
     stem = args.out or ROOT / "benchmarks" / "results" / (
         "planner_quick" if args.quick else "planner"
@@ -165,20 +167,21 @@ def ranks_main(args: argparse.Namespace) -> None:
         f"Planner on GPT-2 small (124M) on several ranks, sequence {seq}, batch {batch} per rank, "
         "AdamW, fp32 as configured"
     )
+    columns = ["Ranks", "Budget per rank", "Stack chosen", "Sharding", "Device peak per rank"]
+    columns += ["Host per rank", "Stacks estimated", "Seconds"]
     lines = [
         f"### {title}",
         "",
-        "| Ranks | Budget per rank | Stack chosen | Sharding | Device peak per rank | Host per rank "
-        "| Stacks estimated | Seconds |",
-        "|---:|---|---|---|---:|---:|---:|---:|",
+        table(
+            columns,
+            [
+                (r["ranks"], r["budget"], r["stack"], r["sharding"] or "-", *_bytes_cells(r))
+                + (r["estimated"], r["seconds"])
+                for r in rows
+            ],
+            align="rlllrrrr",
+        ),
     ]
-    for r in rows:
-        peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"
-        host = format_bytes(r["host_bytes"]) if r["host_bytes"] else "-"
-        lines.append(
-            f"| {r['ranks']} | {r['budget']} | {r['stack']} | {r['sharding'] or '-'} | {peak} "
-            f"| {host} | {r['estimated']} | {r['seconds']} |"
-        )
     env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
     command = f"python benchmarks/planner.py --ranks {args.ranks}{' --quick' if args.quick else ''}"
     lines += [
@@ -187,9 +190,7 @@ def ranks_main(args: argparse.Namespace) -> None:
         "",
         full_table,
         "",
-        "Hardware/versions: "
-        + ", ".join(f"{k} {v}" for k, v in env.items())
-        + f". Command: `{command}`.",
+        provenance(env, command),
     ]
     stem = args.out or ROOT / "benchmarks" / "results" / (
         "planner_ranks_quick" if args.quick else "planner_ranks"

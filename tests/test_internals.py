@@ -271,3 +271,24 @@ def test_fsdp_policies_refuses_a_plain_module() -> None:
     # the policies of a sharded module are read in the 2-process FSDP run (tests/_fsdp_checks.py)
     with pytest.raises(I.InternalsError, match="_get_fsdp_state"):
         I.fsdp_policies(torch.nn.Linear(2, 2))
+
+
+def test_dispatcher_accessors_override_and_put_back_kernels() -> None:
+    from lightning_efficient.core._internals import (
+        kernel_overrides,
+        ops_with_kernel,
+        without_cpu_autocast,
+    )
+
+    cuda_autocast = ops_with_kernel("AutocastCUDA")
+    assert "aten::linear" in cuda_autocast and "aten::pow.Tensor_Scalar" in cuda_autocast
+    assert "aten::cross_entropy_loss" in ops_with_kernel("AutocastCPU")
+    x = torch.randn(3, 4)
+    with kernel_overrides() as lib:
+        lib.impl("relu", lambda t: t * 0 + 7, "CPU")
+        assert torch.relu(x).eq(7).all()
+    assert torch.equal(torch.relu(x), x.clamp(min=0))  # the original kernel serves again
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(x, x.T).dtype == torch.bfloat16
+        with without_cpu_autocast():
+            assert torch.mm(x, x.T).dtype == torch.float32

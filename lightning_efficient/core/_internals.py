@@ -29,6 +29,9 @@ __all__ = [
     "compile_callbacks",
     "compiled_call",
     "cpu_supports_bf16",
+    "kernel_overrides",
+    "ops_with_kernel",
+    "without_cpu_autocast",
     "dynamo_backends",
     "fake_tensor_errors",
     "hf_mask_checks_on_values",
@@ -110,6 +113,44 @@ def module_tensor_slots(module: nn.Module) -> Iterator[tuple[dict[str, Any], boo
     them swaps a tensor in place without ``register_*``'s checks (used to fake a model)."""
     yield module._parameters, True
     yield module._buffers, False
+
+
+# --- torch: the dispatcher (the estimate's model of CUDA kernels on a CPU) ----------------------
+def ops_with_kernel(dispatch_key: str) -> list[str]:
+    """Names (``"aten::pow.Tensor_Scalar"``) of the operators with a kernel registered for
+    ``dispatch_key`` in this process; e.g. ``"AutocastCUDA"``: the ops CUDA autocast casts (a
+    CPU build registers them too)."""
+    C = torch._C
+    return sorted(
+        name
+        for name in C._dispatch_get_all_op_names()
+        if C._dispatch_has_kernel_for_dispatch_key(name, dispatch_key)
+    )
+
+
+@contextlib.contextmanager
+def kernel_overrides() -> Iterator[Any]:
+    """A ``torch.library.Library("aten", "IMPL")``: kernels registered on it replace the
+    registered ones while inside (torch warns once per replaced kernel; silenced); on exit they
+    are removed and the originals serve again."""
+    import warnings
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"(?s).*[Oo]verrid")
+            yield lib
+    finally:
+        if not hasattr(lib, "_destroy"):  # pragma: no cover - depends on torch
+            raise _moved("torch", "torch.library.Library._destroy")
+        lib._destroy()
+
+
+def without_cpu_autocast() -> Any:
+    """A context in which CPU autocast does not apply: what an autocast kernel runs its op in
+    (the ``AutocastCPU`` dispatch key excluded), so casts made before it stay as made."""
+    C = torch._C
+    return C._ExcludeDispatchKeyGuard(C.DispatchKeySet(C.DispatchKey.AutocastCPU))
 
 
 # --- torch: Dynamo and Inductor ----------------------------------------------------------------

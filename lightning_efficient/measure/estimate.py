@@ -28,8 +28,10 @@ from lightning_efficient.core._internals import (
     hf_mask_checks_on_values,
     module_tensor_slots,
 )
+from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
 from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
 from lightning_efficient.measure.settings import configured_optimizer
+from lightning_efficient.measure.targets import DeviceTarget, resolve_target
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import (
     CATEGORIES,
@@ -53,6 +55,8 @@ __all__ = [
     "estimate_memory",
     "resolve_optimizer",
     "cuda_round",
+    "DeviceTarget",
+    "resolve_target",
 ]
 
 
@@ -200,11 +204,12 @@ def estimate_memory(
     callbacks: Any = (),
     steps: int = 2,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    cuda_rounding: bool = False,
+    cuda_rounding: bool | None = None,
     accumulate_grad_batches: int = 1,
     world_size: int = 1,
     sharding: str | None = None,
     block_bytes: int | None = None,
+    device: Any = None,
 ) -> MemoryEstimate:
     """Device memory of ``steps`` training steps of ``model`` on ``batch``, without allocating.
 
@@ -227,7 +232,7 @@ def estimate_memory(
         steps: Optimizer steps to run (2 sees the optimizer state live during a forward).
         loss_fn: ``loss_fn(model, batch) -> scalar loss``; required for a plain ``nn.Module``.
         cuda_rounding: Round every allocation the way the CUDA caching allocator does
-            (512 bytes; 2 MiB blocks above 1 MiB).
+            (512 bytes; 2 MiB blocks above 1 MiB). ``None`` (default): on a CUDA target.
         accumulate_grad_batches: Micro-batches per optimizer step.
         world_size: Ranks the training state is divided over (``batch`` is one rank's batch).
         sharding: How it is divided: ``"ddp"`` (the default when ``world_size > 1``),
@@ -235,7 +240,15 @@ def estimate_memory(
             is one rank's peak (:mod:`lightning_efficient.measure.per_rank`).
         block_bytes: Parameter bytes of the largest block (gathered whole by FSDP / ZeRO-3);
             ``None``: the largest member of a ``ModuleList``.
+        device: The device modelled (:func:`~lightning_efficient.measure.targets.resolve_target`):
+            ``None`` (default): this machine's accelerator; ``"cpu"``: the CPU's own kernels;
+            ``"cuda"``, ``"cuda:sm80"``, ``"cuda:a100"``, ...: CUDA's kernels, workspaces and
+            allocator, modelled on any machine (:mod:`~lightning_efficient.measure.cuda_kernels`).
+            The result's ``target`` names it.
     """
+    target = resolve_target(device)
+    if cuda_rounding is None:
+        cuda_rounding = target.cuda
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     check_sharding(world_size, sharding)
     notes = []
@@ -259,18 +272,26 @@ def estimate_memory(
             world_size=world_size,
             sharding=sharding,
             cuda_rounding=cuda_rounding,
+            device=target,
         )
         try:
             for cb in callbacks:
                 hook = getattr(cb, "configure_estimate", None)
                 if hook is not None:
                     hook(plan)
-            tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=True)
+            tracker = StorageTracker(
+                rounding=cuda_round if cuda_rounding else None,
+                fake=True,
+                op_hook=workspace_hook(target) if target.cuda else None,
+            )
+            kernels = cuda_kernels(target) if target.cuda else contextlib.nullcontext([])
             try:
                 # transformers' mask checks answer as on the real batch (see _internals)
-                with hf_mask_checks_on_values(pairs) as assumed, fake_mode:
+                with hf_mask_checks_on_values(pairs) as assumed, kernels as backends, fake_mode:
                     run_steps(plan, tracker, steps=steps)
                 plan.notes.extend(assumed)
+                if backends:
+                    plan.note(_attention_note(backends))
             except fake_tensor_errors() as err:
                 raise explain_fake_failure(err) from err
         finally:
@@ -289,7 +310,14 @@ def estimate_memory(
             precision=precision,
             block_bytes=block_bytes,
         )
+    result.target = target.label
     return result
+
+
+def _attention_note(backends: list[str]) -> str:
+    counts = {b: backends.count(b) for b in dict.fromkeys(backends)}
+    calls = ", ".join(f"{b} x{n}" for b, n in counts.items())
+    return f"attention on the CUDA target: {calls} (calls over the estimated steps)"
 
 
 # -- the estimate of a running fit -----------------------------------------------------------------

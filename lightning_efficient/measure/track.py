@@ -58,7 +58,7 @@ __all__ = ["StorageTracker", "run_steps", "measure_step"]
 _RANK = {
     c: i
     for i, c in enumerate(
-        ("temporaries", "activations", "gradients", "optimizer_state", "parameters")
+        ("temporaries", "activations", "gradients", "optimizer_state", "parameters", "workspaces")
     )
 }
 
@@ -118,6 +118,8 @@ class StorageTracker(TorchDispatchMode):
         fake: ``True`` counts only fake tensors, ``False`` only real ones, ``None`` both. With
             two trackers active (an estimate made during a measured step of a fit), each one
             then counts only its own tensors.
+        op_hook: Optional ``hook(tracker, func)`` called after every operator (e.g. the CUDA
+            model's workspaces, which a library allocates at its first use: ``hold``).
 
     New storages start as ``"temporaries"``; ``label(tensors, category)`` raises their category
     (order: temporaries < activations < gradients < optimizer_state < parameters);
@@ -126,12 +128,17 @@ class StorageTracker(TorchDispatchMode):
     """
 
     def __init__(
-        self, rounding: Callable[[int], int] | None = None, fake: bool | None = None
+        self,
+        rounding: Callable[[int], int] | None = None,
+        fake: bool | None = None,
+        op_hook: Callable[[StorageTracker, Any], None] | None = None,
     ) -> None:
         super().__init__()
         self.rounding = rounding
         self.fake = fake
+        self.op_hook = op_hook
         self.phase = "forward"
+        self._held: dict[Any, _Storage] = {}
         self._live: dict[int, _Storage] = {}
         self._refs: dict[int, Any] = {}
         self._events: list[tuple[_Storage, int, str]] = []
@@ -180,6 +187,15 @@ class StorageTracker(TorchDispatchMode):
             del self._refs[key]
             self._events.append((rec, -1, self.phase))
 
+    def hold(self, key: Any, nbytes: int, category: str = "workspaces") -> None:
+        """A device allocation outside any tensor (a library's workspace), made once per
+        ``key`` now and held to the end."""
+        if key in self._held or nbytes <= 0:
+            return
+        rec = _Storage(int(self.rounding(nbytes) if self.rounding else nbytes), category)
+        self._held[key] = rec
+        self._events.append((rec, 1, self.phase))
+
     def track(self, tensors: Any, category: str = "temporaries") -> None:
         """Register the storages of ``tensors`` (any nesting) not seen yet, and label them."""
         self.label(tensors, category)
@@ -224,6 +240,8 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
             self._storage(t, "temporaries")
+        if self.op_hook is not None:
+            self.op_hook(self, func)
         return out
 
     # -- results -----------------------------------------------------------------------------

@@ -31,7 +31,16 @@ __all__ = [
 ]
 
 #: The categories every figure of the instrument is split into (their sum is the total).
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+#: ``workspaces``: buffers a library holds on the device outside any tensor (cuBLAS's, on a CUDA
+#: target), allocated once and kept.
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "workspaces",
+)
 #: Precisions the estimate understands (Lightning's names).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 #: Phases of a training step.
@@ -66,6 +75,8 @@ class MemoryEstimate:
         backward_levels: Moments of backward by category, one for each amount of gradients
             live (those no other moment exceeds in both gradients and the rest): sharding
             divides finished gradients, so the rank's peak can be earlier in backward.
+        target: The device the figures are for (``DeviceTarget.label``; empty: measured, not
+            estimated).
     """
 
     peak_bytes: int
@@ -76,9 +87,11 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     phase_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
     backward_levels: list[dict[str, int]] = field(default_factory=list)
+    target: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "target": self.target,
             "peak_bytes": int(self.peak_bytes),
             "by_category": {k: int(v) for k, v in self.by_category.items()},
             "peak_phase": self.peak_phase,
@@ -90,7 +103,8 @@ class MemoryEstimate:
     def table(self, title: str = "Memory at the peak"):  # -> rich.table.Table
         from rich.table import Table
 
-        table = Table(title=f"{title}: peak in {self.peak_phase}")
+        on = f" on {self.target}" if self.target else ""
+        table = Table(title=f"{title}{on}: peak in {self.peak_phase}")
         table.add_column("Category")
         table.add_column("Bytes", justify="right")
         table.add_column("Share", justify="right")
@@ -123,7 +137,8 @@ class MemoryEstimate:
     def __str__(self) -> str:
         parts = ", ".join(f"{c} {format_bytes(self.by_category.get(c, 0))}" for c in CATEGORIES)
         host = f"; host {format_bytes(self.host_bytes)}" if self.host_bytes else ""
-        return f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase} ({parts}){host}"
+        on = f" on {self.target}" if self.target else ""
+        return f"peak {format_bytes(self.peak_bytes)}{on} in {self.peak_phase} ({parts}){host}"
 
 
 @dataclass
@@ -141,7 +156,8 @@ class EstimatePlan:
         notes: What the techniques changed (``plan.note(...)`` appends); shown with the estimate.
         world_size: Ranks the state is divided over, and ``sharding`` how (the result is one
             rank's peak); a technique that runs nested estimates passes both on, and
-            ``cuda_rounding`` (allocations rounded as the CUDA allocator does).
+            ``cuda_rounding`` (allocations rounded as the CUDA allocator does) and ``device``
+            (the ``DeviceTarget`` modelled).
     """
 
     model: nn.Module
@@ -156,6 +172,7 @@ class EstimatePlan:
     world_size: int = 1
     sharding: str | None = None
     cuda_rounding: bool = False
+    device: Any = None
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def on_exit(self, fn: Callable[[], None]) -> None:

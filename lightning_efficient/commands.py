@@ -21,6 +21,7 @@ from typing import Any
 from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
 from lightning_efficient.measure.per_rank import SHARDINGS, world_size_of
 from lightning_efficient.measure.settings import estimate_settings
+from lightning_efficient.measure.targets import resolve_target
 
 __all__ = ["estimate_command", "profile_command", "config_workload", "fail"]
 
@@ -50,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         "configure_optimizers returns)",
     )
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default: 2)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="the device to model: cpu, cuda (this machine's GPU, else the H100/H200 class), "
+        "cuda:sm80, cuda:a100, ... (default: the config's trainer's)",
+    )
     p.add_argument(
         "--cuda-rounding", action="store_true", help="round allocations as the CUDA allocator does"
     )
@@ -129,11 +136,14 @@ def estimate_command(argv: Sequence[str]) -> int:
             )
         sharding = args.sharding or settings["sharding"]
         settings["world_size"], settings["sharding"] = world, sharding
+        if args.device is not None:
+            settings["device"] = resolve_target(args.device)
         est = estimate_memory(
             model,
             batch,
             steps=args.steps,
-            **{**settings, "cuda_rounding": args.cuda_rounding or settings["cuda_rounding"]},
+            **settings,
+            cuda_rounding=True if args.cuda_rounding else None,
         )
     except (EstimateError, ValueError, TypeError) as err:
         return fail(str(err))
@@ -142,7 +152,7 @@ def estimate_command(argv: Sequence[str]) -> int:
     if world > 1 or sharding:
         title += f", one rank of {world} ({sharding or 'ddp'})"
     if args.markdown:
-        print(f"{title}\n\n{est.to_markdown()}")
+        print(f"{title}, on {est.target}\n\n{est.to_markdown()}")
     else:
         from rich.console import Console
 

@@ -36,6 +36,7 @@ from lightning_efficient.measure.estimate import (
 )
 from lightning_efficient.measure.per_rank import SHARDINGS
 from lightning_efficient.measure.settings import estimate_settings, strategy_sharding
+from lightning_efficient.measure.targets import resolve_target
 
 __all__ = ["Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
 
@@ -70,6 +71,8 @@ class PlanResult:
     world_size: int = 1
     #: the sharding each tried rung was estimated with (by ``id`` of the rung)
     shardings: dict[int, str | None] = field(default_factory=dict)
+    #: the device the estimates model (``DeviceTarget.label``)
+    target: str = ""
 
     @property
     def not_estimable(self) -> EstimateError | None:
@@ -83,17 +86,18 @@ class PlanResult:
         """The estimate of a tried ``rung`` (``None``: not estimated or not tried)."""
         return next((est for r, est, _ in self.tried if r is rung), None)
 
+    @property
+    def _reserved(self) -> bool:
+        return any(est is not None and est.reserved_bytes for _, est, _ in self.tried)
+
     def columns(self) -> tuple[str, ...]:
-        if self.world_size == 1:
-            return ("Stack", "Device peak", "Host memory", "Verdict", "Costs")
-        return (
-            "Stack",
-            "Sharding",
-            "Device peak per rank",
-            "Host memory per rank",
-            "Verdict",
-            "Costs",
-        )
+        per = " per rank" if self.world_size > 1 else ""
+        cols = ["Stack", f"Device peak{per}", f"Host memory{per}", "Verdict", "Costs"]
+        if self._reserved:  # what the caching allocator reserves: what the budget must hold
+            cols.insert(2, f"Reserved{per}")
+        if self.world_size > 1:
+            cols.insert(1, "Sharding")
+        return tuple(cols)
 
     def rows(self) -> list[tuple[str, ...]]:
         out = []
@@ -103,6 +107,8 @@ class PlanResult:
             verdict = "fits" if est and not problem else (problem or "over budget")
             mark = "<- plan" if rung is self.chosen else ""
             cells = [rung.name, peak, host, f"{verdict} {mark}".strip(), rung.cost]
+            if self._reserved:
+                cells.insert(2, format_bytes(est.reserved_bytes) if est else "-")
             if self.world_size > 1:
                 sharding = self.shardings.get(id(rung)) or "ddp"
                 cells.insert(1, f"{sharding} x {self.world_size}")
@@ -111,7 +117,8 @@ class PlanResult:
 
     def title(self) -> str:
         ranks = f", one rank of {self.world_size}" if self.world_size > 1 else ""
-        return f"Plan for a budget of {format_bytes(self.budget_bytes)}{ranks}"
+        on = f", on {self.target}" if self.target else ""
+        return f"Plan for a budget of {format_bytes(self.budget_bytes)}{ranks}{on}"
 
     def to_markdown(self) -> str:
         columns = self.columns()
@@ -120,7 +127,8 @@ class PlanResult:
         ]
         lines = [
             f"Budget: {format_bytes(self.budget_bytes)}"
-            + (f" per rank, {self.world_size} ranks" if self.world_size > 1 else ""),
+            + (f" per rank, {self.world_size} ranks" if self.world_size > 1 else "")
+            + (f"; target: {self.target}" if self.target else ""),
             "",
             f"| {' | '.join(columns)} |",
             f"|{'|'.join(align)}|",
@@ -346,10 +354,11 @@ def plan_stack(
     configured: Sequence[Any] = (),
     ladder: Sequence[Rung] | None = None,
     try_all: bool = False,
-    cuda_rounding: bool = True,
+    cuda_rounding: bool | None = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
     world_size: int = 1,
     sharding: str | None = None,
+    device: Any = "cuda",
 ) -> PlanResult:
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
     fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
@@ -381,7 +390,8 @@ def plan_stack(
             configured_sharding=sharding,
         )
     )
-    result = PlanResult(budget_bytes, world_size=world_size)
+    target = resolve_target(device)
+    result = PlanResult(budget_bytes, world_size=world_size, target=target.label)
     for rung in rungs:
         callbacks, strategy = rung.build()
         techniques = [*callbacks, *([strategy] if strategy is not None else [])]
@@ -396,6 +406,7 @@ def plan_stack(
                 callbacks=techniques,
                 accumulate_grad_batches=accumulate_grad_batches,
                 cuda_rounding=cuda_rounding,
+                device=target,
                 loss_fn=loss_fn,
                 **({"world_size": world_size, "sharding": rung_sharding} if world_size > 1 else {}),
             )
@@ -406,7 +417,7 @@ def plan_stack(
         except ValueError as err:  # e.g. a checkpointing budget no block count reaches
             result.tried.append((rung, None, f"does not fit: {_first_line(err)}"))
             continue
-        fits = est.peak_bytes <= budget_bytes
+        fits = est.fits(budget_bytes)
         result.tried.append((rung, est, "" if fits else "over budget"))
         if fits and result.chosen is None:
             result.chosen = rung
@@ -460,6 +471,12 @@ def _parser() -> argparse.ArgumentParser:
         help="processes per node (default: the config's); the budget and --batch-size are one rank's",
     )
     p.add_argument("--num-nodes", type=int, default=None, help="nodes (default: the config's)")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="the GPU planned for: cuda (this machine's, else the H100/H200 class), cuda:a100, "
+        "cuda:sm89, ...; cpu (default: cuda)",
+    )
     return p
 
 
@@ -474,8 +491,9 @@ def plan_command(argv: Sequence[str]) -> int:
         for name, value in (("--devices", args.devices), ("--num-nodes", args.num_nodes)):
             if value is not None:
                 check_int(name, value, minimum=1)
+        target = resolve_target(args.device)
     except (TypeError, ValueError) as err:
-        return fail(str(err))
+        return fail(str(err).replace("`device`", "--device"))
     work = config_workload(args.config, rest, args.batch_size)
     if isinstance(work, int):
         return work
@@ -498,6 +516,7 @@ def plan_command(argv: Sequence[str]) -> int:
         configured=settings["callbacks"],
         world_size=world_size,
         sharding=sharding,
+        device=target,
     )
     if result.not_estimable is not None:
         return fail(

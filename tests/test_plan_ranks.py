@@ -87,7 +87,10 @@ def test_multi_rank_ladder_shards_before_offload() -> None:
 def test_sharding_rung_meets_a_budget_ddp_cannot(workload, full_sharded, tmp_path) -> None:
     model, batch = workload
     world, full = 8, full_sharded
-    result = plan_stack(model, batch, full.peak_bytes, world_size=world)
+    # the CPU's kernels with CUDA's rounding: the sharding logic, without CUDA's fixed workspaces
+    result = plan_stack(
+        model, batch, full.peak_bytes, world_size=world, device="cpu", cuda_rounding=True
+    )
     chosen = result.chosen
     assert chosen is not None and chosen.name == "bf16-mixed + FSDP full", result.to_markdown()
     # the chosen rung's per-rank peak is the per-rank estimate of that sharding, to the byte

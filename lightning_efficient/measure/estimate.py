@@ -28,6 +28,7 @@ from lightning_efficient.core._internals import (
     hf_mask_checks_on_values,
     module_tensor_slots,
 )
+from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
 from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
 from lightning_efficient.measure.settings import configured_optimizer
@@ -37,6 +38,7 @@ from lightning_efficient.measure.types import (
     CATEGORIES,
     PHASES,
     PRECISIONS,
+    AllocationLog,
     EstimateError,
     EstimatePlan,
     MemoryEstimate,
@@ -301,7 +303,11 @@ def estimate_memory(
                 model.train(was_training)
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
+    if target.cuda:  # what the caching allocator reserves for these allocations
+        result.allocations = AllocationLog(tracker.requests(plan.offload))
+        result.reserved_bytes = replay(result.allocations).reserved_peak
     if world_size > 1 or sharding is not None:  # one rank's share (measure/per_rank.py)
+        one = result
         result = per_rank_for_model(
             result,
             model,
@@ -310,6 +316,8 @@ def estimate_memory(
             precision=precision,
             block_bytes=block_bytes,
         )
+        if one.reserved_bytes:  # the one-device fragmentation, in proportion
+            result.reserved_bytes = -(-result.peak_bytes * one.reserved_bytes // one.peak_bytes)
     result.target = target.label
     return result
 

@@ -70,8 +70,8 @@ def _plain_estimate(self, trainer: Any, pl_module: Any) -> int | None:
         if batch is None:
             self.note("compare_plain needs a datamodule with a train_dataloader; skipped.")
             return None
-        cuda = trainer.strategy.root_device.type == "cuda"
-        est = estimate_memory(pl_module, batch, optimizer="adamw", cuda_rounding=cuda)
+        device = trainer.strategy.root_device  # its kernels, workspaces and rounding
+        est = estimate_memory(pl_module, batch, optimizer="adamw", device=device)
     except Exception as err:
         self.note(f"compare_plain: the plain estimate failed ({type(err).__name__}: {err}).")
         return None

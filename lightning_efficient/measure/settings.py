@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.measure.targets import resolve_target
 from lightning_efficient.measure.types import PRECISIONS
 
 __all__ = [
@@ -149,7 +150,8 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
     - ``optimizer``: during a fit, the trainer's optimizer (class, options, groups); before a
       fit, ``None`` (the module's ``configure_optimizers``); when a technique swaps optimizers,
       its ``configure_estimate`` sets the estimate's optimizer as it does for the fit;
-    - ``cuda_rounding``: True when the trainer runs on a CUDA device;
+    - ``device``: the device the trainer runs on (its ``DeviceTarget``: on a CUDA device, that
+      GPU's kernels, workspaces and allocator rounding);
     - ``world_size``: the trainer's ranks, and ``sharding``: how its strategy divides the state
       (:func:`strategy_sharding`; ``"ddp"`` for an unknown strategy on several ranks, ``None``
       on one rank without a sharding strategy), so the estimate is one rank's peak. A module
@@ -165,13 +167,14 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
     strategy = getattr(trainer, "strategy", None)
     if hasattr(strategy, "configure_estimate") and id(strategy) not in skip:
         callbacks.append(strategy)
-    device = getattr(getattr(strategy, "root_device", None), "type", "cpu")
+    root = getattr(strategy, "root_device", None)
+    device = getattr(root, "type", "cpu")
     precision = str(getattr(trainer, "precision", "32-true"))
     settings: dict[str, Any] = {
         "precision": precision if precision in PRECISIONS else "32-true",
         "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
         "callbacks": callbacks,
-        "cuda_rounding": device == "cuda",
+        "device": resolve_target(str(root) if device == "cuda" else "cpu"),
         "optimizer": None,
         **_world_and_sharding(trainer, strategy),
     }

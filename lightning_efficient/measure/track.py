@@ -64,10 +64,11 @@ _RANK = {
 
 
 class _Storage:
-    __slots__ = ("nbytes", "category", "__weakref__")
+    __slots__ = ("nbytes", "requested", "category", "__weakref__")
 
-    def __init__(self, nbytes: int, category: str) -> None:
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, category: str, requested: int | None = None) -> None:
+        self.nbytes = nbytes  # as counted (rounded like the CUDA allocator when asked)
+        self.requested = nbytes if requested is None else requested  # as asked for
         self.category = category
 
 
@@ -155,10 +156,10 @@ class StorageTracker(TorchDispatchMode):
         rec = self._live.get(key)
         if rec is not None:
             return rec
-        nbytes = int(st.nbytes())
+        requested = nbytes = int(st.nbytes())
         if self.rounding is not None:
             nbytes = int(self.rounding(nbytes))
-        rec = _Storage(nbytes, category)
+        rec = _Storage(nbytes, category, requested)
         self._live[key] = rec
         self._refs[key] = weakref.ref(st, lambda _r, key=key, rec=rec: self._free(key, rec))
         self._events.append((rec, 1, self.phase))
@@ -170,13 +171,13 @@ class StorageTracker(TorchDispatchMode):
         rec = self._live.get(key)
         if rec is None:
             return
-        nbytes = int(st.nbytes())
+        requested = nbytes = int(st.nbytes())
         if nbytes and self.rounding is not None:
             nbytes = int(self.rounding(nbytes))
         if nbytes == rec.nbytes:
             return
         self._events.append((rec, -1, self.phase))
-        new = _Storage(nbytes, rec.category)
+        new = _Storage(nbytes, rec.category, requested)
         self._live[key] = new
         self._refs[key] = weakref.ref(st, lambda _r, key=key, rec=new: self._free(key, rec))
         self._events.append((new, 1, self.phase))
@@ -192,7 +193,7 @@ class StorageTracker(TorchDispatchMode):
         ``key`` now and held to the end."""
         if key in self._held or nbytes <= 0:
             return
-        rec = _Storage(int(self.rounding(nbytes) if self.rounding else nbytes), category)
+        rec = _Storage(int(self.rounding(nbytes) if self.rounding else nbytes), category, nbytes)
         self._held[key] = rec
         self._events.append((rec, 1, self.phase))
 
@@ -245,6 +246,17 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     # -- results -----------------------------------------------------------------------------
+    def requests(self, offload: dict[str, bool] | None = None) -> list[tuple[Any, int, int]]:
+        """The device's allocations and frees in order, ``(record, +1 or -1, requested
+        bytes)``, without the categories kept in host memory (``offload``): what the caching
+        allocator is asked for (:func:`~lightning_efficient.measure.caching_allocator.replay`)."""
+        offload = offload or {}
+        return [
+            (rec, sign, rec.requested)
+            for rec, sign, _ in self._events
+            if not offload.get(rec.category, False)
+        ]
+
     def summary(self, offload: dict[str, bool] | None = None) -> MemoryEstimate:
         """Replay the log with the final labels: peak, bytes per category at the peak, phases.
 

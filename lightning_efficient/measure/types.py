@@ -8,7 +8,8 @@ but the optimizer names and models of :mod:`lightning_efficient.measure.optimize
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +17,14 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
+from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.optimizer_models import estimate_factory, optimizer_class
 
 __all__ = [
     "CATEGORIES",
     "PHASES",
     "PRECISIONS",
+    "AllocationLog",
     "EstimateError",
     "EstimatePlan",
     "MemoryEstimate",
@@ -77,6 +80,11 @@ class MemoryEstimate:
             divides finished gradients, so the rank's peak can be earlier in backward.
         target: The device the figures are for (``DeviceTarget.label``; empty: measured, not
             estimated).
+        reserved_bytes: On a CUDA target, the peak the caching allocator *reserves* for these
+            steps (cached blocks and fragmentation included; 0 elsewhere): what the device must
+            have. ``fits(budget)`` answers for a given budget.
+        allocations: The device's allocations and frees in order (a CUDA target on one device),
+            kept to replay them under a budget (:func:`fits`).
     """
 
     peak_bytes: int
@@ -88,11 +96,29 @@ class MemoryEstimate:
     phase_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
     backward_levels: list[dict[str, int]] = field(default_factory=list)
     target: str = ""
+    reserved_bytes: int = 0
+    allocations: AllocationLog | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def required_bytes(self) -> int:
+        """What the device must have for these steps: the reserved peak where it is modelled
+        (a CUDA target), else the peak."""
+        return max(self.peak_bytes, self.reserved_bytes)
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the steps run within ``budget_bytes`` of device memory. On a CUDA target the
+        allocations are replayed through the caching allocator under that cap (which frees its
+        cached blocks when a new segment would pass the cap, then runs out of memory); else
+        the peak (and the reserved peak, when known) is compared with the budget."""
+        if self.allocations is not None:
+            return not replay(self.allocations, cap=int(budget_bytes)).out_of_memory
+        return self.required_bytes <= budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
             "peak_bytes": int(self.peak_bytes),
+            "reserved_bytes": int(self.reserved_bytes),
             "by_category": {k: int(v) for k, v in self.by_category.items()},
             "peak_phase": self.peak_phase,
             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
@@ -113,6 +139,8 @@ class MemoryEstimate:
             share = n / self.peak_bytes if self.peak_bytes else 0.0
             table.add_row(cat.replace("_", " "), format_bytes(n), f"{share:.1%}")
         table.add_row("[b]peak[/b]", f"[b]{format_bytes(self.peak_bytes)}[/b]", "100.0%")
+        if self.reserved_bytes:
+            table.add_row("reserved by the allocator", format_bytes(self.reserved_bytes), "")
         for phase, n in self.phase_peaks.items():
             table.add_row(f"peak in {phase}", format_bytes(n), "")
         if self.host_bytes:
@@ -130,6 +158,8 @@ class MemoryEstimate:
         lines.append(
             f"| **peak ({self.peak_phase})** | **{format_bytes(self.peak_bytes)}** | 100.0% |"
         )
+        if self.reserved_bytes:
+            lines.append(f"| reserved by the allocator | {format_bytes(self.reserved_bytes)} | |")
         if self.host_bytes:
             lines.append(f"| host (offloaded) | {format_bytes(self.host_bytes)} | |")
         return "\n".join(lines)
@@ -139,6 +169,25 @@ class MemoryEstimate:
         host = f"; host {format_bytes(self.host_bytes)}" if self.host_bytes else ""
         on = f" on {self.target}" if self.target else ""
         return f"peak {format_bytes(self.peak_bytes)}{on} in {self.peak_phase} ({parts}){host}"
+
+
+class AllocationLog:
+    """A compact log of device allocations and frees, ``(key, +1 or -1, requested bytes)`` in
+    order (three ints each), that :func:`~lightning_efficient.measure.caching_allocator.replay`
+    iterates."""
+
+    def __init__(self, events: Iterable[tuple[Any, int, int]] = ()) -> None:
+        self._data = array("q")
+        keys: dict[int, int] = {}
+        for key, sign, nbytes in events:
+            self._data.extend((keys.setdefault(id(key), len(keys)), sign, nbytes))
+
+    def __len__(self) -> int:
+        return len(self._data) // 3
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        d = self._data
+        return (tuple(d[i : i + 3]) for i in range(0, len(d), 3))
 
 
 @dataclass

@@ -206,6 +206,7 @@ _PLAN_SETTINGS = (
     "world_size",
     "sharding",
     "cuda_rounding",
+    "device",
 )
 
 
@@ -268,16 +269,16 @@ def blocks_for_budget(
         return cache[k]
 
     plain = estimate(0)
-    lo, hi = 0, 0  # invariant: peak(hi) <= budget; the answer is in [lo, hi]
-    if plain.peak_bytes > budget_bytes:
+    lo, hi = 0, 0  # invariant: estimate(hi) fits the budget; the answer is in [lo, hi]
+    if not plain.fits(budget_bytes):
         full = estimate(total)
-        if full.peak_bytes > budget_bytes:
+        if not full.fits(budget_bytes):
             hint = " Without `selective` more is recomputed and less kept." if selective else ""
             hint += " With every_n=1 every block is checkpointed." if every_n > 1 else ""
             raise SettingsError(
                 f"`budget`={budget!r} ({format_bytes(budget_bytes)}) cannot be reached by activation "
-                f"checkpointing: the smallest achievable peak is {format_bytes(full.peak_bytes)} "
-                f"({full.peak_bytes} bytes) with all {total} blocks checkpointed"
+                f"checkpointing: the smallest achievable peak is {format_bytes(full.required_bytes)} "
+                f"({full.required_bytes} bytes) with all {total} blocks checkpointed"
                 f"{' selectively' if selective else ''} (without: {format_bytes(plain.peak_bytes)}).{hint} "
                 "Raise the budget or add a technique that saves other memory (optimizer state, "
                 "parameters, a smaller batch)."
@@ -285,7 +286,7 @@ def blocks_for_budget(
         lo, hi = 1, total
     while lo < hi:
         mid = (lo + hi) // 2
-        if estimate(mid).peak_bytes <= budget_bytes:
+        if estimate(mid).fits(budget_bytes):
             hi = mid
         else:
             lo = mid + 1

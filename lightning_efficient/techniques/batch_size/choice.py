@@ -162,7 +162,7 @@ def choose_batch_size(
     make_batch, n_data = _worst_case(loader, s.probe_samples)
     cap = search_cap(s.max_batch_size, n_data, world, s.target_batch_size)
     notes: list[str] = []
-    estimate_fn, how = _estimator(trainer, pl_module, make_batch, s, exclude, notes)
+    estimate_fn, how = _estimator(trainer, pl_module, make_batch, s, exclude, notes, usable)
     largest, seen = largest_fitting_batch(estimate_fn, usable, cap)
     if largest == 0:
         raise OutOfMemoryRecoveryError(
@@ -233,6 +233,7 @@ def _estimator(
     s: SizingSettings,
     exclude: Any,
     notes: list[str],
+    usable: int,
 ) -> tuple[Callable[[int], float], str]:
     settings = estimate_settings(trainer, exclude=[] if exclude is None else [exclude])
     settings["optimizer"] = s.optimizer  # the sizing's optimizer (before the fit builds one)
@@ -246,7 +247,11 @@ def _estimator(
             make_batch(n),
             **{**settings, "accumulate_grad_batches": 2 if accumulating else 1},
         )
-        return result.peak_bytes
+        # on a CUDA device what the caching allocator reserves must fit (fragmentation): a
+        # peak that fits but whose reserve does not counts as the reserve, over the budget
+        if result.fits(usable):
+            return result.peak_bytes
+        return max(result.required_bytes, usable + 1)
 
     try:
         estimate(1)

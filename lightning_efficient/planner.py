@@ -73,6 +73,8 @@ class PlanResult:
     shardings: dict[int, str | None] = field(default_factory=dict)
     #: the device the estimates model (``DeviceTarget.label``)
     target: str = ""
+    #: real steps that confirmed (or refused) rungs on the device (``plan_stack(confirm=)``)
+    trials: list[tuple[Rung, Any]] = field(default_factory=list)
 
     @property
     def not_estimable(self) -> EstimateError | None:
@@ -90,9 +92,15 @@ class PlanResult:
     def _reserved(self) -> bool:
         return any(est is not None and est.reserved_bytes for _, est, _ in self.tried)
 
+    def trial_of(self, rung: Rung) -> Any:
+        """The real steps of ``rung`` on the device (a ``TrialResult``), if it was tried."""
+        return next((t for r, t in self.trials if r is rung), None)
+
     def columns(self) -> tuple[str, ...]:
         per = " per rank" if self.world_size > 1 else ""
         cols = ["Stack", f"Device peak{per}", f"Host memory{per}", "Verdict", "Costs"]
+        if self.trials:
+            cols.insert(-2, "Real steps")
         if self._reserved:  # what the caching allocator reserves: what the budget must hold
             cols.insert(2, f"Reserved{per}")
         if self.world_size > 1:
@@ -107,6 +115,8 @@ class PlanResult:
             verdict = "fits" if est and not problem else (problem or "over budget")
             mark = "<- plan" if rung is self.chosen else ""
             cells = [rung.name, peak, host, f"{verdict} {mark}".strip(), rung.cost]
+            if self.trials:
+                cells.insert(-2, _trial_text(self.trial_of(rung)))
             if self._reserved:
                 cells.insert(2, format_bytes(est.reserved_bytes) if est else "-")
             if self.world_size > 1:
@@ -359,6 +369,7 @@ def plan_stack(
     world_size: int = 1,
     sharding: str | None = None,
     device: Any = "cuda",
+    confirm: bool | Callable[[Rung], Any] = False,
 ) -> PlanResult:
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
     fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
@@ -392,6 +403,9 @@ def plan_stack(
     )
     target = resolve_target(device)
     result = PlanResult(budget_bytes, world_size=world_size, target=target.label)
+    trial = confirm if callable(confirm) else None
+    if confirm is True:
+        trial = _device_trial(model, batch, budget_bytes, device, optimizer)
     for rung in rungs:
         callbacks, strategy = rung.build()
         techniques = [*callbacks, *([strategy] if strategy is not None else [])]
@@ -418,12 +432,53 @@ def plan_stack(
             result.tried.append((rung, None, f"does not fit: {_first_line(err)}"))
             continue
         fits = est.fits(budget_bytes)
-        result.tried.append((rung, est, "" if fits else "over budget"))
+        problem = "" if fits else "over budget"
+        if fits and trial is not None and result.chosen is None and rung.make_strategy is None:
+            outcome = trial(rung)
+            result.trials.append((rung, outcome))
+            if not outcome.ok:
+                fits, problem = False, "fits by the estimate; real steps: out of memory"
+        result.tried.append((rung, est, problem))
         if fits and result.chosen is None:
             result.chosen = rung
             if not try_all:
                 break
     return result
+
+
+def _device_trial(
+    model: Any, batch: Any, budget_bytes: int, device: Any, optimizer: Any
+) -> Callable[[Rung], Any]:
+    """``trial(rung)``: the rung's stack in real steps on ``device`` within the budget."""
+    import torch
+
+    from lightning_efficient.measure.settings import configured_optimizer
+    from lightning_efficient.measure.trial import trial_within
+
+    if optimizer is None:
+        factory, _ = configured_optimizer(model)
+        optimizer = factory or "adamw"
+
+    def trial(rung: Rung) -> Any:
+        callbacks, _ = rung.build()
+        return trial_within(
+            model,
+            batch,
+            budget_bytes,
+            callbacks=callbacks,
+            optimizer=optimizer,
+            precision=rung.precision,
+            device=torch.device(device),
+        )
+
+    return trial
+
+
+def _trial_text(t: Any) -> str:
+    if t is None:
+        return "-"
+    reserved = format_bytes(t.reserved_bytes)
+    return f"ran, reserved {reserved}" if t.ok else f"out of memory ({reserved} reserved)"
 
 
 def _rung_sharding(
@@ -477,6 +532,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the GPU planned for: cuda (this machine's, else the H100/H200 class), cuda:a100, "
         "cuda:sm89, ...; cpu (default: cuda)",
     )
+    p.add_argument(
+        "--no-trial",
+        action="store_true",
+        help="on a machine with the GPU planned for: do not confirm the pick with real steps",
+    )
     return p
 
 
@@ -517,6 +577,8 @@ def plan_command(argv: Sequence[str]) -> int:
         world_size=world_size,
         sharding=sharding,
         device=target,
+        # this machine's own GPU: the pick runs real steps within the budget before it is given
+        confirm=not args.no_trial and _is_local_gpu(args.device) and world_size == 1,
     )
     if result.not_estimable is not None:
         return fail(
@@ -531,6 +593,15 @@ def plan_command(argv: Sequence[str]) -> int:
     yaml_text = result.to_yaml(devices=devices, num_nodes=num_nodes)
     print(f"\nAdd to your config ({result.chosen.name}):\n\n{yaml_text}")
     return 0
+
+
+def _is_local_gpu(device: str) -> bool:
+    """``device`` names this machine's own GPU (``cuda`` or ``cuda:<index>``) and there is one."""
+    import re
+
+    import torch
+
+    return torch.cuda.is_available() and re.fullmatch(r"cuda(:\d+)?", device) is not None
 
 
 def _ranks(

@@ -68,3 +68,37 @@ def test_cuda_target_reproduces_the_h200_peak_within_5_percent(case) -> None:
         f"estimate {est.peak_bytes / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB"
     )
     assert est.target == "CUDA sm90 (H200), torch 2.11 kernels"
+
+
+GiB = 2**30
+
+
+def test_the_allocators_reserve_matches_the_h200s() -> None:
+    """Part 3 of the same GPU run: plain fp32 GPT-2 at micro-batch 6 held 10.96 GiB allocated
+    and 12.40 GiB reserved (2 decimals given)."""
+    est = estimate_memory(
+        build_model("hf_gpt2", GPT2, "meta"), meta_batch(6, GPT2["seq"]), device=H200_TORCH_2_11
+    )
+    assert est.peak_bytes / GiB == pytest.approx(10.96, abs=0.01)
+    assert est.reserved_bytes / GiB == pytest.approx(12.40, abs=0.01)
+    assert est.fits(13 * GiB) and not est.fits(12 * GiB)
+
+
+def test_the_planner_pick_that_ran_out_of_memory_is_refused() -> None:
+    """The planner's pick of that run (bf16-mixed + adamw8bit + checkpointing, micro-batch 37)
+    was estimated at 23.86 GiB, under its 24 GiB cap; the real step reached 23.34 GiB allocated
+    and 23.56 GiB reserved and ran out of memory. Replayed through the caching allocator under
+    the cap, it runs out of memory at the same reserve."""
+    from lightning_efficient.measure.caching_allocator import replay
+
+    est = estimate_memory(
+        build_model("hf_gpt2", GPT2, "meta"),
+        meta_batch(37, GPT2["seq"]),
+        precision="bf16-mixed",
+        callbacks=[_technique(AC), _technique(SWAP8)],
+        device=H200_TORCH_2_11,
+    )
+    assert est.peak_bytes < 24 * GiB  # the peak alone would have been planned
+    capped = replay(est.allocations, cap=24 * GiB)
+    assert capped.out_of_memory and not est.fits(24 * GiB)
+    assert capped.reserved_peak / GiB == pytest.approx(23.56, abs=0.02)

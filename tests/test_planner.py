@@ -103,3 +103,33 @@ def test_plan_command(tmp_path) -> None:
         [*args, "--budget", "lots"], capture_output=True, text=True, cwd=ROOT, timeout=600
     )
     assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr
+
+
+def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload) -> None:
+    from lightning_efficient.measure.trial import TrialResult
+
+    model, batch = workload
+    estimated = plan_stack(model, batch, "1TiB", device="cpu")
+    # real steps on this CPU, within the budget: the estimate's pick is confirmed
+    real = plan_stack(model, batch, "1TiB", device="cpu", confirm=True)
+    assert real.chosen is real.tried[0][0] and real.chosen.name == estimated.chosen.name
+    ((rung, trial),) = real.trials
+    assert rung is real.chosen and trial.ok and trial.reserved_bytes > 0
+    assert trial.reserved_bytes == pytest.approx(real.tried[0][1].peak_bytes, rel=0.02)
+    # a rung whose real steps run out of memory is passed over: the next rung that fits is tried
+    refused = []
+
+    def oom_first_two(r: Rung) -> TrialResult:
+        ok = len(refused) >= 2
+        if not ok:
+            refused.append(r.name)
+        return TrialResult(ok, 100, 200, 2**40, "" if ok else "OutOfMemoryError: simulated")
+
+    result = plan_stack(model, batch, "1TiB", device="cpu", confirm=oom_first_two)
+    names = [r.name for r, _, _ in result.tried]
+    assert refused == names[:2] and result.chosen is result.tried[2][0]
+    assert [t.ok for _, t in result.trials] == [False, False, True]
+    table = result.to_markdown()
+    assert (
+        "Real steps" in table and "out of memory" in table and "real steps: out of memory" in table
+    )

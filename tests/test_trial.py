@@ -71,3 +71,21 @@ def test_trial_step_on_cuda_reads_the_allocator() -> None:
     assert estimated.by_category["workspaces"] > 0.9 * estimated.peak_bytes
     assert peak > 0 and peak == pytest.approx(estimated.peak_bytes, rel=0.25)
     assert next(model.parameters()).device.type == "cpu"  # put back where it was
+
+
+def test_trial_within_a_budget_on_cpu() -> None:
+    from lightning_efficient.measure.trial import trial_within
+    from lightning_efficient.techniques import ActivationCheckpointing
+
+    model = tiny_model()
+    before = params_of(model)
+    plain = trial_within(model, _batch(8), None, optimizer="adamw")
+    assert plain.ok and plain.reserved_bytes == plain.allocated_bytes > 0
+    assert not trial_within(model, _batch(8), plain.reserved_bytes - 1).ok  # over the budget
+    # techniques apply as they do to an estimate: checkpointing keeps fewer activations
+    ac = trial_within(model, _batch(8), None, callbacks=[ActivationCheckpointing()])
+    assert ac.ok and ac.allocated_bytes < plain.allocated_bytes
+    assert all(torch.equal(before[k], v) for k, v in params_of(model).items())
+    # an out-of-memory error is a result, not an exception
+    oom = trial_within(Greedy(), (torch.randn(2, 4),), 2**30, optimizer="sgd")
+    assert not oom.ok and "can't allocate memory" in oom.error

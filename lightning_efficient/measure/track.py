@@ -339,6 +339,7 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
     lightning = is_lightning_module(model) and plan.loss_fn is None
     params = _unique_params(model)
     trainable = [p for p in params if p.requires_grad]
+    device_type = params[0].device.type if params else "cpu"  # autocast where the model is
     model.train()
     handles = []
     grad_scale = 65536.0 if plan.precision == "16-mixed" else None
@@ -377,7 +378,7 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
             for _ in range(steps):
                 for i in range(micro):
                     tracker.phase = "forward"
-                    with silenced_logging(model), autocast_for(plan.precision):
+                    with silenced_logging(model), autocast_for(plan.precision, device_type):
                         if plan.loss_fn is not None:
                             out = plan.loss_fn(model, batch)
                         elif _takes_batch_idx(model.training_step):

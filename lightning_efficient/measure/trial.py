@@ -7,6 +7,8 @@ storage bytes of real tensors) anywhere else. The module is put back exactly aft
 buffers, gradients, device, train mode), and ``self.log`` is muted during the step.
 
 - :func:`trial_step`: peak bytes of forward + backward + optimizer step.
+- :func:`trial_within`: do real steps with a stack of techniques run within a budget (CUDA:
+  under that cap, as the fit will run), and what did the allocator reserve.
 - :func:`throughput`: samples/s of (forward + backward) x accumulation + one optimizer step,
   timed with :func:`~lightning_efficient.measure.timing.time_fn`; ``None`` on out-of-memory.
 - :func:`is_out_of_memory` / :func:`free_memory`.
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,10 +27,19 @@ from torch import nn
 
 from lightning_efficient.measure.step import autocast_for, loss_of, silenced_logging
 from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.measure.track import StorageTracker
-from lightning_efficient.measure.types import resolve_optimizer
+from lightning_efficient.measure.track import StorageTracker, run_steps
+from lightning_efficient.measure.types import EstimatePlan, resolve_optimizer
 
-__all__ = ["free_memory", "is_out_of_memory", "scratch_step", "throughput", "trial_step"]
+__all__ = [
+    "TrialResult",
+    "free_memory",
+    "is_out_of_memory",
+    "memory_cap",
+    "scratch_step",
+    "throughput",
+    "trial_step",
+    "trial_within",
+]
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -163,3 +175,89 @@ def throughput(
         free_memory()
         return None
     return samples * accumulation / (accumulation * t_fb + t_opt)
+
+
+# -- a stack confirmed on the device ---------------------------------------------------------------
+@dataclass
+class TrialResult:
+    """What :func:`trial_within` found: whether the steps ran within the budget, and the peaks
+    (CUDA: the caching allocator's allocated and reserved bytes; CPU: the tracker's peak for
+    both)."""
+
+    ok: bool
+    allocated_bytes: int
+    reserved_bytes: int
+    budget_bytes: int | None
+    error: str = ""
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device, budget_bytes: int | None) -> Iterator[None]:
+    """On a CUDA device, limit this process's caching allocator to ``budget_bytes`` while
+    inside (``torch.cuda.set_per_process_memory_fraction``; put back after). Elsewhere nothing."""
+    if device.type != "cuda" or budget_bytes is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = float(getter(device)) if callable(getter) else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def trial_within(
+    module: nn.Module,
+    batch: Any,
+    budget_bytes: int | None = None,
+    *,
+    callbacks: Iterable[Any] = (),
+    optimizer: Any = "adamw",
+    precision: str = "32-true",
+    device: torch.device | str = "cpu",
+    steps: int = 2,
+) -> TrialResult:
+    """``steps`` real training steps of ``module`` on ``device`` with the techniques in
+    ``callbacks`` applied as they are for an estimate (``configure_estimate``: checkpointed
+    blocks, a swapped optimizer, ...), within ``budget_bytes``: on CUDA under that cap, so
+    that the caching allocator frees its cache and runs out of memory where the fit would; on
+    a CPU the tracker's peak is compared with the budget. An out-of-memory error is a result
+    (``ok=False``), any other error is raised. The module is put back exactly."""
+    device = torch.device(device)
+    precision = str(precision)
+    cuda = device.type == "cuda"
+    tracker = StorageTracker(fake=False)
+    error = ""
+    with scratch_step(module, device):
+        plan = EstimatePlan(
+            model=module,
+            batch=_to(batch, device),
+            optimizer=resolve_optimizer(optimizer),
+            precision=precision,
+        )
+        try:
+            for cb in callbacks:
+                hook = getattr(cb, "configure_estimate", None)
+                if hook is not None:
+                    hook(plan)
+            if cuda:
+                free_memory()
+                torch.cuda.reset_peak_memory_stats(device)
+            with memory_cap(device, budget_bytes):
+                run_steps(plan, tracker, steps=steps)
+        except BaseException as err:  # noqa: BLE001 - only OOM is a result, the rest re-raised
+            if not is_out_of_memory(err):
+                raise
+            error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        finally:
+            plan._run_undo()
+            del plan
+    if cuda:
+        allocated = int(torch.cuda.max_memory_allocated(device))
+        reserved = int(torch.cuda.max_memory_reserved(device))
+    else:
+        allocated = reserved = tracker.summary().peak_bytes
+    ok = not error and (budget_bytes is None or reserved <= budget_bytes)
+    return TrialResult(ok, allocated, reserved, budget_bytes, error)

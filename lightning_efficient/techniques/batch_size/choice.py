@@ -18,7 +18,7 @@ import torch
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.estimate import estimate_memory
 from lightning_efficient.measure.settings import estimate_settings
-from lightning_efficient.measure.trial import free_memory, is_out_of_memory, throughput, trial_step
+from lightning_efficient.measure.trial import throughput, trial_within
 from lightning_efficient.techniques.batch_size.sizing import (
     candidate_sizes,
     choose_micro_batch,
@@ -175,7 +175,9 @@ def choose_batch_size(
     micro = choose_micro_batch(largest, s.target_batch_size, world, s.multiple_of, **hw)[0]
     if hw["device_type"] == "cuda" and how == "estimate":  # one real step confirms it
         below = [c for c in candidate_sizes(micro, s.multiple_of, **hw) if c <= micro]
-        found = first_fitting(below, lambda m: _trial_peak(trainer, pl_module, make_batch(m), s))
+        found = first_fitting(
+            below, lambda m: _trial_peak(trainer, pl_module, make_batch(m), s, usable)
+        )
         if found is None:
             raise OutOfMemoryRecoveryError(
                 "EfficientBatchSize: a real step runs out of memory even at micro-batch 1."
@@ -260,29 +262,25 @@ def _estimator(
         reason = f"{type(err).__name__}: {err}"
     if trainer.strategy.root_device.type == "cuda":
         notes.append(f"estimate failed ({reason[:200]}); searching with real trial steps")
-        return (lambda n: _trial_peak(trainer, pl_module, make_batch(n), s)), "trial steps"
+        return (lambda n: _trial_peak(trainer, pl_module, make_batch(n), s, usable)), "trial steps"
     raise RuntimeError(
         f"EfficientBatchSize: the memory estimate cannot run this model on CPU ({reason[:500]})."
     )
 
 
-def _trial_peak(trainer: Any, pl_module: Any, batch: Any, s: SizingSettings) -> float:
-    """Peak bytes of one real step; ``inf`` when it runs out of memory."""
-    try:
-        return float(
-            trial_step(
-                pl_module,
-                batch,
-                s.optimizer,
-                device=trainer.strategy.root_device,
-                precision=str(trainer.precision),
-            )
-        )
-    except BaseException as err:  # noqa: BLE001
-        if not is_out_of_memory(err):
-            raise
-    free_memory()
-    return math.inf
+def _trial_peak(trainer: Any, pl_module: Any, batch: Any, s: SizingSettings, budget: int) -> float:
+    """Peak bytes of one real step under the budget (on CUDA the allocator is capped there, and
+    what it reserves must fit); ``inf`` when it runs out of memory or reserves more."""
+    result = trial_within(
+        pl_module,
+        batch,
+        budget,
+        optimizer=s.optimizer,
+        precision=str(trainer.precision),
+        device=trainer.strategy.root_device,
+        steps=1,
+    )
+    return float(result.allocated_bytes) if result.ok else math.inf
 
 
 def _rate(

@@ -3,8 +3,10 @@
 GPT-2 small (124M parameters, transformers GPT2Config built on the meta device, no download),
 sequence 1024, batch 8, AdamW, fp32 as configured. For each budget the planner walks its ladder
 (cheapest stack first) on fake tensors and stops at the first stack whose estimated peak, with
-CUDA allocator rounding, fits. Each row: the budget, the stack chosen, its device peak and host
-memory, how many stacks were estimated and the seconds the plan took on this CPU.
+for the planner's default target (CUDA: this machine's GPU, else the H100/H200 class) fits: its
+allocations, replayed through the CUDA caching allocator under the budget, do not run out of
+memory. Each row: the budget, the stack chosen, its device peak, what the allocator reserves and
+the host memory, how many stacks were estimated and the seconds the plan took on this CPU.
 
 With ``--ranks 2,8`` the plans are for several ranks: the batch is one rank's, every peak is
 one rank's, and the ladder shards the state across the ranks (FSDP) before it offloads; the
@@ -36,10 +38,10 @@ from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.planner import plan_stack  # noqa: E402
 
 
-def _bytes_cells(row: dict) -> tuple[str, str]:
-    """A row's device peak and host bytes as table cells ("-" where none)."""
-    peak, host = (format_bytes(row[k]) if row[k] else "-" for k in ("peak_bytes", "host_bytes"))
-    return peak, host
+def _bytes_cells(row: dict) -> tuple[str, str, str]:
+    """A row's device peak, reserved and host bytes as table cells ("-" where none)."""
+    keys = ("peak_bytes", "reserved_bytes", "host_bytes")
+    return tuple(format_bytes(row[k]) if row.get(k) else "-" for k in keys)
 
 
 def gpt2() -> torch.nn.Module:
@@ -85,26 +87,30 @@ def main() -> None:
                 "budget": budget,
                 "stack": chosen.name if chosen else "nothing fits",
                 "peak_bytes": est.peak_bytes if est else None,
+                "reserved_bytes": est.reserved_bytes if est else None,
                 "host_bytes": est.host_bytes if est else None,
                 "estimated": len(result.tried),
                 "seconds": round(seconds, 1),
                 "tried": [(r.name, e.peak_bytes if e else None, p) for r, e, p in result.tried],
+                "target": result.target,
             }
         )
     title = (
-        f"Planner on GPT-2 small (124M), sequence {seq}, batch {batch}, AdamW, fp32 as configured"
+        f"Planner on GPT-2 small (124M), sequence {seq}, batch {batch}, AdamW, fp32 as configured, "
+        f"for {rows[0]['target']}"
     )
     env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
     lines = [
         f"### {title}",
         "",
         table(
-            ["Budget", "Stack chosen", "Device peak", "Host", "Stacks estimated", "Seconds"],
+            ["Budget", "Stack chosen", "Device peak", "Reserved", "Host", "Stacks estimated"]
+            + ["Seconds"],
             [
                 (r["budget"], r["stack"], *_bytes_cells(r), r["estimated"], r["seconds"])
                 for r in rows
             ],
-            align="llrrrr",
+            align="llrrrrr",
         ),
         "",
         provenance(env, f"python benchmarks/planner.py{' --quick' if args.quick else ''}"),
@@ -141,6 +147,7 @@ def ranks_main(args: argparse.Namespace) -> None:
                     "stack": chosen.name if chosen else "nothing fits",
                     "sharding": result.shardings.get(id(chosen)) if chosen else None,
                     "peak_bytes": est.peak_bytes if est else None,
+                    "reserved_bytes": est.reserved_bytes if est else None,
                     "host_bytes": est.host_bytes if est else None,
                     "estimated": len(result.tried),
                     "seconds": round(seconds, 1),
@@ -165,10 +172,10 @@ def ranks_main(args: argparse.Namespace) -> None:
     full_table = every.to_markdown()
     title = (
         f"Planner on GPT-2 small (124M) on several ranks, sequence {seq}, batch {batch} per rank, "
-        "AdamW, fp32 as configured"
+        f"AdamW, fp32 as configured, for {every.target}"
     )
     columns = ["Ranks", "Budget per rank", "Stack chosen", "Sharding", "Device peak per rank"]
-    columns += ["Host per rank", "Stacks estimated", "Seconds"]
+    columns += ["Reserved per rank", "Host per rank", "Stacks estimated", "Seconds"]
     lines = [
         f"### {title}",
         "",
@@ -179,7 +186,7 @@ def ranks_main(args: argparse.Namespace) -> None:
                 + (r["estimated"], r["seconds"])
                 for r in rows
             ],
-            align="rlllrrrr",
+            align="rlllrrrrr",
         ),
     ]
     env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}

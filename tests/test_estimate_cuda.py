@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCH) not in sys.path:
@@ -101,3 +102,15 @@ def test_the_planner_pick_that_ran_out_of_memory_is_refused() -> None:
     measured = ALLOCATOR["planner_stack_micro_batch_37_cap_24gib"]
     assert measured["out_of_memory"]
     assert capped.reserved_peak / GiB == pytest.approx(measured["reserved_gib_at_oom"], abs=0.02)
+
+
+def test_one_ranks_reserve_is_the_one_devices_in_proportion() -> None:
+    from lightning_efficient.demos import TinyGPT
+
+    model = TinyGPT(n_layer=2, n_embd=64, n_head=2, seq_len=64, dropout=0.0)
+    x = torch.zeros(4, 64, dtype=torch.long)
+    one = estimate_memory(model, (x, x), device="cuda")
+    rank = estimate_memory(model, (x, x), device="cuda", world_size=8, sharding="full")
+    assert one.allocations is not None and rank.allocations is None  # no per-rank log
+    assert rank.reserved_bytes == -(-rank.peak_bytes * one.reserved_bytes // one.peak_bytes)
+    assert rank.fits(rank.reserved_bytes) and not rank.fits(rank.reserved_bytes - 1)

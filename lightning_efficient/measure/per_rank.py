@@ -271,6 +271,9 @@ def per_rank_estimate(
         notes=[*estimate.notes, note],
         phase_by_category=by_phase if estimate.phase_by_category else {},
         backward_levels=[],
+        # the one device's allocation log does not describe a rank's: not replayed per rank
+        reserved_bytes=0,
+        allocations=None,
     )
 
 

@@ -36,7 +36,8 @@ from lightning_efficient.measure.estimate import (
 )
 from lightning_efficient.measure.per_rank import SHARDINGS
 from lightning_efficient.measure.settings import estimate_settings, strategy_sharding
-from lightning_efficient.measure.targets import resolve_target
+from lightning_efficient.measure.targets import is_local_gpu, resolve_target
+from lightning_efficient.measure.trial import stack_trial
 
 __all__ = ["Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
 
@@ -116,7 +117,8 @@ class PlanResult:
             mark = "<- plan" if rung is self.chosen else ""
             cells = [rung.name, peak, host, f"{verdict} {mark}".strip(), rung.cost]
             if self.trials:
-                cells.insert(-2, _trial_text(self.trial_of(rung)))
+                trial = self.trial_of(rung)
+                cells.insert(-2, trial.describe() if trial is not None else "-")
             if self._reserved:
                 cells.insert(2, format_bytes(est.reserved_bytes) if est else "-")
             if self.world_size > 1:
@@ -405,7 +407,11 @@ def plan_stack(
     result = PlanResult(budget_bytes, world_size=world_size, target=target.label)
     trial = confirm if callable(confirm) else None
     if confirm is True:
-        trial = _device_trial(model, batch, budget_bytes, device, optimizer)
+        on_device = stack_trial(model, batch, budget_bytes, device=target, optimizer=optimizer)
+
+        def trial(rung: Rung) -> Any:
+            return on_device(rung.build()[0], rung.precision)
+
     for rung in rungs:
         callbacks, strategy = rung.build()
         techniques = [*callbacks, *([strategy] if strategy is not None else [])]
@@ -444,41 +450,6 @@ def plan_stack(
             if not try_all:
                 break
     return result
-
-
-def _device_trial(
-    model: Any, batch: Any, budget_bytes: int, device: Any, optimizer: Any
-) -> Callable[[Rung], Any]:
-    """``trial(rung)``: the rung's stack in real steps on ``device`` within the budget."""
-    import torch
-
-    from lightning_efficient.measure.settings import configured_optimizer
-    from lightning_efficient.measure.trial import trial_within
-
-    if optimizer is None:
-        factory, _ = configured_optimizer(model)
-        optimizer = factory or "adamw"
-
-    def trial(rung: Rung) -> Any:
-        callbacks, _ = rung.build()
-        return trial_within(
-            model,
-            batch,
-            budget_bytes,
-            callbacks=callbacks,
-            optimizer=optimizer,
-            precision=rung.precision,
-            device=torch.device(device),
-        )
-
-    return trial
-
-
-def _trial_text(t: Any) -> str:
-    if t is None:
-        return "-"
-    reserved = format_bytes(t.reserved_bytes)
-    return f"ran, reserved {reserved}" if t.ok else f"out of memory ({reserved} reserved)"
 
 
 def _rung_sharding(
@@ -578,7 +549,7 @@ def plan_command(argv: Sequence[str]) -> int:
         sharding=sharding,
         device=target,
         # this machine's own GPU: the pick runs real steps within the budget before it is given
-        confirm=not args.no_trial and _is_local_gpu(args.device) and world_size == 1,
+        confirm=not args.no_trial and is_local_gpu(args.device) and world_size == 1,
     )
     if result.not_estimable is not None:
         return fail(
@@ -593,15 +564,6 @@ def plan_command(argv: Sequence[str]) -> int:
     yaml_text = result.to_yaml(devices=devices, num_nodes=num_nodes)
     print(f"\nAdd to your config ({result.chosen.name}):\n\n{yaml_text}")
     return 0
-
-
-def _is_local_gpu(device: str) -> bool:
-    """``device`` names this machine's own GPU (``cuda`` or ``cuda:<index>``) and there is one."""
-    import re
-
-    import torch
-
-    return torch.cuda.is_available() and re.fullmatch(r"cuda(:\d+)?", device) is not None
 
 
 def _ranks(

@@ -11,6 +11,7 @@ from lightning_efficient.measure.flops import count_flops, peak_flops
 from lightning_efficient.measure.input_stall import InputStallMonitor
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.profiler import StepProfiler
+from lightning_efficient.measure.targets import DeviceTarget, resolve_target
 from lightning_efficient.measure.timing import StepTimer, time_fn
 from lightning_efficient.measure.track import StorageTracker, measure_step
 from lightning_efficient.measure.types import CATEGORIES, EstimatePlan, MemoryEstimate
@@ -18,6 +19,7 @@ from lightning_efficient.measure.types import CATEGORIES, EstimatePlan, MemoryEs
 __all__ = [
     "Advice",
     "CATEGORIES",
+    "DeviceTarget",
     "EfficiencyReport",
     "EstimatePlan",
     "InputStallMonitor",
@@ -34,5 +36,6 @@ __all__ = [
     "measure_step",
     "peak_flops",
     "report_for",
+    "resolve_target",
     "time_fn",
 ]

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "DeviceTarget",
     "GPU_CAPABILITIES",
+    "is_local_gpu",
     "resolve_target",
     "workspace_allocations",
     "workspace_bytes",
@@ -165,6 +166,18 @@ def resolve_target(device: Any = None) -> DeviceTarget:
     if not 5 <= capability[0] <= 12:
         raise ValueError(_bad_device(device))
     return DeviceTarget("cuda", capability)
+
+
+def is_local_gpu(device: Any) -> bool:
+    """``device`` names this machine's own GPU (``"cuda"``, ``"cuda:<index>"``, a CUDA
+    ``torch.device``) and there is one."""
+    if isinstance(device, torch.device):
+        device = device.type
+    return (
+        isinstance(device, str)
+        and torch.cuda.is_available()
+        and re.fullmatch(r"cuda(:\d+)?", device.strip().lower()) is not None
+    )
 
 
 def _bad_device(device: Any) -> str:

@@ -36,6 +36,7 @@ __all__ = [
     "is_out_of_memory",
     "memory_cap",
     "scratch_step",
+    "stack_trial",
     "throughput",
     "trial_step",
     "trial_within",
@@ -190,6 +191,13 @@ class TrialResult:
     budget_bytes: int | None
     error: str = ""
 
+    def describe(self) -> str:
+        """``"ran, reserved 7.5 GiB"`` / ``"out of memory (23.6 GiB reserved)"``."""
+        from lightning_efficient.core.validate import format_bytes
+
+        reserved = format_bytes(self.reserved_bytes)
+        return f"ran, reserved {reserved}" if self.ok else f"out of memory ({reserved} reserved)"
+
 
 @contextlib.contextmanager
 def memory_cap(device: torch.device, budget_bytes: int | None) -> Iterator[None]:
@@ -261,3 +269,36 @@ def trial_within(
         allocated = reserved = tracker.summary().peak_bytes
     ok = not error and (budget_bytes is None or reserved <= budget_bytes)
     return TrialResult(ok, allocated, reserved, budget_bytes, error)
+
+
+def stack_trial(
+    module: nn.Module,
+    batch: Any,
+    budget_bytes: int | None,
+    *,
+    device: Any = "cuda",
+    optimizer: Any = None,
+) -> Any:
+    """``trial(callbacks, precision) -> TrialResult``: :func:`trial_within` of ``module`` on
+    ``device`` (a name, ``torch.device`` or ``DeviceTarget``) with a stack of techniques.
+    ``optimizer=None``: what the module's ``configure_optimizers`` returns (else AdamW)."""
+    from lightning_efficient.measure.settings import configured_optimizer
+
+    if optimizer is None:
+        factory, _ = configured_optimizer(module)
+        optimizer = factory or "adamw"
+    kind = getattr(device, "kind", None) or getattr(device, "type", None) or str(device)
+    where = torch.device("cuda" if kind.startswith("cuda") else "cpu")
+
+    def trial(callbacks: Iterable[Any], precision: str) -> TrialResult:
+        return trial_within(
+            module,
+            batch,
+            budget_bytes,
+            callbacks=callbacks,
+            optimizer=optimizer,
+            precision=precision,
+            device=where,
+        )
+
+    return trial

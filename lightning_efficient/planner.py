@@ -93,6 +93,11 @@ class PlanResult:
     def _reserved(self) -> bool:
         return any(est is not None and est.reserved_bytes for _, est, _ in self.tried)
 
+    def fragmentation_advice(self, threshold: float = 0.05) -> str:
+        """``MemoryEstimate.fragmentation_advice`` of the pick (empty without one)."""
+        est = self.estimate_of(self.chosen) if self.chosen is not None else None
+        return est.fragmentation_advice(threshold) if est is not None else ""
+
     def trial_of(self, rung: Rung) -> Any:
         """The real steps of ``rung`` on the device (a ``TrialResult``), if it was tried."""
         return next((t for r, t in self.trials if r is rung), None)
@@ -563,6 +568,9 @@ def plan_command(argv: Sequence[str]) -> int:
         )
     yaml_text = result.to_yaml(devices=devices, num_nodes=num_nodes)
     print(f"\nAdd to your config ({result.chosen.name}):\n\n{yaml_text}")
+    advice = result.fragmentation_advice()
+    if advice:
+        print(advice)
     return 0
 
 

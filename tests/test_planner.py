@@ -133,3 +133,15 @@ def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload) ->
     assert (
         "Real steps" in table and "out of memory" in table and "real steps: out of memory" in table
     )
+
+
+def test_fragmentation_advice_names_expandable_segments(workload) -> None:
+    model, batch = workload
+    cuda = plan_stack(model, batch, "1TiB", device="cuda")
+    est = cuda.estimate_of(cuda.chosen)
+    gap = est.reserved_bytes / est.peak_bytes - 1
+    assert gap > 0  # the allocator's segments round up and cache
+    advice = cuda.fragmentation_advice(threshold=gap / 2)
+    assert "expandable_segments:True" in advice and "not measured" in advice
+    assert cuda.fragmentation_advice(threshold=gap * 2) == ""
+    assert plan_stack(model, batch, "1TiB", device="cpu").fragmentation_advice(0.0) == ""

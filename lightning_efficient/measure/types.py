@@ -114,6 +114,19 @@ class MemoryEstimate:
             return not replay(self.allocations, cap=int(budget_bytes)).out_of_memory
         return self.required_bytes <= budget_bytes
 
+    def fragmentation_advice(self, threshold: float = 0.05) -> str:
+        """A line on ``expandable_segments`` when the reserve exceeds the peak by more than
+        ``threshold`` (the caching allocator's fragmentation); empty otherwise."""
+        if self.reserved_bytes <= self.peak_bytes * (1 + threshold):
+            return ""
+        waste = format_bytes(self.reserved_bytes - self.peak_bytes)
+        return (
+            f"The CUDA caching allocator is expected to reserve {waste} more than the peak "
+            f"({format_bytes(self.reserved_bytes)} for {format_bytes(self.peak_bytes)}): "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the first CUDA "
+            "allocation, is expected to cut that gap (not measured; the plan does not count on it)."
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,

@@ -21,6 +21,7 @@ __all__ = [
     "format_bytes",
     "import_object",
     "missing_extra",
+    "missing_requirement",
 ]
 
 
@@ -193,4 +194,30 @@ def missing_extra(package: str, extra: str, purpose: str) -> ImportError:
     return ImportError(
         f"{purpose} needs the optional dependency `{package}`, which is not installed. "
         f"Install it with: pip install 'lightning-efficient[{extra}]'"
+    )
+
+
+def _requirement(package: str) -> str:
+    """``package`` as this installation requires it (``deepspeed>=0.14,<0.20``), read from the
+    installed metadata; the bare name where that cannot be read."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("lightning-efficient") or []
+    except metadata.PackageNotFoundError:
+        return package
+    for line in requires:
+        spec = line.split(";")[0].strip()
+        name = re.split(r"[\[<>=!~ ]", spec, maxsplit=1)[0]
+        if name.lower().replace("_", "-") == package.lower() and "extra ==" not in line:
+            return spec
+    return package
+
+
+def missing_requirement(package: str, purpose: str) -> ImportError:
+    """The error for an install requirement that is missing here (a partial or broken install):
+    the base install has it, so the fix is to install it, in the range the package needs."""
+    return ImportError(
+        f"{purpose} needs `{package}`, an install requirement of lightning-efficient that is not "
+        f"installed here. Install it with: pip install '{_requirement(package)}'"
     )

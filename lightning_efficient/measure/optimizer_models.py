@@ -23,7 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_efficient.core._internals import FakeTensor, adafactor_init_group, tree_flatten
-from lightning_efficient.core.validate import import_object, missing_extra
+from lightning_efficient.core.validate import import_object, missing_requirement
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -77,7 +77,7 @@ def optimizer_class(name: Any, *, argument: str = "name") -> type[Optimizer]:
         try:
             import bitsandbytes.optim  # noqa: F401
         except ImportError as err:
-            raise missing_extra("bitsandbytes", "bnb", f"The optimizer {name!r}") from err
+            raise missing_requirement("bitsandbytes", f"The optimizer {name!r}") from err
     cls = import_object(argument, path)
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
         raise TypeError(

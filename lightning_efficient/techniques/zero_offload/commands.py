@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.core.validate import format_bytes, missing_requirement
 from lightning_efficient.techniques.zero_offload.extensions import (
     DEFAULT_EXTENSIONS,
     EXTENSIONS,
@@ -81,10 +81,7 @@ def prepare_command(argv: Sequence[str]) -> int:
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        print(
-            "error: DeepSpeed is not installed; pip install 'lightning-efficient[deepspeed]'",
-            file=sys.stderr,
-        )
+        print(f"error: {missing_requirement('deepspeed', 'prepare')}", file=sys.stderr)
         return 2
     try:
         done = ensure_extensions(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_efficient.core.validate import check_choice, missing_extra
+from lightning_efficient.core.validate import check_choice, missing_requirement
 from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers  # noqa: F401
 
 __all__ = [
@@ -46,7 +46,7 @@ def import_deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError as err:
-        raise missing_extra("deepspeed", "deepspeed", _purpose()) from err
+        raise missing_requirement("deepspeed", _purpose()) from err
     return deepspeed
 
 

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +25,15 @@ import lightning_efficient  # noqa: F401  (registers every callback and strategy
 from lightning_efficient.core._internals import set_option_type
 from lightning_efficient.core.validate import SettingsError
 
-__all__ = ["CONFIG_ERRORS", "EXTRA_COMMANDS", "EfficientCLI", "RunConfigSaver", "main"]
+__all__ = [
+    "CONFIG_ERRORS",
+    "EXTRA_COMMANDS",
+    "NOISE",
+    "EfficientCLI",
+    "RunConfigSaver",
+    "main",
+    "quiet_known_noise",
+]
 
 #: Exceptions raised while building the objects of a config that are configuration mistakes.
 CONFIG_ERRORS = (ValueError, TypeError, MisconfigurationException, ImportError)
@@ -182,6 +192,56 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Lines other libraries print on every run that tell the user of this command nothing to act
+#: on: (logger name, message start) for log records, (None, message regex) for warnings.
+NOISE: list[tuple[str | None, str]] = [
+    # bitsandbytes (CPUs with AVX512-BF16) tries an optional Hub kernel for 4-bit matmuls, which
+    # no technique here uses, and logs a warning when the `kernels` package is missing
+    (
+        "bitsandbytes.backends.cpu.ops",
+        "Failed to load CPU gemm_4bit_forward from kernels-community",
+    ),
+    # Lightning advertises its cloud logger at every Trainer's start
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        "\N{ELECTRIC LIGHT BULB} Tip: For seamless cloud logging",
+    ),
+    (
+        "lightning.fabric.utilities.rank_zero",
+        "\N{ELECTRIC LIGHT BULB} Tip: For seamless cloud logging",
+    ),
+    # the model summary counts mixed-precision parameters as fp32, which they are
+    (None, r"Precision .* is not supported by the model summary"),
+    # Lightning's own use of a torch name that torch 2.10+ deprecates
+    (None, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+]
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_known_noise() -> None:
+    """Drop the lines of ``NOISE`` from this process's output (the command's process only: a
+    filter on each logger named there, and a warnings filter per message; nothing else of
+    those libraries changes)."""
+    starts: dict[str, list[str]] = {}
+    for logger, message in NOISE:
+        if logger is None:
+            warnings.filterwarnings("ignore", message=message)
+        else:
+            starts.setdefault(logger, []).append(message)
+    for logger, messages in starts.items():
+        target = logging.getLogger(logger)
+        if not any(isinstance(f, _DropMessages) for f in target.filters):
+            target.addFilter(_DropMessages(tuple(messages)))
+
+
 def _run_extra(name: str, argv: Sequence[str]) -> int:
     import importlib
 
@@ -191,6 +251,7 @@ def _run_extra(name: str, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_noise()
     if args and args[0] in EXTRA_COMMANDS:
         return _run_extra(args[0], args[1:])
     if args and args[0] in ("-h", "--help"):

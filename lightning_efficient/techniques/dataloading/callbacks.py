@@ -239,9 +239,12 @@ class DataLoaderTuning(_LoaderRebuilder):
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
             rank=trainer.global_rank,
         )
+        changed = (loader.num_workers, loader.pin_memory) != (new.num_workers, new.pin_memory)
         self._changes[hook] = (
             f"{hook}: num_workers {loader.num_workers}->{new.num_workers}, pin_memory "
             f"{loader.pin_memory}->{new.pin_memory}, persistent_workers {new.persistent_workers}"
+            if changed
+            else f"{hook}: kept num_workers {new.num_workers}, pin_memory {new.pin_memory}"
         )
         figures: dict[str, Any] = {"num_workers": new.num_workers}
         tuned = self._tuned
@@ -256,7 +259,8 @@ class DataLoaderTuning(_LoaderRebuilder):
                 rates = ", ".join(f"{w}: {r:.1f}" for w, r in tuned.batches_per_s.items())
                 self._changes[hook] += f" (measured batches/s by workers {rates}; {tuned.stopped})"
         self.report(trainer, "; ".join(self._changes.values()), **figures)
-        self.note(self._changes[hook])
+        if changed:  # a loader kept as it was is in the report, not printed
+            self.note(self._changes[hook])
         return new
 
 

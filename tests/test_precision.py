@@ -230,6 +230,7 @@ def test_float8_bad_arguments() -> None:
 
 @pytest.mark.gpu
 def test_float8_training_on_fp8_gpu(tmp_path) -> None:
+    pytest.importorskip("torchao", reason="FP8 training needs torchao: the fp8 extra")
     if not P.supports_fp8():
         pytest.skip("needs compute capability 8.9+")
     _, _, ref = fit(

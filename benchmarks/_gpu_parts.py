@@ -9,11 +9,14 @@ A *real run* (``real_fit``) trains a model with Lightning's ``Trainer`` from a J
 strategy, a memory cap, timing) and returns the peak memory (CUDA: the allocator's
 ``max_memory_allocated``; CPU: the instrument's storage tracker on the real tensors), step
 timing and whether it trained. On CUDA, runs that need a fresh allocator (a memory cap, an
-out-of-memory, DeepSpeed, cold compiles) run in their own process (``gpu_suite.py --run-spec``).
+out-of-memory, DeepSpeed, cold compiles) run in their own process (``gpu_suite.py --run-spec``),
+through a ``RunPool`` that starts those processes ahead of their turn. On the CPU a memory cap
+is emulated: a run whose tracked peak passes it counts as out of memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -34,6 +37,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _gpu_search import LargestSearch, Probe  # noqa: E402
 from _results import QUIET_TRAINER  # noqa: E402
 
 import lightning_efficient as le  # noqa: E402
@@ -87,14 +91,16 @@ class Ctx:
     work_dir: str
     cap_bytes: int
     host_ram_bytes: int
-    prebuild_done: str = ""  # a file the DeepSpeed prebuild writes when it ends ("ok"/"failed")
+    prebuild_done: str = ""  # a file the DeepSpeed prebuild writes when it ends (JSON)
+    device_total_bytes: int = 0  # CUDA: the device's memory (0 on the CPU)
+    extra_s: float = 0.0  # time not charged to the part's cap (waiting for DeepSpeed's build)
 
     @classmethod
     def load(cls, path: str) -> Ctx:
         return cls(**json.loads(Path(path).read_text()))
 
     def left(self) -> float:
-        return self.deadline - time.time()
+        return self.deadline + self.extra_s - time.time()
 
     @property
     def cuda(self) -> bool:
@@ -131,12 +137,20 @@ class Recorder:
             self.save()
 
     def finish(self, headline: str) -> None:
-        skipped = [r for r in self.data["rows"] if str(r.get("status", "")).startswith("skipped")]
-        self.data["status"] = "partial" if skipped else "ok"
-        if skipped and not self.data["reason"]:
-            self.data["reason"] = f"{len(skipped)} of {len(self.data['rows'])} rows skipped: " + (
-                skipped[0]["status"].removeprefix("skipped: ")
+        """Close the part: ``partial`` when a row did not complete (skipped, stopped at its time
+        limit, or a search not settled), with what those rows would have needed."""
+        rows = self.data["rows"]
+        short = [r for r in rows if str(r.get("status", "")).startswith(INCOMPLETE)]
+        self.data["status"] = "partial" if short else "ok"
+        needs = [r["needs_s"] for r in short if isinstance(r.get("needs_s"), (int, float))]
+        if needs:
+            self.data["figures"]["needs_s"] = sum(needs)
+        if short and not self.data["reason"]:
+            self.data["reason"] = f"{len(short)} of {len(rows)} rows not complete: " + (
+                short[0]["status"].removeprefix("skipped: ")
             )
+            if needs:
+                self.data["reason"] += f"; they would have needed about {sum(needs):.0f} s more"
         self.data["headline"] = headline
         self.save()
 
@@ -150,6 +164,19 @@ class Recorder:
         tmp = self.path + ".tmp"
         Path(tmp).write_text(json.dumps(self.data, indent=1, default=str))
         os.replace(tmp, self.path)
+
+
+#: Row statuses of rows that did not complete.
+INCOMPLETE = ("skipped", "timeout", "partial")
+
+
+def time_skip(left: float, need: float, basis: str) -> dict[str, Any]:
+    """The fields of a row skipped for want of time: what was left, what it would have needed."""
+    return {
+        "status": f"skipped: {max(0.0, left):.0f} s left in the part's cap, the row needs about "
+        f"{need:.0f} s ({basis})",
+        "needs_s": round(need, 1),
+    }
 
 
 def _first_line(err: BaseException, limit: int = 240) -> str:
@@ -412,9 +439,13 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         out.update(error=f"{type(err).__name__}: {_first_line(err)}", missing=missing_package(err))
         return out
     pl.seed_everything(spec.get("seed", 0), verbose=False)
-    # parameters are initialised on the device (fast), then handed to the Trainer from the host
-    model = build_model(spec["model"], spec["dims"], "cuda" if cuda else "cpu")
-    if cuda:
+    # parameters are initialised on the device (fast), then handed to the Trainer from the host;
+    # not when they alone would pass the run's cap (other runs may share the device meanwhile)
+    cap = spec.get("cap_bytes")
+    n = unique_params(build_model(spec["model"], spec["dims"], "meta"))
+    on_device = cuda and (not cap or 4 * n <= cap)
+    model = build_model(spec["model"], spec["dims"], "cuda" if on_device else "cpu")
+    if on_device:
         model.to("cpu")
         gc.collect()
         torch.cuda.empty_cache()
@@ -422,9 +453,9 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     out["init_s"] = time.perf_counter() - t_start
     precision = resolve_precision(spec.get("precision", "32-true"), spec["device"])
     out["precision"] = precision
-    if cuda and spec.get("cap_bytes"):
+    if cuda and cap:
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_bytes"] / total), 0)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
     timing = spec.get("timing") or {}
     clock = Clock(cuda, timing.get("warmup", 0), timing.get("window_s", 1e9))
     meter = PeakMeter(cuda, model, enabled=spec.get("measure_memory", True))
@@ -453,6 +484,10 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     out["steps_run"] = trainer.global_step
     out["peak_bytes"] = meter.peak
     out["reserved_bytes"] = meter.reserved
+    if not cuda and cap and out["ok"] and meter.peak is not None and meter.peak > cap:
+        # the CPU has no cap: a run whose tracked peak passed it counts as out of memory
+        out.update(ok=False, oom=True, emulated_oom=True)
+        out["error"] = f"emulated out of memory: peak {format_bytes(meter.peak)} over the cap"
     out["first_step_s"] = clock.first_step_s
     if clock.seconds and clock.steps:
         tokens = clock.steps * spec["batch"] * spec["dims"]["seq"]
@@ -478,27 +513,123 @@ def _report_rows(trainer: Any) -> list[str]:
     return [f"{e.technique}: {e.change}" for e in report_for(trainer).entries][:8]
 
 
-def run_real(spec: dict[str, Any], ctx: Ctx, isolate: bool, timeout: float) -> dict[str, Any]:
-    """``real_fit(spec)`` in this process, or in a fresh one (``gpu_suite.py --run-spec``)
-    killed after ``timeout`` seconds."""
-    if timeout <= 5:
-        return {"ok": False, "skipped": True, "error": "no time left in the part's cap"}
-    if not isolate:
-        return real_fit(spec)
-    tag = f"{int(time.time() * 1000) % 10**9}"
-    spec_file = Path(ctx.work_dir) / f"spec_{tag}.json"
-    result_file = Path(ctx.work_dir) / f"result_{tag}.json"
-    spec_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, str(SUITE), "--run-spec", str(spec_file), "--result", str(result_file)]
-    proc = subprocess.Popen(cmd, cwd=str(ROOT), start_new_session=True)
+def _run_here(spec: dict[str, Any]) -> dict[str, Any]:
+    """``real_fit`` in this process; an exception is a result (as in a run's own process)."""
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return {"ok": False, "error": f"stopped at its {timeout:.0f} s limit", "timeout": True}
-    if result_file.exists():
-        return json.loads(result_file.read_text())
-    return {"ok": False, "error": f"the run's process exited with code {proc.returncode}"}
+        return real_fit(spec)
+    except Exception as err:
+        traceback.print_exc()
+        return {
+            "ok": False,
+            "error": f"{type(err).__name__}: {_first_line(err)}",
+            "oom": is_oom(err),
+        }
+
+
+@dataclass
+class Run:
+    """A real run handed to a ``RunPool``: its spec, its process (None: ran here) and result."""
+
+    spec: dict[str, Any]
+    proc: subprocess.Popen | None = None
+    spec_file: Path | None = None
+    result_file: Path | None = None
+    deadline: float = 0.0
+    started: float = 0.0
+    result: dict[str, Any] | None = None
+
+
+class RunPool:
+    """Real runs in fresh processes (``gpu_suite.py --run-spec``), several at once.
+
+    ``warm`` processes are started ahead: each imports torch, Lightning, transformers and the
+    package, then waits (no CUDA call yet) until its spec file is written, so a run starts in
+    about a second instead of after the imports. ``submit`` hands a spec to a waiting process
+    (or starts one) and returns at once; ``poll`` says whether it ended; a run past its time
+    limit is killed with its process group. ``isolate=False`` runs the spec here instead, before
+    ``submit`` returns (the dry run, after its first round). ``env`` adds to the processes'
+    environment."""
+
+    def __init__(self, ctx: Ctx, warm: int = 0, env: dict[str, str] | None = None) -> None:
+        self.ctx, self.env = ctx, env or {}
+        self.waiting: list[Run] = []
+        self.running: list[Run] = []
+        self.warm = warm
+        self.top_up()
+
+    def _start(self) -> Run:
+        tag = f"{os.getpid()}_{time.monotonic_ns()}"
+        run = Run({}, spec_file=Path(self.ctx.work_dir) / f"spec_{tag}.json")
+        run.result_file = Path(self.ctx.work_dir) / f"result_{tag}.json"
+        cmd = [sys.executable, str(SUITE), "--run-spec", str(run.spec_file)]
+        cmd += ["--result", str(run.result_file)]
+        env = {**os.environ, **self.env}
+        run.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, start_new_session=True)
+        return run
+
+    def top_up(self) -> None:
+        while len(self.waiting) < self.warm:
+            self.waiting.append(self._start())
+
+    def submit(self, spec: dict[str, Any], timeout: float, isolate: bool = True) -> Run:
+        if timeout <= 5:
+            return Run(spec, result={"ok": False, "skipped": True, "error": "no time left"})
+        if not isolate:
+            t0 = time.perf_counter()
+            res = _run_here(spec)
+            res.setdefault("wall_s", time.perf_counter() - t0)
+            return Run(spec, result=res)
+        run = self.waiting.pop(0) if self.waiting else self._start()
+        run.spec, run.started, run.deadline = spec, time.time(), time.time() + timeout
+        tmp = run.spec_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec))
+        os.replace(tmp, run.spec_file)  # the waiting process sees a complete file
+        self.running.append(run)
+        self.top_up()
+        return run
+
+    def poll(self, run: Run) -> dict[str, Any] | None:
+        """The run's result once it ended (killed at its deadline), else None."""
+        if run.result is not None:
+            return run.result
+        code = run.proc.poll()
+        if code is None and time.time() < run.deadline:
+            return None
+        if code is None:
+            _kill_group(run.proc)
+            limit = run.deadline - run.started
+            run.result = {
+                "ok": False,
+                "timeout": True,
+                "error": f"stopped at its {limit:.0f} s limit",
+            }
+            run.result["wall_s"] = limit
+        elif run.result_file.exists():
+            run.result = json.loads(run.result_file.read_text())
+        else:
+            run.result = {"ok": False, "error": f"the run's process exited with code {code}"}
+        self.running.remove(run)
+        return run.result
+
+    def wait(self, runs: list[Run]) -> list[dict[str, Any]]:
+        while any(self.poll(r) is None for r in runs):
+            time.sleep(0.2)
+        return [r.result for r in runs]
+
+    def close(self) -> None:
+        for run in [*self.waiting, *self.running]:
+            if run.proc is not None and run.proc.poll() is None:
+                _kill_group(run.proc)
+        self.waiting, self.running = [], []
+
+
+def run_real(spec: dict[str, Any], ctx: Ctx, isolate: bool, timeout: float) -> dict[str, Any]:
+    """``real_fit(spec)`` in this process, or in a fresh one killed after ``timeout`` s."""
+    pool = RunPool(ctx)
+    try:
+        return pool.wait([pool.submit(spec, timeout, isolate)])[0]
+    finally:
+        pool.close()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -521,7 +652,7 @@ def _status(res: dict[str, Any]) -> str:
     if res.get("oom"):
         return "out of memory"
     if res.get("timeout"):
-        return f"timeout: {res['error']}"
+        return f"timeout: {res['error']} (it needs more)"
     return f"error: {res.get('error')}"
 
 
@@ -558,7 +689,8 @@ def part_estimate(ctx: Ctx, rec: Recorder) -> None:
             row = {"model": label, "stack": name, "batch": batch, "seq": dims["seq"]}
             need = per_row * 1.2 if per_row else 5.0
             if ctx.left() < need:
-                rec.row(**row, status=f"skipped: {ctx.left():.0f} s left in the part's cap")
+                basis = f"the last row took {per_row:.0f} s" if per_row else "a first guess"
+                rec.row(**row, **time_skip(ctx.left(), need, basis))
                 continue
             t0 = time.perf_counter()
             try:
@@ -624,114 +756,255 @@ def _usable_ladder(ctx: Ctx, rec: Recorder) -> list[Any]:
     return rungs
 
 
+GIB = 2**30
+
+
+def probe_slots(ctx: Ctx) -> int:
+    """How many real runs of part 3 go side by side: on CUDA as many capped processes as the
+    device holds next to part 4's run (one more cap) and 8 GiB for the rest (the GPU tests, the
+    parts' own processes, CUDA contexts), at most 4; in the dry run 2 (the same code path)."""
+    if not ctx.cuda:
+        return 2
+    room = ctx.device_total_bytes - (ctx.cap_bytes + GIB) - 8 * GIB
+    return max(1, min(4, int(room // (ctx.cap_bytes + GIB))))
+
+
+def _probe_status(res: dict[str, Any]) -> str:
+    if res.get("ok"):
+        return "ok"
+    if res.get("oom"):
+        return "oom"
+    return _status(res)
+
+
+class BatchProbes:
+    """Part 3's real runs: one ``LargestSearch`` per stack, rounds of probes sharing ``slots``
+    processes of a ``RunPool``. ``step()`` collects the runs that ended and starts the next
+    rounds; it returns at once, so the part estimates the next stack while probes run."""
+
+    def __init__(self, ctx: Ctx, pool: RunPool, slots: int, spec: Any) -> None:
+        self.ctx, self.pool, self.slots, self.spec = ctx, pool, slots, spec
+        self.stacks: list[dict[str, Any]] = []
+        self.walls: list[float] = []
+        self.rounds = 0
+
+    def add(self, stack: dict[str, Any]) -> None:
+        stack.update(pending=[], stopped=None)
+        self.stacks.append(stack)
+        self.step()
+
+    def probe_s(self) -> float:
+        """What one probe takes: the slowest so far (a first guess before any)."""
+        return max(self.walls) if self.walls else (30.0 if self.ctx.cuda else 20.0)
+
+    def active(self) -> list[dict[str, Any]]:
+        return [s for s in self.stacks if not s["search"].done and not s["stopped"]]
+
+    def step(self) -> None:
+        for st in self.stacks:
+            for run in list(st["pending"]):
+                res = self.pool.poll(run)
+                if res is None:
+                    continue
+                st["pending"].remove(run)
+                if isinstance(res.get("wall_s"), (int, float)):
+                    self.walls.append(res["wall_s"])
+                st["search"].record(
+                    Probe(
+                        batch=run.spec["batch"],
+                        status=_probe_status(res),
+                        peak_bytes=res.get("peak_bytes"),
+                        reserved_bytes=res.get("reserved_bytes"),
+                        wall_s=res.get("wall_s"),
+                    )
+                )
+        idle = [s for s in self.active() if not s["pending"]]
+        free = self.slots - sum(len(s["pending"]) for s in self.stacks)
+        for i, st in enumerate(idle):
+            share = max(1, free // (len(idle) - i))
+            sizes = st["search"].next_sizes(min(share, max(free, 0)))
+            if not sizes:
+                continue
+            need = 1.3 * self.probe_s()
+            if self.ctx.left() < need:
+                st["stopped"] = (self.ctx.left(), need)
+                continue
+            # the dry run sends its first round through the processes, the rest runs here
+            isolate = self.ctx.cuda or self.rounds == 0
+            if not self.ctx.cuda:
+                self.pool.warm = 0  # no process waits for a round that will not come
+            for n in sizes:
+                run = self.pool.submit(self.spec(st, n), self.ctx.left() - 2, isolate)
+                st["pending"].append(run)
+            free -= len(sizes)
+            self.rounds += 1
+
+    def run(self) -> None:
+        while any(s["pending"] for s in self.stacks) or any(
+            not s["pending"] for s in self.active()
+        ):
+            self.step()
+            if not any(s["pending"] for s in self.stacks):
+                if all(s["stopped"] or s["search"].done for s in self.stacks):
+                    break
+            time.sleep(0.1)
+
+    def row(self, st: dict[str, Any]) -> dict[str, Any]:
+        search: LargestSearch = st["search"]
+        got = search.result()
+        row = {
+            "stack": st["stack"],
+            "precision": st["precision"],
+            "techniques": [c["class_path"] for c in st["specs"]],
+            "estimate_pick": search.pick,
+            "estimate_bytes": st["estimate_bytes"],
+            **got,
+        }
+        if got["error"]:
+            row["status"] = f"error: {got['error']}"
+        elif got["resolved"]:
+            row["status"] = "ok"
+        else:
+            lo, hi = search.lo, search.hi
+            left, need = st["stopped"] or (self.ctx.left(), self.probe_s())
+            rounds = max(1, math.ceil(math.log(max(2, hi - lo), self.slots + 1)))
+            row["needs_s"] = round(rounds * 1.3 * self.probe_s(), 1)
+            row["status"] = (
+                f"partial: {lo or 'no size'} trained, "
+                + (f"{hi} out of memory" if hi <= search.top else "none out of memory")
+                + f"; not settled: {max(0.0, left):.0f} s left in the part's cap, about "
+                f"{rounds} more round(s) of ~{self.probe_s():.0f} s needed"
+            )
+        return row
+
+
 def part_batch(ctx: Ctx, rec: Recorder) -> None:
     from lightning_efficient.planner import plan_stack
 
     p = ctx.profile
     kind, dims = "hf_gpt2", gpt2_dims(ctx)
-    cap = ctx.cap_bytes
+    cap, top = ctx.cap_bytes, p["batch_top"]
+    slots = probe_slots(ctx)
     rec.note(
-        f"HF GPT-2 {describe(dims, kind)}, sequence {dims['seq']}, AdamW. The largest micro-batch "
-        f"whose estimate (CUDA rounding) fits {format_bytes(cap)}, then 2 real steps at that size "
+        f"HF GPT-2 {describe(dims, kind)}, sequence {dims['seq']}, AdamW, cap {format_bytes(cap)}. "
+        "The estimate's pick: the largest micro-batch whose estimate (CUDA rounding) fits the cap. "
+        f"The real largest: found by {p['real_steps']} real steps at each size tried, "
         + (
-            "under torch.cuda.set_per_process_memory_fraction(cap / total)."
+            "each in its own process under torch.cuda.set_per_process_memory_fraction(cap / "
+            f"total) (a fresh allocator: an out-of-memory leaves it dirty), {slots} side by side"
             if ctx.cuda
-            else "on the CPU (dry run: the cap is emulated by the estimate only)."
+            else "the cap emulated on the CPU (a run whose tracked peak passes it counts as out "
+            "of memory); the first round in processes, 2 side by side, as on CUDA"
         )
+        + ": the pick and twice it, then where the line through the sizes that trained meets "
+        "the cap, then bisection; settled when n trains and n + 1 runs out of memory. The "
+        "planner's stack is the rung plan_stack picks for batch "
+        f"{p['planner_batch']}, run with every block checkpointed (its budget mode would refuse "
+        "sizes by the estimate instead of by the device)."
     )
 
-    def largest(precision: str, techniques: list[dict[str, Any]]) -> tuple[int, int, int]:
+    def largest(precision: str, techniques: list[dict[str, Any]]) -> tuple[int, int, dict]:
         def fn(n: int) -> float:
             try:
                 return estimate(kind, dims, n, precision, techniques).peak_bytes
             except ValueError:  # e.g. a checkpointing budget that no block count reaches
                 return math.inf
 
-        n, seen = largest_fitting_batch(fn, cap, p["batch_top"])
-        return n, int(seen.get(n, 0)), len(seen)
+        n, seen = largest_fitting_batch(fn, cap, top)
+        finite = {k: v for k, v in seen.items() if math.isfinite(v)}
+        return n, int(seen.get(n, 0)), finite
 
-    t0 = time.perf_counter()
-    b_plain, est_plain, n_est = largest("32-true", [])
-    rec.figure(plain_search_s=time.perf_counter() - t0, plain_estimates=n_est)
-
-    t0 = time.perf_counter()
-    target = p["planner_batch"]
-    result = plan_stack(
-        build_model(kind, dims, "meta"),
-        meta_batch(target, dims["seq"]),
-        cap,
-        ladder=_usable_ladder(ctx, rec),
-    )
-    rung = result.chosen
-    rec.figure(
-        planner_batch=target,
-        planner_s=time.perf_counter() - t0,
-        planner_tried=[
-            [r.name, e.peak_bytes if e else None, problem or "fits"]
-            for r, e, problem in result.tried
-        ],
-    )
-    runs: list[tuple[str, str, list[dict[str, Any]], dict[str, Any] | None, int, int]] = [
-        ("plain (fp32, as configured)", "32-true", [], None, b_plain, est_plain)
-    ]
-    if rung is None:
-        rec.note(f"the planner found no stack for batch {target} within the cap")
-    else:
-        callbacks, strategy = rung.build()
-        specs = [class_spec(c) for c in callbacks]
-        strat = class_spec(strategy) if strategy is not None else None
-        # the largest batch with any subset of blocks checkpointed is the largest with all of them:
-        # search with every block checkpointed; the real run keeps the planner's own callbacks
-        search = [AC if s["class_path"] == "ActivationCheckpointing" else s for s in specs]
-        search += [strat] if strat else []
-        b_stack, est_stack, n_est = largest(rung.precision, search)
-        rec.figure(stack_estimates=n_est)
-        runs.append((f"planner: {rung.name}", rung.precision, specs, strat, b_stack, est_stack))
-    for i, (name, precision, specs, strat, b, est) in enumerate(runs):
-        row = {
-            "stack": name,
-            "precision": precision,
-            "largest_micro_batch": b,
-            "estimate_bytes": est,
-            "techniques": [s["class_path"] for s in specs]
-            + ([strat["class_path"]] if strat else []),
-        }
-        if b < 1:
-            rec.row(**row, status="skipped: not even batch 1 fits the cap")
-            continue
-        spec = {
+    def spec(stack: dict[str, Any], batch: int) -> dict[str, Any]:
+        return {
             "model": kind,
             "dims": dims,
-            "batch": b,
+            "batch": batch,
             "steps": p["real_steps"],
-            "precision": precision,
-            "callbacks": specs,
-            "strategy": strat,
+            "precision": stack["precision"],
+            "callbacks": stack["specs"],
+            "strategy": stack["strategy"],
             "device": ctx.device,
-            "cap_bytes": cap if ctx.cuda else None,
+            "cap_bytes": cap,
         }
-        # a fresh process per run on CUDA (the cap is per process); the dry run sends its
-        # first run through the same path, to check it before a GPU is lent
-        res = run_real(spec, ctx, isolate=ctx.cuda or i == 0, timeout=ctx.left() - 2)
-        rec.row(
-            **row,
-            measured_bytes=res.get("peak_bytes"),
-            reserved_bytes=res.get("reserved_bytes"),
-            status=_status(res),
-            wall_s=res.get("wall_s"),
+
+    pool = RunPool(ctx, warm=slots)
+    probes = BatchProbes(ctx, pool, slots, spec)
+    try:
+        t0 = time.perf_counter()
+        b_plain, est_plain, seen = largest("32-true", [])
+        rec.figure(plain_search_s=time.perf_counter() - t0, plain_estimates=len(seen), slots=slots)
+        probes.add(
+            {
+                "stack": "plain (fp32, as configured)",
+                "precision": "32-true",
+                "specs": [],
+                "strategy": None,
+                "estimate_bytes": est_plain,
+                "search": LargestSearch("plain", b_plain, top, cap, estimate=seen),
+            }
         )
+        # the planner and the stack's estimate run here while the plain probes run
+        t0 = time.perf_counter()
+        target = p["planner_batch"]
+        result = plan_stack(
+            build_model(kind, dims, "meta"),
+            meta_batch(target, dims["seq"]),
+            cap,
+            ladder=_usable_ladder(ctx, rec),
+        )
+        rung = result.chosen
+        rec.figure(
+            planner_batch=target,
+            planner_s=time.perf_counter() - t0,
+            planner_tried=[
+                [r.name, e.peak_bytes if e else None, problem or "fits"]
+                for r, e, problem in result.tried
+            ],
+        )
+        probes.step()
+        if rung is None:
+            rec.note(f"the planner found no stack for batch {target} within the cap")
+        else:
+            callbacks, strategy = rung.build()
+            specs = [class_spec(c) for c in callbacks]
+            # every block checkpointed: the largest batch any subset of blocks reaches
+            specs = [AC if s["class_path"] == "ActivationCheckpointing" else s for s in specs]
+            strat = class_spec(strategy) if strategy is not None else None
+            b_stack, est_stack, seen = largest(rung.precision, specs + ([strat] if strat else []))
+            rec.figure(stack_estimates=len(seen))
+            probes.add(
+                {
+                    "stack": f"planner: {rung.name}",
+                    "precision": rung.precision,
+                    "specs": specs,
+                    "strategy": strat,
+                    "estimate_bytes": est_stack,
+                    "search": LargestSearch("stack", b_stack, top, cap, estimate=seen),
+                }
+            )
+        probes.run()
+    finally:
+        pool.close()
+    for st in probes.stacks:
+        rec.row(**probes.row(st))
+    rec.figure(probe_rounds=probes.rounds, probes=sum(len(r["probes"]) for r in rec.data["rows"]))
     rows = rec.data["rows"]
-    plain = rows[0]["largest_micro_batch"] if rows else 0
-    if len(rows) > 1 and plain:
-        stack = rows[1]
-        ran = "; ".join(f"{r['stack'].split(':')[0]} real step {r['status']}" for r in rows)
+
+    def said(r: dict[str, Any]) -> str:
+        real = r["largest_real"] if r["resolved"] else f">= {r['largest_real']} (not settled)"
+        return f"{real} (the estimate picked {r['estimate_pick']})"
+
+    if len(rows) > 1 and rows[0]["largest_real"]:
+        a, b = rows
+        ratio = f", {b['largest_real'] / a['largest_real']:.1f}x" if b["largest_real"] else ""
         rec.finish(
-            f"largest micro-batch {plain} plain -> {stack['largest_micro_batch']} with "
-            f"{stack['stack'].removeprefix('planner: ')} "
-            f"({stack['largest_micro_batch'] / plain:.1f}x); {ran}"
+            f"largest micro-batch by real steps: plain {said(a)} -> "
+            f"{b['stack'].removeprefix('planner: ')} {said(b)}{ratio}"
         )
+    elif rows:
+        rec.finish(f"largest micro-batch by real steps: plain {said(rows[0])}")
     else:
-        rec.finish(f"largest micro-batch {plain} plain; the planner's stack not measured")
+        rec.finish("nothing measured")
 
 
 # -- part 4: largest model at batch 1 --------------------------------------------------------------
@@ -763,77 +1036,141 @@ def _host_need(n_params: int, host_bytes: int, setting: dict[str, Any] | None) -
     return 4 * n_params + (host_bytes + 4 * n_params if setting else 0)
 
 
-def _wait_prebuild(ctx: Ctx, limit: float) -> str:
+#: The longest part 4 waits for DeepSpeed's build (not charged to its cap).
+BUILD_WAIT_S = 300.0
+
+
+def wait_prebuild(ctx: Ctx, limit: float = BUILD_WAIT_S) -> str:
+    """Wait for DeepSpeed's extension build the suite started first (``ok``, ``failed: ...``,
+    ``still building``). The wait is not charged to the part's cap: its deadline moves by it."""
     if not ctx.prebuild_done:
         return "ok"
-    end = time.time() + limit
+    t0 = time.time()
     flag = Path(ctx.prebuild_done)
-    while time.time() < end:
+    state = "still building"
+    while time.time() - t0 < limit:
         if flag.exists():
-            return flag.read_text().strip() or "ok"
-        time.sleep(1.0)
-    return "still building"
+            text = flag.read_text().strip()
+            try:
+                state = json.loads(text)["status"]
+            except (ValueError, KeyError, TypeError):
+                state = text or "ok"
+            break
+        time.sleep(0.5)
+    waited = time.time() - t0
+    ctx.extra_s += waited
+    return state
 
 
 def part_ladder(ctx: Ctx, rec: Recorder) -> None:
     p = ctx.profile
     ladder = p["ladder"]
     cap, host_limit = ctx.cap_bytes, int(0.75 * ctx.host_ram_bytes)
-    isolate = ctx.cuda
     rec.note(
         f"TinyGPT at GPT-2/GPT-3 shapes (head size 64, vocabulary {p['ladder_vocab']}), batch 1 x "
         f"{p['ladder_seq']}, fp32, AdamW. Per setting: the largest size whose estimate (CUDA "
         f"rounding) fits {format_bytes(cap)} and whose host memory fits 75% of "
         f"{format_bytes(ctx.host_ram_bytes)}, then {p['real_steps']} real steps at it"
         + (
-            " under the cap."
+            " under the cap, each in its own process (the plain run while the ZeRO settings are "
+            "estimated). Parts 1-3 run alongside (the other 25% of the host memory is theirs)."
             if ctx.cuda
             else " (dry run: on the CPU, cap emulated; ZeRO's device peak is not measured, as "
             "host and device memory are one)."
         )
+        + " The ZeRO settings wait for DeepSpeed's cpu_adam build, started first by the suite; "
+        "the wait is not counted in the part's cap."
     )
+    cpus = os.cpu_count() or 1
+    # DeepSpeed's CPU Adam takes every core; leave some to the parts alongside
+    env = {"OMP_NUM_THREADS": str(cpus - 4)} if ctx.cuda and cpus > 8 else {}
+    pool = RunPool(ctx, warm=1 if ctx.cuda else 0, env=env)
+    try:
+        _ladder(ctx, rec, pool, ladder, cap, host_limit)
+    finally:
+        pool.close()
+
+
+def _plan_setting(ctx: Ctx, ladder: list, setting: dict | None, start: int, cap: int, limit: int):
+    """The sizes tried by the estimate for one setting, from ``start`` up, and its choice."""
+    plan: dict[str, Any] = {"tried": [], "choice": None}
+    for i in range(start, len(ladder)):
+        label, n_layer, n_embd = ladder[i]
+        dims = _ladder_dims(ctx, n_layer, n_embd)
+        techniques = [{"class_path": "ZeROOffload", "init_args": setting}] if setting else []
+        est = estimate("tinygpt", dims, 1, "32-true", techniques)
+        n = unique_params(build_model("tinygpt", dims, "meta"))
+        host = _host_need(n, est.host_bytes, setting)
+        fits = est.peak_bytes <= cap
+        plan["tried"].append(
+            {
+                "model": label,
+                "parameters": n,
+                "device_bytes": est.peak_bytes,
+                "host_bytes": est.host_bytes,
+                "host_need_bytes": host,
+                "fits_cap": fits,
+                "fits_host": host <= limit,
+            }
+        )
+        if not fits:
+            break
+        if host > limit:
+            plan["host_bound"] = label
+            break
+        plan["choice"] = i
+    return plan
+
+
+def _ladder(ctx: Ctx, rec: Recorder, pool: RunPool, ladder: list, cap: int, limit: int) -> None:
+    p = ctx.profile
+
+    def spec(i: int, zero: dict[str, Any] | None) -> dict[str, Any]:
+        _, n_layer, n_embd = ladder[i]
+        return {
+            "model": "tinygpt",
+            "dims": _ladder_dims(ctx, n_layer, n_embd),
+            "batch": 1,
+            "steps": p["real_steps"],
+            "precision": "32-true",
+            "strategy": {"class_path": "ZeROOffload", "init_args": zero} if zero else None,
+            "device": ctx.device,
+            "cap_bytes": cap if ctx.cuda else None,
+            "measure_memory": ctx.cuda or zero is None,
+        }
+
+    def entry(i: int, res: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": ladder[i][0],
+            "parameters": res.get("parameters"),
+            "status": _status(res),
+            "measured_bytes": res.get("peak_bytes"),
+            "reserved_bytes": res.get("reserved_bytes"),
+            "wall_s": res.get("wall_s"),
+        }
+
     plans: list[dict[str, Any]] = []
+    first: Run | None = None
     start = 0
     for name, setting in SETTINGS:
-        plan: dict[str, Any] = {"setting": name, "zero": setting, "tried": [], "choice": None}
-        plans.append(plan)
         if setting is not None:
             try:
                 build_technique({"class_path": "ZeROOffload", "init_args": setting})
             except ImportError as err:
-                plan["skip"] = f"skipped: {missing_package(err) or _first_line(err)} not installed"
+                what = missing_package(err) or _first_line(err)
+                plans.append({"setting": name, "zero": setting, "skip": f"skipped: {what} missing"})
                 continue
-        for i in range(start, len(ladder)):
-            label, n_layer, n_embd = ladder[i]
-            dims = _ladder_dims(ctx, n_layer, n_embd)
-            techniques = [{"class_path": "ZeROOffload", "init_args": setting}] if setting else []
-            est = estimate("tinygpt", dims, 1, "32-true", techniques)
-            n = unique_params(build_model("tinygpt", dims, "meta"))
-            host = _host_need(n, est.host_bytes, setting)
-            fits = est.peak_bytes <= cap
-            plan["tried"].append(
-                {
-                    "model": label,
-                    "parameters": n,
-                    "device_bytes": est.peak_bytes,
-                    "host_bytes": est.host_bytes,
-                    "host_need_bytes": host,
-                    "fits_cap": fits,
-                    "fits_host": host <= host_limit,
-                }
-            )
-            if not fits:
-                break
-            if host > host_limit:
-                plan["host_bound"] = label
-                break
-            plan["choice"] = i
+        plan = _plan_setting(ctx, ladder, setting, start, cap, limit)
+        plan.update(setting=name, zero=setting)
+        plans.append(plan)
         if plan["choice"] is not None:
             start = plan["choice"]
+            if setting is None:  # the plain run trains while the ZeRO settings are estimated
+                first = pool.submit(spec(plan["choice"], None), ctx.left() - 2, isolate=True)
 
-    # real runs at each setting's choice; one size down after an out-of-memory
+    zero_wall: float | None = None
     for plan in plans:
-        row = {"setting": plan["setting"], "estimate_tried": plan["tried"]}
+        row = {"setting": plan["setting"], "estimate_tried": plan.get("tried", [])}
         if plan.get("skip"):
             rec.row(**row, status=plan["skip"])
             continue
@@ -841,37 +1178,25 @@ def part_ladder(ctx: Ctx, rec: Recorder) -> None:
             rec.row(**row, status="skipped: no size fits the cap by the estimate")
             continue
         if plan["zero"] is not None:
-            state = _wait_prebuild(ctx, min(120.0, max(0.0, ctx.left() - 30)))
+            state = wait_prebuild(ctx)
             if state != "ok":
                 rec.row(**row, status=f"skipped: DeepSpeed's cpu_adam extension {state}")
                 continue
         i, real = plan["choice"], []
         while i >= 0:
-            label, n_layer, n_embd = ladder[i]
-            spec = {
-                "model": "tinygpt",
-                "dims": _ladder_dims(ctx, n_layer, n_embd),
-                "batch": 1,
-                "steps": p["real_steps"],
-                "precision": "32-true",
-                "strategy": {"class_path": "ZeROOffload", "init_args": plan["zero"]}
-                if plan["zero"]
-                else None,
-                "device": ctx.device,
-                "cap_bytes": cap if ctx.cuda else None,
-                "measure_memory": ctx.cuda or plan["zero"] is None,
-            }
-            res = run_real(spec, ctx, isolate=isolate, timeout=ctx.left() - 2)
-            real.append(
-                {
-                    "model": label,
-                    "parameters": res.get("parameters"),
-                    "status": _status(res),
-                    "measured_bytes": res.get("peak_bytes"),
-                    "reserved_bytes": res.get("reserved_bytes"),
-                    "wall_s": res.get("wall_s"),
-                }
-            )
+            if plan["zero"] is None and first is not None and i == plan["choice"]:
+                res = pool.wait([first])[0]
+            else:
+                need = 1.2 * zero_wall if plan["zero"] and zero_wall else None
+                if need and ctx.left() < need:
+                    basis = f"the last ZeRO run took {zero_wall:.0f} s"
+                    real.append({"model": ladder[i][0], **time_skip(ctx.left(), need, basis)})
+                    break
+                run = pool.submit(spec(i, plan["zero"]), ctx.left() - 2, isolate=ctx.cuda)
+                res = pool.wait([run])[0]
+                if plan["zero"] and isinstance(res.get("wall_s"), (int, float)):
+                    zero_wall = res["wall_s"]
+            real.append(entry(i, res))
             if res.get("ok") or not res.get("oom") or ctx.left() < 30:
                 break
             i -= 1
@@ -884,7 +1209,9 @@ def part_ladder(ctx: Ctx, rec: Recorder) -> None:
             largest_trained=trained[-1]["model"] if trained else None,
             largest_trained_parameters=trained[-1]["parameters"] if trained else None,
             status="ok" if trained else real[-1]["status"],
+            **({"needs_s": real[-1]["needs_s"]} if "needs_s" in real[-1] else {}),
         )
+    rec.figure(build_wait_s=round(ctx.extra_s, 1))
     parts = []
     for r in rec.data["rows"]:
         short = r["setting"].split(",")[0]
@@ -938,7 +1265,13 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
         unique_params(model), pos_params(model), dims["n_layer"], dims["n_embd"], seq
     )
     rec.figure(flops_per_token=fpt, peak_bf16_flops=peak)
+    last_wall = None
     for name, precision, techniques in variants:
+        need = 1.5 * last_wall if last_wall else 20.0
+        if ctx.left() < need:
+            basis = f"the last variant took {last_wall:.0f} s" if last_wall else "a first guess"
+            rec.row(variant=name, precision=precision, **time_skip(ctx.left(), need, basis))
+            continue
         spec = {
             "model": "tinygpt",
             "dims": dims,
@@ -951,6 +1284,7 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
             "timing": {"warmup": p["speed_warmup"], "window_s": p["speed_window_s"]},
         }
         res = run_real(spec, ctx, isolate=ctx.cuda, timeout=ctx.left() - 2)
+        last_wall = res.get("wall_s")
         row = {
             "variant": name,
             "precision": res.get("precision", precision),
@@ -1045,7 +1379,8 @@ def part_compile(ctx: Ctx, rec: Recorder) -> None:
     for variant in ("regional", "whole", "eager"):
         need = per_variant * 1.5 if per_variant and variant != "eager" else 10.0
         if ctx.left() < need:
-            rec.row(variant=variant, status=f"skipped: {ctx.left():.0f} s left in the part's cap")
+            basis = f"the last variant took {per_variant:.0f} s" if per_variant else "a guess"
+            rec.row(variant=variant, **time_skip(ctx.left(), need, basis))
             continue
         t0 = time.perf_counter()
         rec.row(**_compile_variant(variant, ctx, dims, data, backend, bf16))
@@ -1100,16 +1435,19 @@ def child_main(key: str, ctx_file: str) -> int:
 
 
 def run_spec_main(spec_file: str, result_file: str) -> int:
-    """``gpu_suite.py --run-spec``: one real run in this fresh process."""
-    spec = json.loads(Path(spec_file).read_text())
-    try:
-        res = real_fit(spec)
-    except Exception as err:
-        traceback.print_exc()
-        res = {
-            "ok": False,
-            "error": f"{type(err).__name__}: {_first_line(err)}",
-            "oom": is_oom(err),
-        }
+    """``gpu_suite.py --run-spec``: one real run in this fresh process. Started ahead of its
+    turn (``RunPool``), it waits for its spec file with the imports done."""
+    parent, path = os.getppid(), Path(spec_file)
+    if not path.exists():
+        with contextlib.suppress(ImportError):
+            import transformers  # noqa: F401  (the HF model's import, while waiting)
+    while not path.exists():
+        if os.getppid() != parent:  # the part is gone
+            return 3
+        time.sleep(0.05)
+    spec = json.loads(path.read_text())
+    t0 = time.perf_counter()
+    res = _run_here(spec)
+    res.setdefault("wall_s", time.perf_counter() - t0)
     Path(result_file).write_text(json.dumps(res, default=str))
     return 0

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Wheels for the Python packages the GPU machine's image lacks, for its Python 3.12 on x86-64:
 # DeepSpeed (a pure-Python wheel built here from its sdist, ops compiled there at first use) and
-# its missing dependencies, bitsandbytes (CUDA 13 kernels included) and jsonargparse (the CLI
-# tests). Versions are the ones installed here, so the GPU run uses what the tests passed with.
+# its missing dependencies, bitsandbytes (CUDA 13 kernels included), jsonargparse (the CLI
+# tests) and torchao (FP8 training: its wheel is abi3 and takes torch >= 2.11, the image's).
+# Versions are the ones installed here, so the GPU run uses what the tests passed with.
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]      # default DIR: .whl (keep it out of git)
 #
@@ -32,6 +33,7 @@ binary=(
   "jsonargparse==$(version jsonargparse)"
   "docstring-parser==$(version docstring-parser)"
   "typeshed-client==$(version typeshed-client)"
+  "torchao==$(version torchao)"
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${platforms[@]}" -d "$dir" "${binary[@]}"

@@ -1434,16 +1434,30 @@ def child_main(key: str, ctx_file: str) -> int:
     return 0
 
 
+def _end_with(parent: int) -> None:
+    """End this run (its process group: loader workers, DeepSpeed's helpers) when the part that
+    started it is gone: the suite kills a part at its cap, and a run in a session of its own
+    would otherwise go on using the device under the next parts (the timed ones included)."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="end-with-part", daemon=True).start()
+
+
 def run_spec_main(spec_file: str, result_file: str) -> int:
     """``gpu_suite.py --run-spec``: one real run in this fresh process. Started ahead of its
     turn (``RunPool``), it waits for its spec file with the imports done."""
     parent, path = os.getppid(), Path(spec_file)
+    _end_with(parent)
     if not path.exists():
         with contextlib.suppress(ImportError):
             import transformers  # noqa: F401  (the HF model's import, while waiting)
     while not path.exists():
-        if os.getppid() != parent:  # the part is gone
-            return 3
         time.sleep(0.05)
     spec = json.loads(path.read_text())
     t0 = time.perf_counter()

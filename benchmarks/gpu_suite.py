@@ -974,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def grace() -> float:
             end = build.ended_at() or time.time()
-            return min(BUILD_WAIT_S * scale, max(0.0, end - since))
+            return min(BUILD_WAIT_S * max(1.0, scale), max(0.0, end - since))
 
         return grace
 

@@ -64,7 +64,7 @@ def test_cuda_target_reproduces_the_h200_peak_within_5_percent(case) -> None:
     assert est.peak_bytes == pytest.approx(measured, rel=0.05), (
         f"estimate {est.peak_bytes / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB"
     )
-    assert est.target == "CUDA sm90 (H200), torch 2.11 kernels"
+    assert est.target == "CUDA sm90 (H200), torch 2.11 kernels, cuDNN 9.19"
 
 
 GiB = 2**30

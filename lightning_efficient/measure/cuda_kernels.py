@@ -43,8 +43,10 @@ from lightning_efficient.measure.targets import DeviceTarget, workspace_allocati
 
 __all__ = [
     "AUTOCAST_CUDA",
+    "PRIORITY",
     "AttentionCall",
     "attention_backend",
+    "priority",
     "cuda_kernels",
     "workspace_hook",
 ]
@@ -314,17 +316,30 @@ def _efficient_problem(call: AttentionCall, target: DeviceTarget) -> str | None:
     return None
 
 
+#: The order torch tries the backends in where it does not prefer cuDNN (:func:`priority`).
+PRIORITY = ("flash", "efficient", "math", "cudnn")
+
+
 def _cudnn_problem(call: AttentionCall, target: DeviceTarget) -> str | None:
-    cap = target.capability
+    cap, cudnn = target.capability, target.cudnn_version
     if not torch.backends.cuda.cudnn_sdp_enabled():
         return "disabled (torch.backends.cuda.enable_cudnn_sdp)"
+    if cudnn < 90000:
+        return f"cuDNN {cudnn} is older than 9.0"
+    if call.dropout > 0 and 91100 < cudnn < 91400:
+        return "cuDNN 9.11-9.13 has no dropout in attention"
     if len(call.query) != 4:
         return "inputs are not 4-D"
+    if torch.are_deterministic_algorithms_enabled() and not (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
+        return "deterministic algorithms are asked for"
     if call.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {call.dtype} (fp16/bf16 only)"
     if not (8, 0) <= cap <= (12, 1):
         return f"sm{cap[0]}{cap[1]} is outside sm80-sm121"
-    if call.dropout * 16 != math.floor(call.dropout * 16):
+    # the 1/16 resolution of cuDNN's dropout: in later sources; torch 2.11 took dropout 0.1
+    if target.torch_version > (2, 13) and call.dropout * 16 != math.floor(call.dropout * 16):
         return "dropout not a multiple of 1/16"
     heads = _heads_ok(call, supports_gqa=True)
     if heads:
@@ -337,21 +352,31 @@ def _cudnn_problem(call: AttentionCall, target: DeviceTarget) -> str | None:
     return None
 
 
-#: The order torch tries the backends in, by default (``at::globalContext().sDPPriorityOrder``):
-#: cuDNN after math, so only chosen when the others are disabled.
-PRIORITY = ("flash", "efficient", "math", "cudnn")
+def priority(target: DeviceTarget) -> tuple[str, ...]:
+    """The order torch tries the backends in (``sDPPriorityOrder``): flash, memory-efficient,
+    math, cuDNN (after math: only when the others are switched off); on sm90/sm100 with cuDNN
+    newer than 9.15 (torch 2.11 on, measured on an H200 with cuDNN 9.19) cuDNN first."""
+    if (
+        target.capability[0] in (9, 10)
+        and target.cudnn_version > 91500
+        and target.torch_version >= (2, 11)
+    ):
+        return ("cudnn", "flash", "efficient", "math")
+    return PRIORITY
+
+
 _PROBLEMS = {"flash": _flash_problem, "efficient": _efficient_problem, "cudnn": _cudnn_problem}
 
 
 def attention_backend(
-    call: AttentionCall, target: DeviceTarget, order: tuple[str, ...] = PRIORITY
+    call: AttentionCall, target: DeviceTarget, order: tuple[str, ...] | None = None
 ) -> tuple[str, dict[str, str]]:
     """The backend torch selects on CUDA for ``call`` (``"flash"``, ``"efficient"``, ``"math"``
     or ``"cudnn"``), and why each backend tried before it was not taken. Follows
     ``select_sdp_backend`` of torch's ``sdp_utils.cpp`` (dense inputs; the runtime switches of
-    ``torch.backends.cuda`` are read)."""
+    ``torch.backends.cuda`` are read); ``order``: :func:`priority` of the target."""
     skipped: dict[str, str] = {}
-    for backend in order:
+    for backend in order or priority(target):
         if backend == "math":
             if torch.backends.cuda.math_sdp_enabled():
                 return "math", skipped
@@ -452,13 +477,19 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return input * torch.zeros_like(input)
 
 
+def _aten_ops_with_kernel(key: str) -> set[str]:
+    """ATen's operators (``"pow.Tensor_Scalar"``) with a kernel for ``key``; other libraries'
+    (torchvision registers autocast kernels for its own ops) are theirs to keep."""
+    return {n.removeprefix("aten::") for n in ops_with_kernel(key) if n.startswith("aten::")}
+
+
 @contextlib.contextmanager
 def cuda_kernels(target: DeviceTarget) -> Iterator[list[str]]:
     """While inside, operators on CPU tensors run as on ``target``'s CUDA device (attention,
     dropout, autocast; see the module's docstring). Yields the list of attention backends
     chosen, one per call, in order. Process-wide while active: enter it around one estimate."""
     chosen: list[str] = []
-    cpu_autocast = {n.removeprefix("aten::") for n in ops_with_kernel("AutocastCPU")}
+    cpu_autocast = _aten_ops_with_kernel("AutocastCPU")
     with kernel_overrides() as lib:
         for name, policy in AUTOCAST_CUDA.items():
             lib.impl(name, _autocast_kernel(name, policy), "AutocastCPU")

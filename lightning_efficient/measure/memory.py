@@ -181,13 +181,17 @@ class MemoryBreakdown(Technique):
             "optimizer_state": states,
             "activations": activations,
             "temporaries": temporaries,
+            "workspaces": 0,  # cuBLAS's: not told apart from temporaries by the allocator
         }
         return MemoryEstimate(
             peak_bytes=sum(cats.values()),
             by_category=cats,
             peak_phase="backward" if grads else "forward",
             phase_peaks={"step": peak},
-            notes=["CUDA allocator statistics; categories attributed from tensor sizes"],
+            notes=[
+                "CUDA allocator statistics; categories attributed from tensor sizes; library "
+                "workspaces (cuBLAS) are counted among the temporaries"
+            ],
         )
 
     # -- end of fit ------------------------------------------------------------------------

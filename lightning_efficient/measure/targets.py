@@ -47,6 +47,9 @@ GPU_CAPABILITIES: dict[str, tuple[int, int]] = {
 }
 #: A CUDA target whose GPU is not named and not present: the H100/H200 class.
 DEFAULT_CAPABILITY = (9, 0)
+#: cuDNN of a CUDA target whose GPU is not present: 9.19, what torch 2.11's CUDA 13 image held
+#: on the H200 measured (torch prefers cuDNN's attention on sm90/sm100 from cuDNN 9.15.1).
+DEFAULT_CUDNN = 91900
 
 
 def _installed_torch() -> tuple[int, int]:
@@ -67,12 +70,15 @@ class DeviceTarget:
         torch_version: ``(major, minor)`` of the torch whose selection rules apply (default:
             the installed one).
         name: How the target was named (for the label).
+        cudnn_version: cuDNN's version as torch reports it (``91900`` for 9.19), which decides
+            whether torch prefers cuDNN's attention (default: this GPU's, else 9.19).
     """
 
     kind: str = "cpu"
     capability: tuple[int, int] = DEFAULT_CAPABILITY
     torch_version: tuple[int, int] = (0, 0)
     name: str = ""
+    cudnn_version: int = DEFAULT_CUDNN
 
     def __post_init__(self) -> None:
         if self.torch_version == (0, 0):
@@ -90,7 +96,8 @@ class DeviceTarget:
         major, minor = self.capability
         named = f" ({self.name})" if self.name else ""
         t = ".".join(map(str, self.torch_version))
-        return f"CUDA sm{major}{minor}{named}, torch {t} kernels"
+        cudnn = f"{self.cudnn_version // 10000}.{self.cudnn_version // 100 % 100}"
+        return f"CUDA sm{major}{minor}{named}, torch {t} kernels, cuDNN {cudnn}"
 
 
 def workspace_allocations(target: DeviceTarget) -> tuple[int, ...]:
@@ -151,6 +158,7 @@ def resolve_target(device: Any = None) -> DeviceTarget:
                 "cuda",
                 tuple(torch.cuda.get_device_capability(index)),
                 name=torch.cuda.get_device_name(index),
+                cudnn_version=int(torch.backends.cudnn.version() or 0),
             )
         return DeviceTarget("cuda", DEFAULT_CAPABILITY, name="H100/H200 class")
     if detail in GPU_CAPABILITIES:

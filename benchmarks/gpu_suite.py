@@ -877,6 +877,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="host memory the ZeRO runs may plan with (default: MemTotal)",
     )
+    p.add_argument(
+        "--commit",
+        default=None,
+        help="the commit the results are of (default: git rev-parse; a copy of the checkout "
+        "sent to a GPU machine may carry other git metadata)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ctx", help=argparse.SUPPRESS)
     p.add_argument("--run-spec", help=argparse.SUPPRESS)
@@ -940,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
         "dry_run": args.dry_run,
         "command": command,
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": args.commit or _git_commit(),
         "device": device,
         "environment": environment(),
         "budget_s": args.budget_s,

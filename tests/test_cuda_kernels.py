@@ -92,6 +92,19 @@ GRID = [
     ),  # fmt: skip
     ("heads differ without enable_gqa", _call(k=(8, 4, 1024, 64)), H200, "math"),
     ("head dim 512: too large for flash and cuDNN", _call(q=(2, 4, 128, 512)), H200, "efficient"),
+    # measured: torch 2.11 with cuDNN 9.19 on an H200 took head dim 200 (training, dropout)
+    (
+        "head dim 200, H200, torch 2.11: cuDNN to 256",
+        _call(q=(2, 4, 128, 200), dropout=0.1),
+        H200_2_11,
+        "cudnn",
+    ),  # fmt: skip
+    (
+        "head dim 200, H200, later sources: flash",
+        _call(q=(2, 4, 128, 200), dropout=0.125),
+        H200_LATER,
+        "flash",
+    ),  # fmt: skip
     ("head dim 20: flash pads it", _call(q=(2, 4, 128, 20)), H200, "flash"),
     ("fp32 head dim 6: not aligned", _call(q=(2, 4, 128, 6), dtype=FP32), H200, "math"),
     (

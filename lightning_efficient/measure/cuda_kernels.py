@@ -345,11 +345,27 @@ def _cudnn_problem(call: AttentionCall, target: DeviceTarget) -> str | None:
     if heads:
         return heads
     dq, dv = call.query[-1], call.value[-1]
-    if dq > 128 or dv > 128 or dq % 8 or dv % 8:
-        return "head dims above 128 or not multiples of 8"
+    limit = _cudnn_head_dim_limit(target, dq, dv)
+    if dq > limit or dv > limit or dq % 8 or dv % 8:
+        return f"head dims above {limit} or not multiples of 8"
     if call.key[-2] == 1:
         return "key length 1"
     return None
+
+
+def _cudnn_head_dim_limit(target: DeviceTarget, dq: int, dv: int) -> int:
+    """cuDNN's largest head dim: 256 on sm90/sm100 from cuDNN 9.5.1 up to torch 2.13 (an H200
+    with torch 2.11 and cuDNN 9.19 took 200 in training); later sources ask cuDNN > 9.22 for
+    256 and allow 192 x 128 from 9.11, else 128."""
+    cap, cudnn = target.capability, target.cudnn_version
+    hopper_or_blackwell = cap == (9, 0) or cap[0] == 10
+    if target.torch_version <= (2, 13):
+        return 256 if hopper_or_blackwell and cudnn >= 90501 else 128
+    if hopper_or_blackwell and cudnn > 92200:
+        return 256
+    if hopper_or_blackwell and cudnn >= 91100 and (dq, dv) == (192, 128):
+        return 192
+    return 128
 
 
 def priority(target: DeviceTarget) -> tuple[str, ...]:

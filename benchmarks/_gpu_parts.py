@@ -713,6 +713,8 @@ def part_estimate(ctx: Ctx, rec: Recorder) -> None:
             row.update(
                 estimate_bytes=exact.peak_bytes,
                 estimate_rounded_bytes=rounded.peak_bytes,
+                estimate_reserved_bytes=rounded.reserved_bytes or None,
+                estimate_target=getattr(rounded, "target", None),
                 estimate_phase=rounded.peak_phase,
                 measured_bytes=measured,
                 reserved_bytes=res.get("reserved_bytes"),
@@ -887,7 +889,8 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
     slots = probe_slots(ctx)
     rec.note(
         f"HF GPT-2 {describe(dims, kind)}, sequence {dims['seq']}, AdamW, cap {format_bytes(cap)}. "
-        "The estimate's pick: the largest micro-batch whose estimate (CUDA rounding) fits the cap. "
+        "The estimate's pick: the largest micro-batch whose estimate fits the cap (MemoryEstimate."
+        "fits: on a CUDA target the caching allocator's reserve replayed under the cap). "
         f"The real largest: found by {p['real_steps']} real steps at each size tried, "
         + (
             "each in its own process under torch.cuda.set_per_process_memory_fraction(cap / "
@@ -906,9 +909,11 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
     def largest(precision: str, techniques: list[dict[str, Any]]) -> tuple[int, int, dict]:
         def fn(n: int) -> float:
             try:
-                return estimate(kind, dims, n, precision, techniques).peak_bytes
+                est = estimate(kind, dims, n, precision, techniques)
             except ValueError:  # e.g. a checkpointing budget that no block count reaches
                 return math.inf
+            # on a CUDA target: the allocator's reserve replayed under the cap, as the planner
+            return est.peak_bytes if est.fits(cap) else math.inf
 
         n, seen = largest_fitting_batch(fn, cap, top)
         finite = {k: v for k, v in seen.items() if math.isfinite(v)}
@@ -951,6 +956,7 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
             meta_batch(target, dims["seq"]),
             cap,
             ladder=_usable_ladder(ctx, rec),
+            device=ctx.device,  # the dry run plans for its CPU, as its estimates do
         )
         rung = result.chosen
         rec.figure(

@@ -569,6 +569,7 @@ def _render_estimate(p: dict) -> str:
             _num(r.get("ratio")),
             _num(r.get("ratio_rounded")),
             {True: "yes", False: "no"}.get(r.get("within_10pct"), "-"),
+            _pair(r.get("estimate_reserved_bytes"), r.get("reserved_bytes")),
             r["status"],
         )
         for r in p["rows"]
@@ -583,9 +584,14 @@ def _render_estimate(p: dict) -> str:
         "Ratio",
         "Ratio (rounded)",
         "Within 10%",
+        "Reserved: estimate / measured",
         "Status",
     ]
-    return table(cols, rows, "llrrrrrrll")
+    return table(cols, rows, "llrrrrrrlrl")
+
+
+def _pair(a: Any, b: Any) -> str:
+    return "-" if a is None and b is None else f"{fmt_bytes(a)} / {fmt_bytes(b)}"
 
 
 def _both(allocated: Any, reserved: Any) -> str:

@@ -170,6 +170,8 @@ def test_markdown_renders_every_part_shape(suite) -> None:
                 "ratio": 1.03,
                 "ratio_rounded": 1.07,
                 "within_10pct": True,
+                "estimate_reserved_bytes": 32 * 2**30,
+                "reserved_bytes": 30 * 2**30,
             },
             {
                 "model": "TinyGPT",
@@ -262,8 +264,8 @@ def test_markdown_renders_every_part_shape(suite) -> None:
     assert "DeepSpeed's CPU extensions: ok in 97 s" in text and "part 4 waited 12 s" in text
     assert text.startswith("# GPU suite: NVIDIA H200")
     assert (
-        "| HF GPT-2 | fp32 | 8 x 1024 | 30.00 GiB | 31.00 GiB | 29.00 GiB | 1.03 | 1.07 | yes | ok |"
-        in text
+        "| HF GPT-2 | fp32 | 8 x 1024 | 30.00 GiB | 31.00 GiB | 29.00 GiB | 1.03 | 1.07 | yes "
+        "| 32.00 GiB / 30.00 GiB | ok |" in text
     )
     assert "2.65B" in text and "31.0%" in text and "Planner at batch 32" in text
     assert "| plain | 32-true | 6 (23.00 GiB) | ok, 10.96 GiB / 11.00 GiB | **13** |" in text

@@ -73,6 +73,7 @@ from lightning_efficient.techniques.early_stopping import (
     parse_duration,
     restore_training_state,
     scale_lr,
+    scale_lr_for_step,
     set_lr,
     threshold_reached,
 )
@@ -180,6 +181,7 @@ __all__ = [
     "parse_duration",
     "restore_training_state",
     "scale_lr",
+    "scale_lr_for_step",
     "set_lr",
     "threshold_reached",
 ]

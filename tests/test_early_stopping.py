@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fit, params_of, tiny_data, tiny_model
+from helpers import TINY_MODEL, fit, params_of, tiny_data, tiny_model
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -36,6 +36,7 @@ from lightning_efficient.functional import (
     parse_duration,
     restore_training_state,
     scale_lr,
+    scale_lr_for_step,
     set_lr,
 )
 from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
@@ -246,6 +247,26 @@ def test_host_copy_and_restore_training_state() -> None:
     _tiny_step(model, opt)
     opt.step()  # the restored state is not an alias of the snapshot
     assert float(states[0]["state"][0]["step"]) == 1.0
+
+
+def test_scale_lr_for_step_lowers_one_step_and_never_the_schedule() -> None:
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    seen: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(o.param_groups[0]["lr"]))
+    undo = scale_lr_for_step([opt], 0.1)
+    _tiny_step(model, opt)
+    opt.step()  # runs at 0.1; back to 1.0 right after, before the scheduler reads it
+    sched.step()
+    assert seen == [pytest.approx(0.1)] and opt.param_groups[0]["lr"] == 0.5
+    undo()  # the step ran: nothing left to undo
+    assert opt.param_groups[0]["lr"] == 0.5
+    undo = scale_lr_for_step([opt], 0.1)  # a step that does not run (e.g. a skipped fp16 step)
+    undo()
+    assert opt.param_groups[0]["lr"] == 0.5
+    opt.step()
+    assert seen[-1] == 0.5  # the hook is gone
 
 
 # -- bad input --------------------------------------------------------------------------------------
@@ -479,6 +500,65 @@ def test_lr_blow_up_recovers_with_rollback(tmp_path) -> None:
     assert end(guarded) == pytest.approx(end(clean), rel=0.05)
     assert guard.trips and all(t["action"].startswith("rollback") for t in guard.trips)
     assert all(24 <= t["step"] <= 28 for t in guard.trips)
+
+
+class Scheduled(type(tiny_model())):
+    """TinyGPT with plain SGD and the LR scheduler ``make(optimizer)`` stepped every step."""
+
+    make = None
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.make(opt), "interval": "step"}}
+
+
+class LRs(Callback):
+    """The learning rate each optimizer step used (read after the guard's hook) and the one
+    the scheduler left after the step."""
+
+    def __init__(self) -> None:
+        self.used: list[float] = []
+        self.after: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.used.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=6, gamma=0.1),
+    "ExponentialLR": lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.05, total_steps=20),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_rollback_cooldown_composes_with_the_lr_scheduler(tmp_path, name) -> None:
+    """Issue 33 item 1: the cooldown scales the learning rate of its steps only; the schedule
+    goes on as if the guard were not there (Lightning steps the scheduler before
+    on_train_batch_end)."""
+
+    def run(callbacks):
+        model = Scheduled(**{**TINY_MODEL, "warmup_steps": 1})
+        model.make = SCHEDULERS[name]
+        lrs = LRs()
+        fit(tmp_path, [*callbacks, lrs], model=model, max_steps=14, limit_val_batches=0)
+        return lrs
+
+    plain = run([])
+    guard = DivergenceGuard(
+        "rollback", spike_factor=None, snapshot_every=1, lr_factor=0.5, cooldown_steps=3
+    )
+    guarded = run([guard, NaNAt([4])])
+    assert [t["step"] for t in guard.trips] == [4] and guard.cooldown_left == 0
+    # the cooldown's steps (5, 6, 7) ran at half the scheduled rate, every other step at it
+    want = [lr * (0.5 if step in (5, 6, 7) else 1.0) for step, lr in enumerate(plain.used)]
+    assert guarded.used == pytest.approx(want, rel=1e-12)
+    # and the schedule itself is untouched: after every step the scheduler's own value
+    assert guarded.after == plain.after
 
 
 def test_stop_keeps_the_last_good_checkpoint(tmp_path) -> None:

@@ -20,6 +20,7 @@ from lightning_efficient.techniques.early_stopping.functions import (
     parse_duration,
     restore_training_state,
     scale_lr,
+    scale_lr_for_step,
     set_lr,
     threshold_reached,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "parse_duration",
     "restore_training_state",
     "scale_lr",
+    "scale_lr_for_step",
     "set_lr",
     "threshold_reached",
 ]

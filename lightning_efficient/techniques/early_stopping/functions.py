@@ -15,14 +15,14 @@
   torch optimizers leave a parameter without a gradient untouched, states and step counts
   included), ``grad_norm``, ``host_copy`` (a copy on host memory that reuses its buffers),
   ``restore_training_state`` (weights and optimizer states back, learning rates kept),
-  ``scale_lr`` / ``set_lr``.
+  ``scale_lr`` / ``set_lr``, ``scale_lr_for_step`` (a lower rate for one optimizer step).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import Any
@@ -57,6 +57,7 @@ __all__ = [
     "host_copy",
     "restore_training_state",
     "scale_lr",
+    "scale_lr_for_step",
     "set_lr",
 ]
 
@@ -434,13 +435,14 @@ def restore_training_state(
 ) -> None:
     """Put the weights (a ``state_dict`` copy) back into ``module`` in place (parameters keep
     their identity, so optimizers still hold them) and the optimizer states into
-    ``optimizers``; each parameter group keeps its current learning rate, so a schedule goes
-    on from where it is."""
+    ``optimizers``; each parameter group keeps its current settings (learning rate, momentum,
+    betas: what an LR scheduler sets), so a schedule goes on from where it is."""
     module.load_state_dict(weights, strict=True)
     for opt, state in zip(optimizers, optimizer_states):
-        lrs = [g["lr"] for g in opt.param_groups]
+        kept = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         opt.load_state_dict(state)
-        set_lr([opt], lrs)
+        for group, settings in zip(opt.param_groups, kept):
+            group.update(settings)  # what a scheduler set (lr, momentum, betas) stays
 
 
 def scale_lr(optimizers: Iterable[torch.optim.Optimizer], factor: float) -> list[float]:
@@ -452,6 +454,43 @@ def scale_lr(optimizers: Iterable[torch.optim.Optimizer], factor: float) -> list
             previous.append(group["lr"])
             group["lr"] = group["lr"] * factor
     return previous
+
+
+def scale_lr_for_step(
+    optimizers: Iterable[torch.optim.Optimizer], factor: float
+) -> Callable[[], None]:
+    """Multiply every parameter group's learning rate by ``factor`` for the coming
+    ``optimizer.step()`` only: each optimizer puts its rates back right after its step (a step
+    post-hook), before an LR scheduler steps, so the scheduler never sees the factor and any
+    schedule goes on as without it. Returns ``undo()`` for a step that did not run (safe to call
+    twice; a rate something else set meanwhile is kept)."""
+    undos = [_LowerForStep(getattr(opt, "optimizer", opt), factor) for opt in optimizers]
+
+    def undo() -> None:
+        for one in undos:
+            one.undo()
+
+    return undo
+
+
+class _LowerForStep:
+    """One optimizer's rates lowered until its next step ends (or ``undo()``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        self.scaled = [(g, g["lr"], g["lr"] * factor) for g in optimizer.param_groups]
+        for group, _, lowered in self.scaled:
+            group["lr"] = lowered
+        hook = getattr(optimizer, "register_step_post_hook", None)
+        self.handle = hook(lambda *_: self.undo()) if hook is not None else None
+
+    def undo(self) -> None:
+        for group, before, lowered in self.scaled:
+            if group["lr"] == lowered:
+                group["lr"] = before
+        self.scaled = []
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 def set_lr(optimizers: Iterable[torch.optim.Optimizer], lrs: Sequence[float]) -> None:

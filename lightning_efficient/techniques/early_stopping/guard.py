@@ -16,8 +16,7 @@ from lightning_efficient.techniques.early_stopping.functions import (
     grad_norm,
     host_copy,
     restore_training_state,
-    scale_lr,
-    set_lr,
+    scale_lr_for_step,
 )
 
 __all__ = ["DivergenceGuard", "ACTIONS"]
@@ -57,7 +56,8 @@ class DivergenceGuard(Technique):
         watch_grad_norm: Also check the total gradient norm (non-finite, spikes).
         snapshot_every: ``rollback``: keep the weights and optimizer states every this many
             optimizer steps (after a resume: at the first good step, then every N).
-        lr_factor: ``rollback``: learning-rate multiplier after a rollback, in (0, 1].
+        lr_factor: ``rollback``: learning-rate multiplier after a rollback, in (0, 1]; applied
+            to each cooldown step only, so an LR scheduler's own schedule is unchanged.
         cooldown_steps: ``rollback``: steps the lowered learning rate lasts.
         max_trips: After this many trips training stops (a run that keeps diverging).
     """
@@ -102,11 +102,11 @@ class DivergenceGuard(Technique):
         self._window: torch.Tensor | None = None
         self._batches = 0
         self._decided: tuple[int, bool] = (-1, False)
-        self._saved_lrs: list[float] | None = None
+        self._undo_lr: Any = None  # puts the cooldown's factor back if the step did not run
 
     # -- hooks ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._snapshot, self._window, self._saved_lrs = None, None, None
+        self._snapshot, self._window, self._undo_lr = None, None, None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -146,26 +146,33 @@ class DivergenceGuard(Technique):
                 [o.state_dict() for o in trainer.optimizers], old[2] if old else None
             )
             self._snapshot = (step, weights, states)
-        if self.cooldown_left > 0:
+        if self.cooldown_left > 0 and self._steps(trainer):
             self.cooldown_left -= 1
-            self._saved_lrs = scale_lr(trainer.optimizers, self.lr_factor)
+            # for this step only: put back right after it, before the LR scheduler steps
+            self._undo_lr = scale_lr_for_step(trainer.optimizers, self.lr_factor)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._saved_lrs is not None:  # before the LR scheduler steps: it sees the real lr
-            set_lr(trainer.optimizers, self._saved_lrs)
-            self._saved_lrs = None
+        self.restore(trainer, pl_module)  # a step that did not run leaves no factor behind
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._report(trainer)
 
     def restore(self, trainer: Any, pl_module: Any) -> None:
-        if self._saved_lrs is not None and trainer is not None:
-            set_lr(trainer.optimizers, self._saved_lrs)
-            self._saved_lrs = None
+        undo, self._undo_lr = self._undo_lr, None
+        if undo is not None:
+            undo()
 
     # -- decisions --------------------------------------------------------------------------
+    @staticmethod
+    def _steps(trainer: Any) -> bool:
+        """Whether the coming optimizer step runs: a GradScaler skips it on non-finite
+        gradients (then the cooldown neither applies nor counts)."""
+        if getattr(trainer.precision_plugin, "scaler", None) is None:
+            return True
+        return math.isfinite(float(grad_norm(trainer.optimizers)))
+
     def _observe(self, trainer: Any, window: torch.Tensor) -> tuple[float, float | None]:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # the loss seen by backward was scaled

@@ -342,10 +342,86 @@ def test_restore_best_from_the_model_checkpoint_file(tmp_path) -> None:
     stopper = EarlyStopper("val_loss", patience=2)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=1)
     trainer, model, _ = _plateau_fit(tmp_path, [stopper, ckpt, snaps], enable_checkpointing=True)
-    assert stopper._best_weights is None  # no host copy: the checkpoint file holds them
+    assert stopper._best.weights is None  # no host copy: the checkpoint file holds them
     assert trainer.global_step < 60 and stopper.tracker.best_step < trainer.global_step
     assert _equal(snaps.at[stopper.tracker.best_step], params_of(model))
     assert Path(ckpt.best_model_path).name in report_for(trainer)["EarlyStopper"].change
+
+
+def test_restore_best_with_a_checkpoint_saved_every_n_steps(tmp_path) -> None:
+    """Issue 33 item 4: a ModelCheckpoint on the same metric that saves every 3 steps (not at
+    each validation) holds no file of the best check; the stopper keeps its own copy."""
+    snaps = ValSnapshots()
+    stopper = EarlyStopper("val_loss", patience=2)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=1, every_n_train_steps=3
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, model, _ = _plateau_fit(
+            tmp_path, [stopper, ckpt, snaps], enable_checkpointing=True
+        )
+    best = stopper.tracker.best_step
+    assert trainer.global_step < 60 and best < trainer.global_step
+    assert _equal(snaps.at[best], params_of(model))  # the best weights are back
+    assert not any("restore_best" in str(w.message) for w in caught)
+    assert "restored from" in report_for(trainer)["EarlyStopper"].change
+
+
+class RaiseAt(Callback):
+    """Notes the weights at the start of every optimizer step; raises at the start of ``step``."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step, self.seen = step, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen[trainer.global_step] = params_of(pl_module)
+        if trainer.global_step == self.step:
+            raise RuntimeError("a fault at step 5")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.seen["end"] = params_of(pl_module)
+
+
+def test_checkpoints_after_the_restore_hold_the_trained_weights(tmp_path) -> None:
+    """Issue 33 item 3: the best weights come back on an exception, but the checkpoint
+    OnExceptionCheckpoint writes then (and a last.ckpt at train end) holds the weights of its
+    own step and optimizer state, so a resume from it loses no update."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    stopper = EarlyStopper("train_loss", check_every_n_steps=1, patience=50)
+    fault = RaiseAt(5)
+    on_exception = OnExceptionCheckpoint(tmp_path / "ex")
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="a fault at step 5"):
+        fit(
+            tmp_path,
+            [fault, stopper, on_exception],
+            model=model,
+            max_steps=20,
+            limit_val_batches=0,
+            enable_checkpointing=True,
+        )
+    ckpt = torch.load(tmp_path / "ex" / "on_exception.ckpt", weights_only=False)
+    adam = next(iter(ckpt["optimizer_states"][0]["state"].values()))
+    assert ckpt["global_step"] == 5 and float(adam["step"]) == 5
+    assert _equal(ckpt["state_dict"], fault.seen[5])  # the weights after 5 updates
+    best = stopper.tracker.best_step
+    assert best == 4 and _equal(params_of(model), fault.seen[best])  # the best is back
+    assert not _equal(fault.seen[best], fault.seen[5])
+    # normal end: ModelCheckpoint's last.ckpt is written at train end, after the restore
+    fault, last = RaiseAt(None), ModelCheckpoint(dirpath=tmp_path / "last", save_last=True)
+    stopper = EarlyStopper("train_loss", check_every_n_steps=1, patience=50)
+    trainer, model, _ = fit(
+        tmp_path,
+        [fault, stopper, last],
+        max_steps=6,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+    )
+    ckpt = torch.load(last.last_model_path, weights_only=False)
+    assert ckpt["global_step"] == 6 and _equal(ckpt["state_dict"], fault.seen["end"])
+    assert _equal(params_of(model), fault.seen[stopper.tracker.best_step])  # best in the module
 
 
 def test_without_restore_best_the_last_weights_stay(tmp_path) -> None:
@@ -381,7 +457,7 @@ def test_resume_mid_run_equals_uninterrupted(tmp_path) -> None:
     a, b = _stopper(full), _stopper(resumed)
     assert save.state["tracker"]["checks"] == k // 2 and a.tracker.checks == k
     assert a.tracker.state() == b.tracker.state()
-    assert _equal(a._best_weights, b._best_weights)
+    assert _equal(a._best.weights, b._best.weights)
     assert _equal(params_of(full_model), params_of(resumed_model))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -11,13 +10,13 @@ import torch
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
+from lightning_efficient.techniques.early_stopping.best import BestWeights, not_kept_message
 from lightning_efficient.techniques.early_stopping.functions import (
     MODES,
     PlateauTracker,
     batch_counts,
     budget_reason,
     check_half_life,
-    host_copy,
     matching_checkpoint,
     missing_metric_message,
     parse_count,
@@ -55,8 +54,9 @@ class EarlyStopper(Technique):
         max_tokens: Token budget (summed over ranks), e.g. ``"2B"`` or ``500_000``.
         max_samples: Sample budget (summed over ranks), e.g. ``"1M"``.
         restore_best: At the end of fit (however it ended) load the best weights seen: from the
-            best file of a ``ModelCheckpoint`` that monitors the same metric the same way, else
-            from a copy kept on host memory (also saved in checkpoints, for exact resume).
+            best file of a ``ModelCheckpoint`` on the same metric when it saved them, else from a
+            copy kept on host memory (also saved in checkpoints, for exact resume). Checkpoints
+            written after that in the fit hold the trained weights (their step's).
         strict: A missing metric is an error listing the logged ones (``False``: a warning).
         check_finite: Stop when the monitored value is NaN or infinite.
     """
@@ -112,7 +112,7 @@ class EarlyStopper(Technique):
         self.elapsed_s = 0.0
         self.stopped_step: int | None = None
         self.stop_reason: str | None = None
-        self._best_weights: dict[str, torch.Tensor] | None = None
+        self._best = BestWeights()
         self._pending = [0, 0]  # local tokens and samples since the last budget check
         self._last_step = self._first_step = self._last_checked = -1
         self._train_start: float | None = None
@@ -125,8 +125,13 @@ class EarlyStopper(Technique):
     # -- hooks ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.stopped_step, self.stop_reason, self._restored_from = None, None, ""
+        self._best.last = None
         self._train_start = time.monotonic()
         self._first_step = self._last_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        # the weights of the last check are about to change: decide where the best ones live
+        self._best.settle(trainer.strategy, pl_module, self._checkpoint_callback(trainer))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         n, step = self.check_every_n_steps, trainer.global_step
@@ -158,6 +163,13 @@ class EarlyStopper(Technique):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._restore_best(trainer, pl_module)
         super().on_exception(trainer, pl_module, exception)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        self._best.into_checkpoint(checkpoint)  # after the best came back: the trained weights
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._best.last = None
+        super().teardown(trainer, pl_module, stage)
 
     # -- decisions and best weights ---------------------------------------------------------
     def _reduce(self, trainer: Any, values: list[float], op: str) -> list[float]:
@@ -198,8 +210,8 @@ class EarlyStopper(Technique):
             return
         step = trainer.global_step
         improved, reason = self.tracker.observe(value, step)
-        if improved and self.restore_best and self._checkpoint_callback(trainer) is None:
-            self._best_weights = host_copy(pl_module.state_dict(), into=self._best_weights)
+        if improved and self.restore_best:
+            self._best.improved(pl_module, self._checkpoint_callback(trainer))
         non_finite = self.check_finite and not math.isfinite(value)
         if reason is not None and (non_finite or step >= self.min_steps):
             self._stop(trainer, f"{self.monitor}: {reason}")
@@ -210,7 +222,7 @@ class EarlyStopper(Technique):
             self.stopped_step, self.stop_reason = trainer.global_step, reason
 
     def _checkpoint_callback(self, trainer: Any) -> Any:
-        """A ModelCheckpoint whose best file holds the weights of our best check, or None."""
+        """A ModelCheckpoint whose best file may hold the weights of our best check, or None."""
         if self.half_life is not None or self.min_delta or self.check_every_n_steps is not None:
             return None  # our best and its best can be different checks
         callbacks = getattr(trainer, "checkpoint_callbacks", [])
@@ -219,22 +231,11 @@ class EarlyStopper(Technique):
     def _restore_best(self, trainer: Any, pl_module: Any) -> None:
         if not self.restore_best or self.tracker.best is None or self._restored_from:
             return
-        if self._best_weights is not None:
-            pl_module.load_state_dict(self._best_weights, strict=True)
-            self._restored_from = "host copy"
-            return
-        cb = self._checkpoint_callback(trainer)
-        path = getattr(cb, "best_model_path", "") if cb is not None else ""
-        if path and os.path.exists(path):
-            checkpoint = trainer.strategy.load_checkpoint(path)
-            if checkpoint.get("global_step") == self.tracker.best_step:
-                pl_module.load_state_dict(checkpoint["state_dict"], strict=True)
-                self._restored_from = os.path.basename(path)
-                return
-        self.warn(
-            f"restore_best: the best weights (step {self.tracker.best_step}) were not kept on "
-            "host and no ModelCheckpoint file holds them; the module keeps its last weights."
-        )
+        cb, step = self._checkpoint_callback(trainer), self.tracker.best_step
+        self._best.settle(trainer.strategy, pl_module, cb)
+        self._restored_from = self._best.restore(trainer, pl_module, step, cb)
+        if not self._restored_from:
+            self.warn(not_kept_message(step))
 
     # -- report and state -------------------------------------------------------------------
     def _report(self, trainer: Any) -> None:
@@ -267,8 +268,7 @@ class EarlyStopper(Technique):
         if self.max_time_s is not None:  # wall time is state only when it decides something
             since = time.monotonic() - self._train_start if self._train_start else 0.0
             state["elapsed_s"] = self.elapsed_s + since
-        if self._best_weights is not None:
-            state["best_weights"] = self._best_weights
+        state.update(self._best.state())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -276,5 +276,4 @@ class EarlyStopper(Technique):
         self.tokens = int(state_dict.get("tokens", 0))
         self.samples = int(state_dict.get("samples", 0))
         self.elapsed_s = float(state_dict.get("elapsed_s", 0.0))
-        weights = state_dict.get("best_weights")
-        self._best_weights = host_copy(weights) if weights is not None else None
+        self._best.load(state_dict)

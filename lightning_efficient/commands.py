@@ -16,8 +16,10 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from lightning_efficient.core.validate import check_output_path
 from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, estimate_memory
 from lightning_efficient.measure.per_rank import SHARDINGS, world_size_of
 from lightning_efficient.measure.settings import estimate_settings
@@ -191,7 +193,13 @@ def _profile_parser() -> argparse.ArgumentParser:
         "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
     )
     p.add_argument("--steps", type=int, default=20, help="training steps to run (default: 20)")
-    p.add_argument("--json", default=None, help="also write the profile summary to this file")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write the profile summary to this file (checked before the run; never one of "
+        "the configs; an existing file only with --force)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     return p
 
 
@@ -200,6 +208,14 @@ def profile_command(argv: Sequence[str]) -> int:
     if args.steps < 2:
         return fail(
             f"--steps must be an integer >= 2 (one warm-up step, one measured); got {args.steps}."
+        )
+    try:  # before the run: a bad path found after it loses the profile
+        check_output_path("--json", args.json, inputs=args.config)
+    except (TypeError, ValueError) as err:
+        return fail(str(err))
+    if args.json and Path(args.json).exists() and not args.force:
+        return fail(
+            f"--json {args.json!r} exists; pass --force to replace it, or choose another file."
         )
     from lightning_efficient.cli import EfficientCLI
     from lightning_efficient.measure.profiler import StepProfiler
@@ -229,12 +245,17 @@ def profile_command(argv: Sequence[str]) -> int:
             f"--steps {args.steps} leaves no step to measure after the config's StepProfiler "
             f"skip_steps={profiler.skip_steps}; give more steps."
         )
+    else:
+        try:  # the config's own output files must not replace a config either
+            for name in ("trace", "png"):
+                check_output_path(name, getattr(profiler, name), inputs=args.config)
+        except (TypeError, ValueError) as err:
+            return fail(f"StepProfiler: {err}")
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if profiler.summary is None:
         return fail(f"no training step was measured in {args.steps} steps.")
     if args.json:
         import json
-        from pathlib import Path
 
         Path(args.json).write_text(json.dumps(profiler.summary, indent=2, default=str))
     return 0

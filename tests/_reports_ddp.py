@@ -1,6 +1,7 @@
 """The efficiency report gathered over 2 CPU processes (gloo): MemoryBreakdown, StepProfiler,
 EarlyStopper and DivergenceGuard in one fit, where rank 1 holds an extra 2 MiB tensor through
-the backward of the measured step (its tracked peak is higher). For each strategy named, one
+the backward of the measured step (its tracked peak is higher); the profiler writes a Chrome
+trace of one step (one file per rank: ``OUT/<strategy>-trace.rank<r>.json``). For each strategy named, one
 fit in the same 2 processes (a second fit reuses the process group); each rank writes
 ``OUT/<strategy>-rank<r>.json`` (its report after the gather, its own measured peak).
 
@@ -50,7 +51,7 @@ def main(strategy_name: str, out: Path) -> None:
     callbacks = [
         memory,
         HoldOnRankOne(),
-        StepProfiler(skip_steps=1),
+        StepProfiler(skip_steps=1, trace=str(out / f"{strategy_name}-trace.json"), trace_steps=1),
         EarlyStopper("probe", check_every_n_steps=1, patience=1, restore_best=False),
         DivergenceGuard("skip"),
     ]

@@ -346,6 +346,42 @@ def test_bad_arguments(kwargs, name) -> None:
         StepProfiler(**kwargs)
 
 
+def test_output_paths_are_checked_at_construction(tmp_path) -> None:
+    """Issue 33 items 6-7: a bad trace or png path is refused before the fit, not after it."""
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    empty.mkdir()
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    for name in ("trace", "png"):
+        for folder in (empty, full):  # a folder is never written over
+            with pytest.raises(ValueError, match=f"`{name}` .* is a folder"):
+                StepProfiler(**{name: str(folder)})
+        with pytest.raises(ValueError, match=f"`{name}` .*folder .* does not exist"):
+            StepProfiler(**{name: str(tmp_path / "missing" / "out.json")})
+    assert empty.is_dir() and (full / "keep.txt").read_text() == "mine"
+    StepProfiler(trace=str(tmp_path / "trace.json"), png=str(tmp_path / "p.png"))  # fine
+
+
+def test_trace_path_per_rank_and_never_a_false_written_note(tmp_path) -> None:
+    from lightning_efficient.measure.profile_steps import rank_trace_path
+
+    assert rank_trace_path("out/trace.json", 0, 1) == Path("out/trace.json")
+    assert rank_trace_path("out/trace.json", 1, 2) == Path("out/trace.rank1.json")
+    assert rank_trace_path("t.json.gz", 0, 2) == Path("t.rank0.json.gz")
+    assert rank_trace_path("trace", 1, 2) == Path("trace.rank1")
+    # the path became a folder after construction: said, not replaced, no "written" note
+    trace = tmp_path / "trace.json"
+    profiler = StepProfiler(skip_steps=1, trace=str(trace), trace_steps=1, print_table=False)
+    trace.mkdir()
+    (trace / "keep.txt").write_text("mine")
+    with pytest.warns(UserWarning, match="trace was not written to .*trace.json: it is a folder"):
+        fit(tmp_path, [profiler], max_steps=3, limit_val_batches=0)
+    assert (trace / "keep.txt").read_text() == "mine" and not any(
+        "written to" in said for said in profiler._said
+    )
+    assert not list(tmp_path.glob(".trace.json*"))  # no partial file left behind
+
+
 # -- the command ------------------------------------------------------------------------------
 TINY_ARGS = [
     "--trainer.accelerator=cpu",
@@ -380,6 +416,42 @@ def test_profile_command_bad_input(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["profile", "--config", "no/such/config.yaml"])
     assert info.value.code == 2
+
+
+def test_profile_json_is_checked_before_the_run_and_never_a_config(tmp_path, capsys) -> None:
+    """Issue 33 items 5 and 7: --json naming the config (or a bad path) is refused at once."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(PLAIN.read_text())
+    before = config.read_text()
+    args = ["profile", "--config", str(config), "--steps", "3", *TINY_ARGS]
+    assert main([*args, "--json", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "`--json`" in err and "input of this run" in err and "Traceback" not in err
+    assert config.read_text() == before  # the config is intact
+    assert main([*args, "--json", str(config), "--force"]) == 2  # not even with --force
+    assert main([*args, "--json", str(tmp_path / "no" / "p.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main([*args, "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    other = tmp_path / "notes.json"
+    other.write_text("mine")
+    assert main([*args, "--json", str(other)]) == 2
+    assert "--force" in capsys.readouterr().err and other.read_text() == "mine"
+    # the config's own StepProfiler may not write over a config either
+    traced = tmp_path / "traced.yaml"
+    traced.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "callbacks": [
+                        {"class_path": "StepProfiler", "init_args": {"trace": str(config)}}
+                    ]
+                }
+            }
+        )
+    )
+    assert main([*args, "--config", str(traced)]) == 2
+    assert "StepProfiler: `trace`" in capsys.readouterr().err and config.read_text() == before
 
 
 @pytest.mark.gpu

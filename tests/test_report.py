@@ -191,6 +191,12 @@ def test_two_ranks_print_one_report_with_the_worst_rank(tmp_path) -> None:
     for strategy in ("ddp", "fsdp"):
         r0, r1 = (json.loads((tmp_path / f"{strategy}-rank{r}.json").read_text()) for r in (0, 1))
         _check_gathered(r0, r1)
+        # issue 33 item 6: each rank wrote its own trace, none wrote the shared name
+        traces = sorted(p.name for p in tmp_path.glob(f"{strategy}-trace*"))
+        assert traces == [f"{strategy}-trace.rank0.json", f"{strategy}-trace.rank1.json"]
+        for name in traces:
+            assert json.loads((tmp_path / name).read_text())["traceEvents"]
+    assert "one file per rank, 2 ranks" in proc.stderr + proc.stdout
     assert "FullyShardedStrategy" in r0["report"]  # the second fit was sharded
 
 

@@ -7,8 +7,10 @@ what was given, and what is allowed. Techniques call these in ``__init__`` (cont
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "check_int",
     "check_float",
     "check_bool",
+    "check_output_path",
     "parse_bytes",
     "format_bytes",
     "import_object",
@@ -110,6 +113,51 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False; got {_given(value)}.")
     return value
+
+
+def check_output_path(
+    name: str,
+    value: Any,
+    *,
+    inputs: Iterable[Any] = (),
+    allow_none: bool = True,
+) -> str | None:
+    """Check a file the user asks us to write, before anything runs, and return it as a ``str``.
+
+    Refused (``ValueError``, naming ``name``): an existing folder; a folder that does not exist
+    or that this user cannot write to; an existing file this user cannot write; one of
+    ``inputs`` (files the run reads, e.g. its configs: written over, they would be lost).
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or not str(value):
+        what = "a file path (str)" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {what}; got {_given(value)}.")
+    path = Path(value)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(
+            f"`{name}` {str(path)!r} is a folder; give the file to write, e.g. "
+            f"{str(path / ('out' + (path.suffix or '.json')))!r}."
+        )
+    if not folder.is_dir():
+        raise ValueError(
+            f"`{name}` {str(path)!r}: its folder {str(folder)!r} does not exist; create it or "
+            "choose another path."
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"`{name}` {str(path)!r}: the folder {str(folder)!r} is not writable.")
+    if path.exists():
+        resolved = path.resolve()
+        for source in inputs:
+            if source is not None and Path(source).exists() and Path(source).resolve() == resolved:
+                raise ValueError(
+                    f"`{name}` {str(path)!r} is an input of this run; writing it would replace "
+                    "it. Choose another file."
+                )
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"`{name}` {str(path)!r} exists and is not writable.")
+    return str(value)
 
 
 def _range(minimum: Any, maximum: Any, max_exclusive: bool = False) -> str:

@@ -38,16 +38,6 @@ def _positive_or_none(name: str, value: Any) -> float | None:
     return float(value)
 
 
-def _path_or_none(name: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, Path)) or not str(value):
-        raise TypeError(
-            f"`{name}` must be a file path (str) or None; got {value!r} ({type(value).__name__})."
-        )
-    return str(value)
-
-
 def _precision(trainer: Any) -> str:
     return str(getattr(trainer, "precision", "32-true"))
 

@@ -4,6 +4,8 @@ profiler's state (``self``), kept out of the callback class so that it only deci
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +94,53 @@ def _stop_trace(self) -> None:
     tracer, self._tracer = self._tracer, None
     self._traced = True
     tracer.stop()
-    path = Path(self.trace)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tracer.export_chrome_trace(str(path))
-    self.note(f"Chrome trace of {self.trace_steps} steps written to {path}")
+    trainer = self._trainer
+    world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+    rank = getattr(trainer, "global_rank", 0) if trainer is not None else 0
+    path = rank_trace_path(self.trace, rank, world)
+    error = export_trace(tracer, path)
+    if error is not None:  # every rank says its own (a note on rank zero would hide rank 1's)
+        message = f"StepProfiler: the Chrome trace was not written to {path}: {error}"
+        warnings.warn(message, stacklevel=2)
+        return
+    where = path if world == 1 else rank_trace_path(self.trace, "<rank>", world)
+    self.note(
+        f"Chrome trace of {self.trace_steps} steps written to {where}"
+        + (f" (one file per rank, {world} ranks)" if world > 1 else "")
+    )
+
+
+def rank_trace_path(path: str, rank: Any, world: int) -> Path:
+    """The trace file of ``rank``: ``path`` itself on one process, else ``.rank<r>`` before its
+    suffix (``trace.json`` -> ``trace.rank1.json``, ``trace.json.gz`` -> ``trace.rank1.json.gz``),
+    so that ranks never write one file."""
+    path = Path(path)
+    if world <= 1:
+        return path
+    name = path.name
+    suffix = ".json.gz" if name.endswith(".json.gz") else path.suffix
+    stem = name[: len(name) - len(suffix)] if suffix else name
+    return path.with_name(f"{stem}.rank{rank}{suffix}")
+
+
+def export_trace(tracer: Any, path: Path) -> str | None:
+    """Write ``tracer``'s Chrome trace to ``path`` through a file next to it (a reader never sees
+    half a trace, and a folder at ``path`` is never replaced); ``None`` when written, else why
+    not."""
+    suffix = ".json.gz" if path.name.endswith(".gz") else ".json"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial{suffix}")
+    try:
+        tracer.export_chrome_trace(str(partial))
+        if not partial.is_file() or partial.stat().st_size == 0:
+            return "the profiler wrote nothing"
+        if path.is_dir():
+            return "it is a folder"
+        os.replace(partial, path)
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        partial.unlink(missing_ok=True)
+    return None
 
 
 def _summarize(self, trainer: Any, pl_module: Any, steps: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     check_bool,
     check_int,
+    check_output_path,
     parse_bytes,
 )
 from lightning_efficient.measure import profile_steps as _methods
@@ -41,7 +42,6 @@ from lightning_efficient.measure.profile_report import (
     _change,
     _figures,
     _metrics,
-    _path_or_none,
     _positive_or_none,
     phase_summary,
     profile_png,
@@ -111,9 +111,11 @@ class StepProfiler(Technique):
             run (fp32, AdamW, none of this package's techniques) to compare with this run's peak.
         trace: Path of a Chrome trace (``torch.profiler``) of ``trace_steps`` steps after the
             warm-up (open it in ``chrome://tracing`` or Perfetto); ``None``: no trace. Traced steps
-            are not measured.
+            are not measured. Under several ranks each writes its own file, ``.rank<r>`` before
+            the suffix (``trace.rank1.json``). Its folder must exist.
         trace_steps: Steps in the trace.
-        png: Path of a PNG with the phases per step (stacked) and memory by category.
+        png: Path of a PNG with the phases per step (stacked) and memory by category (its folder
+            must exist; written by rank zero).
         print_table: Print the profile table at the end of fit (rank zero).
         log_metrics: Log ``profiler/*`` metrics to the trainer's logger at the end of fit.
 
@@ -143,9 +145,9 @@ class StepProfiler(Technique):
         self.peak_flops = _positive_or_none("peak_flops", peak_flops)
         self.memory_budget = parse_bytes("memory_budget", memory_budget, allow_none=True)
         self.compare_plain = check_bool("compare_plain", compare_plain)
-        self.trace = _path_or_none("trace", trace)
+        self.trace = check_output_path("trace", trace)
         self.trace_steps = check_int("trace_steps", trace_steps, minimum=1)
-        self.png = _path_or_none("png", png)
+        self.png = check_output_path("png", png)
         self.print_table = check_bool("print_table", print_table)
         self.log_metrics = check_bool("log_metrics", log_metrics)
         self.summary: dict[str, Any] | None = None

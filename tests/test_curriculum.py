@@ -315,6 +315,73 @@ def test_fit_start_refuses_bad_difficulty(tmp_path) -> None:
         fit(tmp_path, [Curriculum(f"file:{tmp_path / 'bad.json'}")], max_steps=1)
 
 
+def test_a_sampler_of_the_users_own_is_refused_not_dropped(tmp_path) -> None:
+    """Issue 33 item 8: a WeightedRandomSampler (or any sampler that draws a subset or repeats)
+    would lose what it decides; refused at fit start, naming it. A shuffle of one's own (the
+    demo's EpochShuffle: a permutation per epoch) is replaced as shuffle=True is."""
+    from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
+
+    data = tiny_data()
+    data.setup("fit")
+    n = len(data.train_set)
+    weighted = WeightedRandomSampler([1.0] * n, n)
+
+    class Weighted(type(data)):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.train_set, batch_size=4, sampler=weighted)
+
+    weighted_data = Weighted(**data.hparams)
+    with pytest.raises(ValueError, match="Curriculum: .*own WeightedRandomSampler .*weights"):
+        fit(tmp_path, [Curriculum("entropy")], data=weighted_data, max_steps=1)
+    assert "train_dataloader" not in vars(weighted_data)  # the datamodule as given
+
+    from lightning_efficient.techniques.curriculum.sampler import own_sampler
+
+    assert "weights" in own_sampler(DataLoader(data.train_set, sampler=weighted))
+    subset = SubsetRandomSampler(range(10))
+    assert "10 indices, 10 distinct, from 64" in own_sampler(
+        DataLoader(data.train_set, sampler=subset)
+    )
+    assert own_sampler(DataLoader(data.train_set, shuffle=True)) is None
+    assert own_sampler(data.train_dataloader()) is None  # EpochShuffle: a permutation
+
+
+def test_curriculum_bad_inputs_named(tmp_path) -> None:
+    """Issue 33 item 10: seeds, scores and score files."""
+    with pytest.raises(ValueError, match="`seed` must be in \\[0, 4294967295\\]"):
+        Curriculum("entropy", seed=2**70)
+    with pytest.raises(ValueError, match="`seed`"):
+        CurriculumSampler([1.0, 2.0], 1, seed=-1)
+    with pytest.raises(ValueError, match="`difficulty` .*found None at index 1"):
+        CurriculumSampler([1, None], 1)
+    ds = Scored()
+    cases = {
+        "flat.pt": lambda f: torch.save(torch.zeros(2, 5), f),
+        "bad.pt": lambda f: f.write_bytes(b"not a checkpoint"),
+        "bad.json": lambda f: f.write_text("[1, 2,"),
+        "nested.json": lambda f: f.write_text(json.dumps([[1, 2]] * 5)),
+        "words.txt": lambda f: f.write_text("1\ntwo\n3"),
+        "bad.npy": lambda f: f.write_bytes(b"\x93NUMPY nonsense"),
+    }
+    expected = {
+        "flat.pt": "shape \\(2, 5\\); expected a 1-D tensor",
+        "bad.pt": "could not be read as .pt",
+        "bad.json": "could not be read as .json \\(JSONDecodeError",
+        "nested.json": "entry 0 is \\[1, 2\\], not a number",
+        "words.txt": "entry 1 is 'two', not a number",
+        "bad.npy": "could not be read as .npy",
+    }
+    for name, write in cases.items():
+        write(tmp_path / name)
+        with pytest.raises(
+            ValueError, match=f"`difficulty`: the scores file .*{name}.*{expected[name]}"
+        ):
+            difficulty_scores(ds, f"file:{tmp_path / name}")
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ValueError, match="does not exist \\(it is a folder\\)"):
+        difficulty_scores(ds, f"file:{tmp_path / 'dir.json'}")
+
+
 def test_equal_difficulties_say_so(tmp_path) -> None:
     with pytest.warns(NoEffectWarning, match="same difficulty"):
         fit(tmp_path, [Curriculum("length", duration=4)], max_steps=2)
@@ -402,6 +469,19 @@ def test_fit_resume_continues_the_schedule(tmp_path) -> None:
     assert [n for _, n in _lengths_per_step(resumed)] == [16, 24, 24, 32, 32]
     assert lb.losses == pytest.approx(la.losses[3:], rel=1e-5)
     assert a.callbacks[0].state_dict() == b.callbacks[0].state_dict()
+
+
+def test_a_multiple_above_the_sequence_length_says_it_does_nothing(tmp_path) -> None:
+    """Issue 33 item 10: multiple_of >= the sequence length cuts nothing: refused against
+    full_length, a NoEffectWarning against the batches' own length (32 here)."""
+    with pytest.raises(
+        ValueError, match="`multiple_of` \\(64\\) must be below `full_length` \\(32\\)"
+    ):
+        SequenceLengthWarmup(multiple_of=64, full_length=32)
+    rec = Batches()
+    with pytest.warns(NoEffectWarning, match="multiple_of=64 is not below the sequence length 32"):
+        fit(tmp_path, [SequenceLengthWarmup(duration=4, start_length=8), rec], max_steps=2)
+    assert {x.shape[1] for _, x in rec.seen} == {32}
 
 
 def test_fit_fails_at_the_first_batch_without_a_sequence_dim(tmp_path) -> None:

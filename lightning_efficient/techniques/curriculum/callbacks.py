@@ -12,9 +12,14 @@ from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_choice, check_float, check_int
 from lightning_efficient.techniques.curriculum.difficulty import (
     check_difficulty,
+    check_seed,
     difficulty_scores,
 )
-from lightning_efficient.techniques.curriculum.sampler import CurriculumSampler, with_sampler
+from lightning_efficient.techniques.curriculum.sampler import (
+    CurriculumSampler,
+    own_sampler,
+    with_sampler,
+)
 from lightning_efficient.techniques.curriculum.schedule import (
     check_duration,
     check_pacing,
@@ -70,7 +75,13 @@ class Curriculum(Technique):
         duration: Optimizer steps until the whole dataset is available (int), or a fraction of
             the fit's steps (float in (0, 1]).
         stages: Stairs of the ``"step"`` pacing.
-        seed: Seed of the tie-break between equal scores and of the shuffles inside the pool.
+        seed: Seed of the tie-break between equal scores and of the shuffles inside the pool,
+            in [0, 2**32 - 1].
+
+    The loader's own sampler is replaced only when it is a plain one (``shuffle=True`` or
+    ``False``, or a ``DistributedSampler``); any other (a ``WeightedRandomSampler``, a sampler
+    with replacement, a custom order) is refused when fit starts, naming it: the curriculum
+    would drop what it decides.
     """
 
     stacks = False
@@ -94,7 +105,7 @@ class Curriculum(Technique):
             raise ValueError(f"`start_fraction` must be in (0, 1]; got {start_fraction!r}.")
         self.duration = check_duration(duration)
         self.stages = check_int("stages", stages, minimum=1)
-        self.seed = check_int("seed", seed)
+        self.seed = check_seed(seed)
         self.sampler: CurriculumSampler | None = None
         self._wrapped: tuple[Any, str] | None = None
         self._state: dict[str, Any] | None = None
@@ -132,6 +143,14 @@ class Curriculum(Technique):
                 f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader."
             )
             return loader
+        own = own_sampler(loader)
+        if own is not None:  # replaced, its weights or order would be lost without a word
+            raise ValueError(
+                f"{self.name}: the train DataLoader draws its samples with its own {own}; the "
+                "curriculum decides the order itself and would drop it. Remove the sampler from "
+                "the DataLoader (shuffle=True or False) to use Curriculum, or order the samples "
+                "yourself (CurriculumSampler, lightning_efficient.functional)."
+            )
         try:
             scores = difficulty_scores(loader.dataset, self.difficulty)
         except ValueError as err:
@@ -259,7 +278,9 @@ class SequenceLengthWarmup(Technique):
     Args:
         duration: Optimizer steps until the full length (int), or a fraction of the fit (float).
         start_length: Sequence length at step 0.
-        multiple_of: Lengths move in multiples of this (fewer distinct shapes to compile).
+        multiple_of: Lengths move in multiples of this (fewer distinct shapes to compile); below
+            the full length (refused at construction against ``full_length``, said once with a
+            ``NoEffectWarning`` against a batch's own length).
         mode: ``"truncate"`` (keep the first tokens of each sample) or ``"reshape"`` (cut each
             sample into pieces stacked along the batch: tokens per step stay the same; only
             lengths that divide the full length are used).
@@ -285,6 +306,11 @@ class SequenceLengthWarmup(Technique):
         self.mode = check_choice("mode", mode, CUT_MODES)
         self.pacing = check_pacing(pacing)
         self.full_length = check_int("full_length", full_length, minimum=1, allow_none=True)
+        if self.full_length is not None and self.multiple_of >= self.full_length:
+            raise ValueError(
+                f"`multiple_of` ({multiple_of}) must be below `full_length` ({full_length}): "
+                "lengths move in multiples of it, so every batch would keep its full length."
+            )
         self.lengths: dict[int, int] = {}  # length -> training batches cut to it
         self.warmup_steps: int | None = None
         self._wrapped: tuple[Any, str] | None = None
@@ -339,6 +365,12 @@ class SequenceLengthWarmup(Technique):
                     f"{seq}; batches keep their full length."
                 )
         length = min(length, seq)
+        if warmup and trainer.global_step < warmup and self.multiple_of >= min(full, seq):
+            self.no_effect(
+                f"multiple_of={self.multiple_of} is not below the sequence length {min(full, seq)}"
+                ": lengths move in multiples of it, so every batch keeps its full length. Lower "
+                "multiple_of."
+            )
         self._cut_step = trainer.global_step
         self.lengths[length] = self.lengths.get(length, 0) + 1
         return cut_batch(batch, length, self.mode)

@@ -33,7 +33,9 @@ from lightning_efficient.core.validate import check_int, import_object
 __all__ = [
     "DIFFICULTY_BUILTINS",
     "DIFFICULTY_PREFIXES",
+    "MAX_SEED",
     "check_difficulty",
+    "check_seed",
     "difficulty_scores",
     "easiest_first",
     "token_entropy",
@@ -44,6 +46,16 @@ __all__ = [
 DIFFICULTY_BUILTINS: tuple[str, ...] = ("entropy", "length")
 DIFFICULTY_PREFIXES: tuple[str, ...] = ("attr:", "field:", "fn:", "file:")
 _SCORE_FILES = (".pt", ".pth", ".npy", ".json", ".txt", ".csv")
+
+
+#: Seeds as Lightning's ``seed_everything`` takes them (the shuffles' generators are seeded from
+#: ``seed`` times a constant plus the epoch, which must stay within torch's 64-bit seeds).
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """A curriculum seed: an int in [0, 2**32 - 1]."""
+    return check_int(name, seed, minimum=0, maximum=MAX_SEED)
 
 
 def _allowed() -> str:
@@ -144,29 +156,58 @@ def _describe(sample: Any) -> str:
 
 # -- sources ------------------------------------------------------------------------------------
 def load_scores(path: str | Path) -> list[float]:
-    """Scores from a ``.pt``/``.pth`` (tensor or list), ``.npy``, ``.json`` (list) or text file."""
+    """Scores from a ``.pt``/``.pth`` (1-D tensor or flat list), ``.npy`` (1-D array), ``.json``
+    (flat list) or text file (one number per line or comma-separated). Anything else, a file
+    that cannot be read, or a score that is not a number is a ``ValueError`` naming the file."""
     path = Path(path)
+    where = f"`difficulty`: the scores file {str(path)!r}"
     if not path.is_file():
-        raise ValueError(f"`difficulty`: the scores file {str(path)!r} does not exist.")
+        raise ValueError(
+            f"{where} does not exist" + (" (it is a folder)." if path.is_dir() else ".")
+        )
     suffix = path.suffix.lower()
-    if suffix in (".pt", ".pth"):
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    elif suffix == ".npy":
-        import numpy as np
+    try:
+        if suffix in (".pt", ".pth"):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        elif suffix == ".npy":
+            import numpy as np
 
-        data = np.load(path, allow_pickle=False).tolist()
-    elif suffix == ".json":
-        data = json.loads(path.read_text())
-    else:
-        data = [float(x) for x in path.read_text().replace(",", "\n").split() if x.strip()]
+            data = torch.from_numpy(np.load(path, allow_pickle=False))
+        elif suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            data = [x for x in path.read_text().replace(",", "\n").split() if x.strip()]
+    except Exception as err:  # noqa: BLE001 - every reader's own error, said with the file
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise ValueError(
+            f"{where} could not be read as {suffix} ({type(err).__name__}"
+            + (f": {detail}" if detail else "")
+            + ")."
+        ) from err
     if isinstance(data, torch.Tensor):
-        data = data.flatten().tolist()
+        if data.dim() != 1:
+            raise ValueError(
+                f"{where} holds a tensor of shape {tuple(data.shape)}; expected a 1-D tensor, "
+                "one score per sample."
+            )
+        data = data.tolist()
     if not isinstance(data, list):
         raise ValueError(
-            f"`difficulty`: {str(path)!r} holds a {type(data).__name__}; expected a flat list or "
-            "1-D tensor of numbers, one per sample."
+            f"{where} holds a {type(data).__name__}; expected a flat list or 1-D tensor of "
+            "numbers, one per sample."
         )
-    return [float(x) for x in data]
+    out = []
+    for i, x in enumerate(data):
+        try:
+            if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+                raise TypeError
+            out.append(float(x))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{where}: entry {i} is {x!r:.60}, not a number; give a flat list of numbers, "
+                "one per sample."
+            ) from None
+    return out
 
 
 def _attribute(dataset: Any, name: str) -> list[float]:
@@ -263,7 +304,7 @@ def difficulty_scores(dataset: Any, source: Any) -> list[float]:
 
 def easiest_first(scores: Sequence[float], seed: int = 0) -> list[int]:
     """Dataset indices in ascending difficulty; equal scores in an order shuffled by ``seed``."""
-    check_int("seed", seed)
+    check_seed(seed)
     values = torch.as_tensor(list(scores), dtype=torch.float64)
     shuffle = torch.randperm(len(values), generator=torch.Generator().manual_seed(seed))
     by_score = torch.argsort(values[shuffle], stable=True)

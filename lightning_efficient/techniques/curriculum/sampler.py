@@ -17,18 +17,26 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    WeightedRandomSampler,
+)
 
 from lightning_efficient.core.validate import check_float, check_int
 from lightning_efficient.techniques._sharded_sampler import ShardedSampler
-from lightning_efficient.techniques.curriculum.difficulty import easiest_first
+from lightning_efficient.techniques.curriculum.difficulty import check_seed, easiest_first
 from lightning_efficient.techniques.curriculum.schedule import (
     check_pacing,
     pacing_fraction,
     pool_size,
 )
 
-__all__ = ["CurriculumSampler", "pool_walk", "with_sampler"]
+__all__ = ["CurriculumSampler", "own_sampler", "pool_walk", "with_sampler"]
 
 
 def pool_walk(
@@ -124,9 +132,12 @@ class CurriculumSampler(ShardedSampler):
             )
         if len(difficulty) == 0:
             raise ValueError("`difficulty` is empty; give one score per sample of the dataset.")
-        bad = next((v for v in difficulty if not _finite(v)), None)
+        bad = next((i for i, v in enumerate(difficulty) if not _finite(v)), None)
         if bad is not None:
-            raise ValueError(f"`difficulty` must hold finite numbers; found {bad!r}.")
+            raise ValueError(
+                f"`difficulty` must hold finite numbers, one per sample; found "
+                f"{difficulty[bad]!r} at index {bad}."
+            )
         self.difficulty = [float(v) for v in difficulty]
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.pacing = check_pacing(pacing)
@@ -137,7 +148,7 @@ class CurriculumSampler(ShardedSampler):
             raise ValueError(f"`start_fraction` must be in (0, 1]; got {start_fraction!r}.")
         self.duration = check_int("duration", duration, minimum=0)
         self.stages = check_int("stages", stages, minimum=1)
-        self.seed = check_int("seed", seed)
+        self.seed = check_seed(seed)
         self.sample_count = len(self.difficulty)
         self._init_ranks(num_replicas, rank, drop_last)
         self.batches_per_step = check_int("batches_per_step", batches_per_step, minimum=1)
@@ -224,6 +235,37 @@ class CurriculumSampler(ShardedSampler):
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def own_sampler(loader: DataLoader) -> str | None:
+    """Why the loader's sampler cannot be replaced by a curriculum without loss, or ``None``.
+
+    Replaced without loss: ``shuffle=True``/``False`` (``SequentialSampler``, ``RandomSampler``
+    over the whole dataset without replacement), a ``DistributedSampler`` (the curriculum shards
+    the same way) and any sampler whose epoch is a permutation of the dataset (a shuffle of its
+    own; checked by drawing one epoch of indices). Refused, with what would be lost: a
+    ``WeightedRandomSampler`` (its weights), and any sampler that draws a subset or repeats.
+    """
+    sampler, n = loader.sampler, len(loader.dataset)
+    kind = type(sampler)
+    if kind in (SequentialSampler, DistributedSampler):
+        return None
+    if isinstance(sampler, WeightedRandomSampler):
+        return f"{kind.__name__} (its weights would be lost)"
+    if kind is RandomSampler and not sampler.replacement and sampler.num_samples == n:
+        return None
+    try:
+        indices = torch.as_tensor(list(iter(sampler)), dtype=torch.long).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        return f"{kind.__name__} (it yields something other than sample indices)"
+    inside = len(indices) == 0 or (int(indices.min()) >= 0 and int(indices.max()) < n)
+    if len(indices) == n and inside and torch.bincount(indices, minlength=n).eq(1).all():
+        return None  # one epoch is a permutation: a shuffle the curriculum replaces
+    drawn = len(indices.unique())
+    return (
+        f"{kind.__name__} (an epoch draws {len(indices)} indices, {drawn} distinct, from "
+        f"{n} samples: which samples and how often would be lost)"
+    )
 
 
 def with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:

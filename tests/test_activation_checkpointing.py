@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib
 import pickle
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -477,6 +478,23 @@ def test_budget_picks_fewest_blocks() -> None:
     with pytest.raises(ValueError, match="smallest achievable peak") as info:
         blocks_for_budget(model, batch, peaks[4] - 1)
     assert str(peaks[4]) in str(info.value) and "`budget`" in str(info.value)
+
+
+def test_a_budget_the_plain_run_meets_says_so(tmp_path) -> None:
+    """Issue 33 item 10: 0 blocks needed was reported as "the model has no repeated blocks"."""
+    model, batch = gpt(n_layer=4), batch_for()
+    plain = _estimate(model, batch).peak_bytes
+    est = _estimate(model, batch, callbacks=[ActivationCheckpointing(budget=plain)])
+    assert any("the plain run fits the budget" in n for n in est.notes), est.notes
+    assert not any("no repeated blocks" in n for n in est.notes)
+    cb = ActivationCheckpointing(budget=plain * 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _, _ = fit(tmp_path, [cb], model=gpt(n_layer=4), max_steps=1, limit_val_batches=0)
+    assert cb.choice.num_blocks == 0 and not any(
+        "no repeated blocks" in str(w.message) for w in caught
+    )
+    assert "the plain peak" in report_for(trainer)["ActivationCheckpointing"].change
 
 
 def test_budget_callback_in_fit(tmp_path) -> None:

@@ -764,6 +764,27 @@ def test_lock_of_a_build_that_dies_is_waited_on_then_removed(tmp_path, capsys) -
     assert f"held by process {holder.pid}" in capsys.readouterr().err
 
 
+def test_a_lock_that_is_a_folder_and_a_nan_stale_after_are_short_errors(tmp_path, capsys) -> None:
+    """Issue 33 item 10: a folder named lock was a traceback (unlink); --stale-after nan
+    waited forever (no age is >= nan)."""
+    from lightning_efficient.techniques.zero_offload.commands import prepare_command
+    from lightning_efficient.techniques.zero_offload.extensions import (
+        ExtensionBuildError,
+        check_lock,
+    )
+
+    (tmp_path / "cpu_adam" / "lock").mkdir(parents=True)
+    with pytest.raises(ExtensionBuildError, match="is a folder, not a lock file.*rm -r"):
+        check_lock(tmp_path / "cpu_adam", stale_after=0)
+    assert (tmp_path / "cpu_adam" / "lock").is_dir()  # left for the user to look at
+    for bad in ("nan", "inf", "-1"):
+        assert prepare_command(["--stale-after", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --stale-after: `stale_after`") and "Traceback" not in err
+    with pytest.raises(ValueError, match="`stale_after`"):
+        check_lock(tmp_path / "none", stale_after=float("nan"))
+
+
 def test_prepare_removes_a_stale_lock_and_reuses_the_build(tmp_path, deepspeed_extensions) -> None:
     import shutil
     import subprocess

@@ -396,7 +396,7 @@ class ActivationCheckpointing(Technique):
         # offload is not run on fake tensors (no streams, no pinned memory): counted on device
         names = self._apply(model, num_blocks, offload=False)
         plan.on_exit(functools.partial(_restore, model, before))
-        plan.note(f"{self.name}: {self._describe(names, model)}")
+        plan.note(f"{self.name}: {self._describe(names, model, num_blocks)}")
         if self.offload_activations:
             others = len(_choose(model, self._policy, self.every_n, num_blocks)[1])
             plan.note(
@@ -487,7 +487,9 @@ class ActivationCheckpointing(Technique):
             num_blocks=num_blocks,
         )
 
-    def _describe(self, names: Sequence[str], model: nn.Module) -> str:
+    def _describe(self, names: Sequence[str], model: nn.Module, num_blocks: int | None) -> str:
+        if not names and num_blocks == 0:  # a budget the plain run meets: nothing was needed
+            return "no block checkpointed: the plain run fits the budget"
         if not names and self.policy == "auto":
             return "no block checkpointed: the model has no repeated blocks"
         total = len(select_modules(model, self._policy))
@@ -520,9 +522,9 @@ class ActivationCheckpointing(Technique):
     def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
         self.wrapped = self._apply(pl_module, num_blocks)
         self._active = True
-        change = self._describe(self.wrapped, pl_module)
+        change = self._describe(self.wrapped, pl_module, num_blocks)
         figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
-        if not self.wrapped and self.policy == "auto":
+        if not self.wrapped and self.policy == "auto" and num_blocks != 0:
             self.no_effect(
                 "no block to checkpoint: the model has no repeated blocks and no block in a "
                 "ModuleList/Sequential/ModuleDict. Pass `policy=` a module class, a class name or a "

@@ -15,6 +15,7 @@ from lightning_efficient.techniques.zero_offload.extensions import (
     EXTENSIONS,
     STALE_AFTER_S,
     ExtensionBuildError,
+    check_stale_after,
     ensure_extensions,
 )
 from lightning_efficient.techniques.zero_offload.loading import load_checkpoint_file
@@ -78,6 +79,11 @@ def prepare_command(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(list(argv))
+    try:
+        check_stale_after(args.stale_after)
+    except ValueError as err:  # e.g. nan: no lock would ever be old enough (a wait without end)
+        print(f"error: --stale-after: {err}", file=sys.stderr)
+        return 2
     try:
         import deepspeed  # noqa: F401
     except ImportError:

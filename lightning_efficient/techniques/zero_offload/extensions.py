@@ -18,6 +18,7 @@ and the command that removes it.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 import warnings
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lightning_efficient.core._internals import torch_extension_dir
+from lightning_efficient.core.validate import check_float
 
 __all__ = [
     "EXTENSIONS",
@@ -37,6 +39,7 @@ __all__ = [
     "Extension",
     "ensure_extensions",
     "check_lock",
+    "check_stale_after",
     "lock_holders",
 ]
 
@@ -144,6 +147,15 @@ def _remove(lock: Path, seen: os.stat_result, why: str) -> None:
     )
 
 
+def check_stale_after(value: Any) -> float:
+    """``stale_after``: a finite number of seconds >= 0 (NaN would never be reached: a wait
+    without end)."""
+    value = check_float("stale_after", value, minimum=0.0)
+    if value == float("inf"):
+        raise ValueError("`stale_after` must be a finite number of seconds >= 0; got inf.")
+    return value
+
+
 def check_lock(
     folder: str | os.PathLike,
     *,
@@ -159,6 +171,7 @@ def check_lock(
     a lock older than ``stale_after`` raises ``ExtensionBuildError`` naming the file and the
     command that removes it.
     """
+    stale_after = check_stale_after(stale_after)
     lock = Path(folder) / "lock"
     said = reminded = 0.0
     saw_holder = False
@@ -167,6 +180,11 @@ def check_lock(
             seen = lock.stat()
         except FileNotFoundError:
             return
+        if stat.S_ISDIR(seen.st_mode):
+            raise ExtensionBuildError(
+                f"the build lock {lock} is a folder, not a lock file a build would take; remove "
+                f"it if no DeepSpeed extension build is running: rm -r {lock}"
+            )
         age = time.time() - seen.st_mtime
         holders = lock_holders(lock)
         if holders is None and age >= stale_after:
@@ -215,6 +233,7 @@ def ensure_extensions(
     Raises ``ExtensionBuildError`` when a build fails (it needs a C++ compiler and ninja);
     ``verbose`` shows the compiler's output.
     """
+    stale_after = check_stale_after(stale_after)
     done = []
     for name in names:
         builder = _builder(name)

@@ -9,6 +9,9 @@ named (issue 33): all in the same 2 processes, two fits per strategy.
 - Fit B: resumed from ``on_exception.ckpt``, to step 12; at the end the stopper puts the best
   weights back (from ModelCheckpoint's best file, or its host copy).
 
+DataLoaderTuning measures the worker count in both fits, from their own first steps (the module
+counts its training_step calls: none may run out of band).
+
 Each rank writes ``OUT/<strategy>-rank<r>.json`` with what tests/test_combinations.py checks;
 weights are compared here, gathered whole (``full_tensor``) under FSDP.
 
@@ -24,15 +27,28 @@ from helpers import TINY_MODEL, fit, tiny_data
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
+from lightning_efficient.core.report import report_for
 from lightning_efficient.demos import TinyGPT
-from lightning_efficient.techniques import Curriculum, DivergenceGuard, EarlyStopper
+from lightning_efficient.techniques import (
+    Curriculum,
+    DataLoaderTuning,
+    DivergenceGuard,
+    EarlyStopper,
+)
 
 STEPS, FAULT, NAN, EVERY, GAMMA = 12, 7, 3, 4, 0.5
 LR = 3e-3
 
 
 class Module(TinyGPT):
-    """TinyGPT with a StepLR schedule and a validation loss synced over the ranks."""
+    """TinyGPT with a StepLR schedule, a validation loss synced over the ranks, and a count of
+    its training_step calls."""
+
+    calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
         loss, logits = self._loss(batch)
@@ -110,6 +126,7 @@ def callbacks(out: Path, snapshots: dict, fault: int | None) -> list:
             "rollback", spike_factor=None, snapshot_every=1, lr_factor=0.5, cooldown_steps=2
         ),
         Curriculum("entropy", start_fraction=0.5, duration=6),
+        DataLoaderTuning(tune=True, tune_time_s=1.0, pin_memory=False),
         NaNAtStep([NAN]),
         ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", save_top_k=1),
         OnExceptionCheckpoint(out / "ex"),
@@ -164,6 +181,7 @@ def run(strategy_name: str, out: Path) -> dict:
         "trips": [t["step"] for t in guard.trips],
         "lrs_as_scheduled": all(lr == expected_lr(s) for s, lr in a[0].lrs.items()),
         "lrs": a[0].lrs,
+        "calls": model.calls,
     }
     # fit B: resumed from the exception's checkpoint
     b = callbacks(out, snapshots, None)
@@ -187,6 +205,10 @@ def run(strategy_name: str, out: Path) -> dict:
         "lrs": b[0].lrs,
         "sampler": type(trainer.train_dataloader.sampler).__name__,
         "curriculum_batches": curriculum.state_dict().get("batches"),
+        "calls": model.calls,
+        "loader": type(trainer.train_dataloader).__name__,
+        "workers": trainer.train_dataloader.num_workers,
+        "tuning": report_for(trainer)["DataLoaderTuning"].figures,
     }
     return {"a": fit_a, "b": fit_b}
 

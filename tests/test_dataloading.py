@@ -233,6 +233,94 @@ def test_tuning_with_tune_picks_a_measured_count(tmp_path) -> None:
     assert len(measured) >= 2 and rec.loader.num_workers in measured
 
 
+class WhoLoads(Numbered):
+    """Numbered samples that also say which worker loaded them (-1: the main process)."""
+
+    def __getitem__(self, i: int):
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([i, -1 if info is None else info.id])
+
+
+def test_tuned_in_fit_switches_workers_mid_epoch_on_the_same_batches() -> None:
+    from lightning_efficient.techniques.dataloading.in_fit import TunedInFit, WorkerChoice
+
+    data = WhoLoads(20)
+    torch.manual_seed(3)
+    plain = [b[:, 0].tolist() for _ in range(2) for b in DataLoader(data, 3, shuffle=True)]
+    stream = torch.rand(1)  # the global RNG after the epochs: the same draws, no more
+    choice = WorkerChoice(lambda source: rebuild_dataloader(source, num_workers=2))
+    loader = TunedInFit(data, batch_size=3, shuffle=True, choice=choice)
+    torch.manual_seed(3)
+    seen, where = [], []
+    for epoch in range(2):
+        for k, batch in enumerate(loader):
+            seen.append(batch[:, 0].tolist())
+            where.append(set(batch[:, 1].tolist()))
+            if epoch == 0 and k == 2:
+                choice.decide()  # as the callback does after the fit's timed steps
+    assert seen == plain  # the same batches in the same order, over the switch and the epoch
+    assert torch.equal(torch.rand(1), stream)
+    assert where[:3] == [{-1}] * 3 and all(-1 not in w for w in where[3:])
+    assert loader.choice is choice and choice.loader.num_workers == 2
+
+
+class Counted(type(tiny_model())):
+    """TinyGPT whose training_step updates a torchmetrics metric and a plain counter."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        from torchmetrics import MeanMetric
+
+        self.train_mean = MeanMetric()
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.train_mean.update(loss.detach())
+        self.calls += 1
+        return loss
+
+
+def test_tuning_runs_no_training_step_of_its_own(tmp_path) -> None:
+    """Issue 33 item 9: the step rate that bounds the worker search comes from the fit's own
+    steps; no training_step runs out of band (a metric it updates counts the real steps)."""
+    from helpers import TINY_MODEL
+
+    model = Counted(**TINY_MODEL)
+    trainer, rec, _ = _fit_batches(
+        tmp_path, [DataLoaderTuning(tune=True, tune_time_s=1.0, pin_memory=False)], model=model
+    )
+    assert trainer.global_step == 8
+    assert model.train_mean.update_count == model.calls == 8
+    figures = report_for(trainer)["DataLoaderTuning"].figures
+    assert figures["step_rate_bound"] > 0 and rec.loader.num_workers == figures["num_workers"]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:.*worker processes in total")
+def test_tuning_on_cuda_pins_times_the_fit_and_keeps_the_batches(tmp_path) -> None:
+    """On CUDA: steps timed with CUDA events, pinned batches, the switch to workers mid-epoch on
+    the plain run's batches, and no training_step of its own."""
+    from helpers import TINY_MODEL
+
+    def run(callbacks):
+        model, rec = Counted(**TINY_MODEL), BatchRecorder()
+        trainer, _, losses = fit(
+            tmp_path, [*callbacks, rec], model=model, data=SleepyData(0.005), max_steps=20,
+            limit_val_batches=0, accelerator="gpu",
+        )  # fmt: skip
+        return trainer, model, rec, losses.losses
+
+    _, _, plain, plain_losses = run([])
+    trainer, model, tuned, tuned_losses = run([DataLoaderTuning(tune_time_s=3.0)])
+    assert model.train_mean.update_count == model.calls == 20
+    assert all(torch.equal(a, b) for a, b in zip(plain.batches, tuned.batches))
+    torch.testing.assert_close(torch.tensor(tuned_losses), torch.tensor(plain_losses))
+    figures = report_for(trainer)["DataLoaderTuning"].figures
+    assert figures["step_rate_bound"] > 0 and tuned.loader.num_workers == figures["num_workers"]
+    assert "pin_memory False->True" in report_for(trainer)["DataLoaderTuning"].change
+
+
 class SleepyData(pl.LightningDataModule):
     """The tiny corpus behind a ``__getitem__`` that waits (like storage; releases the GIL),
     shuffled by the global RNG."""

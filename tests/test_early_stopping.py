@@ -637,6 +637,37 @@ def test_rollback_cooldown_composes_with_the_lr_scheduler(tmp_path, name) -> Non
     assert guarded.after == plain.after
 
 
+@pytest.mark.gpu
+def test_rollback_cooldown_under_fp16_follows_the_schedule(tmp_path) -> None:
+    """On CUDA with a GradScaler (16-mixed): the cooldown after a rollback leaves StepLR's
+    schedule as without the guard (a step the scaler skips is neither lowered nor counted)."""
+
+    def run(callbacks):
+        model = Scheduled(**{**TINY_MODEL, "warmup_steps": 1})
+        model.make = SCHEDULERS["StepLR"]
+        lrs = LRs()
+        fit(
+            tmp_path,
+            [*callbacks, lrs],
+            model=model,
+            max_steps=14,
+            limit_val_batches=0,
+            accelerator="gpu",
+            precision="16-mixed",
+        )
+        return lrs
+
+    plain = run([])
+    guard = DivergenceGuard(
+        "rollback", spike_factor=None, snapshot_every=1, lr_factor=0.5, cooldown_steps=3
+    )
+    guarded = run([guard, NaNAt([4])])
+    assert [t["step"] for t in guard.trips] == [4] and guard.cooldown_left == 0
+    assert guarded.after == plain.after
+    lowered = [g / p for g, p in zip(guarded.used, plain.used) if g != p]
+    assert lowered and all(r == pytest.approx(0.5) for r in lowered) and len(lowered) <= 3
+
+
 def test_stop_keeps_the_last_good_checkpoint(tmp_path) -> None:
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     guard = DivergenceGuard("stop")

@@ -4,7 +4,10 @@
 and without gradients (so no weight, buffer, gradient or RNG changes) and scales the forward
 time by ``STEP_PER_FORWARD`` (a training step runs the forward, a backward of about twice its
 cost, and the optimizer). It is a rough figure, meant as an upper bound on how much loading
-speed training can use; it is not a step timing.
+speed training can use; it is not a step timing. Weights, buffers, gradients and RNG states are
+kept, but whatever else ``training_step`` updates (a torchmetrics metric, a counter, a cache) is
+updated by each call: ``DataLoaderTuning`` times the fit's own steps instead
+(``techniques.dataloading.in_fit``).
 """
 
 from __future__ import annotations

@@ -12,26 +12,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
 from lightning_efficient.measure.host import available_bytes
-from lightning_efficient.measure.step_rate import estimated_step_rate
+from lightning_efficient.techniques.dataloading.in_fit import StepClock, TunedInFit, WorkerChoice
 from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preload_to_device
 from lightning_efficient.techniques.dataloading.rebuild import (
     _check_num_workers,
     _check_pin,
     _check_prefetch,
+    _rebuild_kwargs,
     auto_num_workers,
     rebuild_dataloader,
 )
 from lightning_efficient.techniques.dataloading.workers import (
     TuneResult,
     default_max_workers,
-    kept_training_state,
     tune_num_workers,
 )
 
@@ -111,13 +110,15 @@ class DataLoaderTuning(_LoaderRebuilder):
     are rebuilt with ``rebuild_dataloader``: same dataset, sampler, batch sampler, collate_fn,
     batch_size and drop_last, so the same samples in the same order; workers are seeded per rank.
 
-    By default (``num_workers="auto"``) the worker count is measured when the train loader is
-    first built (``tune_num_workers``): 0, 1, 2, 4, ... workers while loading gets faster,
-    bounded by host memory, by ``default_max_workers`` and by the rate the model can consume
-    batches (``estimated_step_rate`` of a forward pass, x 1.5 headroom; single-device and DDP
-    runs with automatic optimization). Loads that wait (storage, network, decoding that
-    releases the GIL) get more workers than cores; CPU-bound ones about the core count.
-    Validation loaders get the train loader's count once it is known (before that, the rule).
+    By default (``num_workers="auto"``) the worker count is measured (``tune_num_workers``):
+    0, 1, 2, 4, ... workers while loading gets faster, bounded by host memory, by
+    ``default_max_workers`` and by the rate training consumes batches (x 1.5 headroom), which is
+    timed on the fit's own first steps: the train loader starts in the main process, the search
+    runs after the first 3 steps (between two steps), and the rest of the epoch and every later
+    one load with the chosen count, the same batches in the same order (``TunedInFit``). Nothing
+    of the module runs out of band. Loads that wait (storage, network, decoding that releases
+    the GIL) get more workers than cores; CPU-bound ones about the core count. Validation
+    loaders get the train loader's count once it is known (before that, the rule).
 
     Args:
         num_workers: Worker processes per loader: an integer >= 0, or ``"auto"`` (measured, or
@@ -160,6 +161,8 @@ class DataLoaderTuning(_LoaderRebuilder):
         self._chosen: int | None = None
         self._tuned: TuneResult | None = None
         self._changes: dict[str, str] = {}
+        self._clock: StepClock | None = None  # times the fit's first steps
+        self._choice: WorkerChoice | None = None  # the train loader's count, once decided
 
     @property
     def measures(self) -> bool:
@@ -168,6 +171,59 @@ class DataLoaderTuning(_LoaderRebuilder):
 
     def _start(self) -> None:
         self._chosen, self._tuned, self._changes = None, None, {}
+        self._clock, self._choice = None, None
+
+    # -- the train loader's count, measured between the fit's first steps
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if self._clock is not None and not self._choice.decided:
+            self._clock.start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if self._clock is None or self._choice.decided:
+            return
+        self._clock.stop()
+        if self._clock.ready and self._choice.source is not None:
+            self._choice.decide()  # here, between two steps: no batch waits on the search
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._choice is not None and not self._choice.decided:
+            self.no_effect(
+                f"the fit ended after {trainer.global_step} steps, before the worker count was "
+                f"measured (after {self._clock.warmup + self._clock.steps} steps); the train "
+                "loader loaded in the main process."
+            )
+            self.report(trainer, "train_dataloader: not measured (the fit was too short)")
+
+    def _tune_in_fit(self, trainer: Any, loader: DataLoader) -> DataLoader:
+        if self._clock is None:  # kept over a reload: the steps timed so far still count
+            self._clock = StepClock(trainer.strategy.root_device, steps=2, warmup=1)
+        self._choice = WorkerChoice(lambda source: self._decide(trainer, loader, source))
+        kwargs = _rebuild_kwargs(
+            loader, num_workers=0, pin_memory=self._pin(trainer), rank=trainer.global_rank
+        )
+        return TunedInFit(choice=self._choice, **kwargs)
+
+    def _decide(self, trainer: Any, given: DataLoader, source: DataLoader) -> DataLoader:
+        rate = self._clock.batches_per_s()
+        if rate is None:
+            self.note("no training step was timed before the worker search: it is bounded by "
+                      "loading speed and memory only.")  # fmt: skip
+        devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+        free = available_bytes()
+        self._tuned = tune_num_workers(
+            source,
+            None,
+            self.tune_time_s,
+            rank=trainer.global_rank,
+            max_workers=default_max_workers(devices),
+            target_batches_per_s=None if rate is None else self.TARGET_HEADROOM * rate,
+            max_worker_bytes=None if free is None else free // (2 * devices),
+        )
+        self._chosen = self._tuned.best
+        new = self._rebuilt(trainer, source, self._chosen)
+        source.num_workers = self._chosen  # what the trainer's loader says it loads with
+        self._describe(trainer, given, new, "train_dataloader")
+        return new
 
     def _workers(self, trainer: Any, loader: DataLoader, hook: str) -> int:
         if self._chosen is not None:
@@ -175,19 +231,6 @@ class DataLoaderTuning(_LoaderRebuilder):
         if isinstance(loader.dataset, IterableDataset):  # keeps its workers: nothing to measure
             return loader.num_workers
         devices = max(1, int(getattr(trainer, "num_devices", 1) or 1))
-        if self.measures and hook == "train_dataloader":
-            free = available_bytes()
-            self._tuned = tune_num_workers(
-                loader,
-                None,
-                self.tune_time_s,
-                rank=trainer.global_rank,
-                max_workers=default_max_workers(devices),
-                target_batches_per_s=self._target(trainer, loader),
-                max_worker_bytes=None if free is None else free // (2 * devices),
-            )
-            self._chosen = self._tuned.best
-            return self._chosen
         if self.measures or self.num_workers == "auto":  # measured later, with the train loader
             workers = auto_num_workers(devices)
             if not self.measures:
@@ -196,49 +239,34 @@ class DataLoaderTuning(_LoaderRebuilder):
         self._chosen = int(self.num_workers)
         return self._chosen
 
-    def _target(self, trainer: Any, loader: DataLoader) -> float | None:
-        """Batches/s worth loading: the model's estimated step rate x headroom (None: unknown)."""
-        strategy, module = trainer.strategy, trainer.lightning_module
-        plain = isinstance(strategy, SingleDeviceStrategy) or (
-            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
-        )
-        if not plain or not module.automatic_optimization:
-            self.note(
-                "the worker search is bounded by loading speed and memory only (the model's "
-                f"step rate is estimated for single-device and DDP runs with automatic "
-                f"optimization; this is {type(strategy).__name__})."
-            )
-            return None
-        try:
-            with kept_training_state(loader):
-                batch = next(iter(rebuild_dataloader(loader, num_workers=0)))
-            batch = strategy.batch_to_device(batch)
-            rate = estimated_step_rate(
-                module, batch, precision=str(trainer.precision), device=strategy.root_device
-            )
-        except Exception as err:  # noqa: BLE001 - the bound is optional; say why it is missing
-            self.note(f"could not time the model's forward for the worker search ({err!r}).")
-            return None
-        return self.TARGET_HEADROOM * rate
-
     def _rebuild(self, trainer: Any, loader: DataLoader, hook: str) -> DataLoader:
         if isinstance(loader.dataset, IterableDataset):
             self.no_effect(
                 f"{hook}: an iterable-style dataset keeps its {loader.num_workers} workers (more "
                 "workers would each replay the whole stream unless the dataset shards itself)."
             )
-        workers = self._workers(trainer, loader, hook)
-        pin = self.pin_memory
-        if pin == "auto":
-            pin = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
-        new = rebuild_dataloader(
+        elif hook == "train_dataloader" and self.measures and self._chosen is None:
+            return self._tune_in_fit(trainer, loader)  # measured after the fit's first steps
+        new = self._rebuilt(trainer, loader, self._workers(trainer, loader, hook))
+        self._describe(trainer, loader, new, hook)
+        return new
+
+    def _pin(self, trainer: Any) -> bool:
+        if self.pin_memory == "auto":
+            return getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
+        return bool(self.pin_memory)
+
+    def _rebuilt(self, trainer: Any, loader: DataLoader, workers: int) -> DataLoader:
+        return rebuild_dataloader(
             loader,
             num_workers=workers,
-            pin_memory=bool(pin),
+            pin_memory=self._pin(trainer),
             persistent_workers=self.persistent_workers,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
             rank=trainer.global_rank,
         )
+
+    def _describe(self, trainer: Any, loader: DataLoader, new: Any, hook: str) -> None:
         changed = (loader.num_workers, loader.pin_memory) != (new.num_workers, new.pin_memory)
         self._changes[hook] = (
             f"{hook}: num_workers {loader.num_workers}->{new.num_workers}, pin_memory "
@@ -261,7 +289,6 @@ class DataLoaderTuning(_LoaderRebuilder):
         self.report(trainer, "; ".join(self._changes.values()), **figures)
         if changed:  # a loader kept as it was is in the report, not printed
             self.note(self._changes[hook])
-        return new
 
 
 class DevicePreload(_LoaderRebuilder):

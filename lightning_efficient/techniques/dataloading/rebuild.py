@@ -122,6 +122,30 @@ def rebuild_dataloader(
         TypeError: ``loader`` is not a DataLoader, or an argument has the wrong type.
         ValueError: a negative worker count, or ``prefetch_factor`` with zero workers.
     """
+    return _RNGParityDataLoader(
+        **_rebuild_kwargs(
+            loader,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            seed_workers=seed_workers,
+            rank=rank,
+        )
+    )
+
+
+def _rebuild_kwargs(
+    loader: DataLoader,
+    *,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    seed_workers: bool = True,
+    rank: int = 0,
+) -> dict[str, Any]:
+    """The constructor arguments of ``rebuild_dataloader``'s loader (checked as it says)."""
     if not isinstance(loader, DataLoader):
         raise TypeError(f"`loader` must be a torch DataLoader; got {type(loader).__name__}.")
     if num_workers is not None:
@@ -171,7 +195,7 @@ def rebuild_dataloader(
     for name in ("pin_memory_device", "in_order"):
         if hasattr(loader, name):
             kwargs[name] = getattr(loader, name)
-    return _RNGParityDataLoader(**kwargs)
+    return kwargs
 
 
 def _check_sampler_fits(loader: DataLoader) -> None:

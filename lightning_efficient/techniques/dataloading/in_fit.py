@@ -1,0 +1,154 @@
+"""The train loader's worker count, decided from the fit's own first steps.
+
+How fast training consumes batches bounds the worker search (loading faster gains nothing). It
+is measured on the fit's own steps, never by running the module's ``training_step`` out of band
+(which would update whatever state the step touches: metrics, counters, caches). So the train
+loader starts loading in the main process, as a ``TunedInFit`` loader: same dataset, sampler,
+batch sampler, collate_fn and batch size as the user's. ``StepClock`` times the first training
+steps; then the search runs (``DataLoaderTuning``, between two steps) and the loader goes on
+with the chosen count: the rest of that epoch from the same index iterator (so the batches and
+their order are the user's), every later epoch through a loader rebuilt with that count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.techniques.dataloading.rebuild import WorkerSeeder, _RNGParityDataLoader
+
+__all__ = ["StepClock", "TunedInFit", "WorkerChoice"]
+
+
+class StepClock:
+    """The fastest of the training steps after ``warmup`` (their compute only: from a batch's
+    start to its end, so without the wait for the batch), as batches per second."""
+
+    def __init__(self, device: Any, steps: int = 2, warmup: int = 1) -> None:
+        self.timer, self.steps, self.warmup = StepTimer(device), steps, warmup
+        self.seen = 0
+        self._open: str | None = None
+
+    def start(self) -> None:
+        if self.seen >= self.warmup and self.timed < self.steps:
+            self._open = f"step{self.seen}"
+            self.timer.start(self._open)
+
+    def stop(self) -> None:
+        if self._open is not None:
+            self.timer.stop(self._open)
+            self._open = None
+        self.seen += 1
+
+    @property
+    def timed(self) -> int:
+        return max(0, min(self.seen - self.warmup, self.steps))
+
+    @property
+    def ready(self) -> bool:
+        return self.timed >= self.steps
+
+    def batches_per_s(self) -> float | None:
+        """Batches per second of the fastest timed step (``None``: none timed yet)."""
+        times = [t for t in self.timer.totals().values() if t > 0]
+        return 1.0 / min(times) if times else None
+
+
+class WorkerChoice:
+    """What a ``TunedInFit`` loader needs from its callback: ``decide(loader)`` (run once, returns
+    the loader of the chosen worker count) and whether it was decided."""
+
+    def __init__(self, decide: Any) -> None:
+        self._decide = decide
+        self.loader: DataLoader | None = None  # the tuned loader, once decided
+        self.source: DataLoader | None = None  # the TunedInFit loader being iterated
+
+    @property
+    def decided(self) -> bool:
+        return self.loader is not None
+
+    def decide(self) -> DataLoader:
+        if self.loader is None:
+            self.loader = self._decide(self.source)
+        return self.loader
+
+
+class _Shared:
+    """One index iterator shared by the loaders of one epoch (created on first use, so the
+    sampler draws its order when a plain loader's iterator would)."""
+
+    def __init__(self, source: Iterable[Any]) -> None:
+        self.source, self.it = source, None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.it is None:
+            self.it = iter(self.source)
+        return self.it
+
+
+class TunedInFit(_RNGParityDataLoader):
+    """A DataLoader that loads in the main process until ``choice`` decides the worker count (once
+    the fit has timed its first steps; see the module docstring), then with that count: the rest
+    of the epoch from the same indices, later epochs through the chosen loader. ``choice`` is a constructor argument so that a copy
+    Lightning makes (to add its ``DistributedSampler``) keeps it."""
+
+    def __init__(self, *args: Any, choice: WorkerChoice | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.choice = choice
+
+    def __iter__(self):  # type: ignore[override]
+        choice = self.choice
+        if choice is None:
+            return super().__iter__()
+        choice.source = self
+        if choice.decided:
+            return iter(choice.loader)
+        return self._until_decided(choice)
+
+    def _until_decided(self, choice: WorkerChoice) -> Iterator[Any]:
+        """One epoch: in the main process until the count is decided, then with it."""
+        auto = self.batch_sampler is not None
+        indices = _Shared(self.batch_sampler if auto else self.sampler)
+        head = iter(self._part(indices, 0))  # draws the epoch's base seed, as any epoch does
+        while True:
+            if choice.decided and choice.loader.num_workers > 0:
+                # the rest of the epoch with workers; their seed is no draw of the epoch's
+                devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+                state = self.generator.get_state() if self.generator is not None else None
+                with torch.random.fork_rng(devices=devices):
+                    rest = iter(self._part(indices, choice.loader.num_workers, choice.loader))
+                if state is not None:
+                    self.generator.set_state(state)
+                yield from rest
+                return
+            try:
+                batch = next(head)
+            except StopIteration:
+                return
+            yield batch
+
+    def _part(self, indices: _Shared, workers: int, like: DataLoader | None = None) -> DataLoader:
+        """A plain loader over what is left of the epoch's indices, with ``workers``."""
+        kwargs: dict[str, Any] = dict(
+            num_workers=workers,
+            collate_fn=self.collate_fn,
+            pin_memory=self.pin_memory,
+            timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn,
+            generator=self.generator,
+        )
+        if self.batch_sampler is not None:
+            kwargs["batch_sampler"] = indices
+        else:
+            kwargs.update(batch_size=None, sampler=indices)
+        if workers > 0 and like is not None:
+            if kwargs["worker_init_fn"] is None:
+                kwargs["worker_init_fn"] = like.worker_init_fn or WorkerSeeder()
+            kwargs["prefetch_factor"] = like.prefetch_factor
+            if like.multiprocessing_context is not None:
+                kwargs["multiprocessing_context"] = like.multiprocessing_context
+        return DataLoader(self.dataset, **kwargs)

@@ -304,6 +304,7 @@ def test_tuning_on_cuda_pins_times_the_fit_and_keeps_the_batches(tmp_path) -> No
     from helpers import TINY_MODEL
 
     def run(callbacks):
+        pl.seed_everything(0, verbose=False)  # the same initial weights in both runs
         model, rec = Counted(**TINY_MODEL), BatchRecorder()
         trainer, _, losses = fit(
             tmp_path, [*callbacks, rec], model=model, data=SleepyData(0.005), max_steps=20,
@@ -315,7 +316,8 @@ def test_tuning_on_cuda_pins_times_the_fit_and_keeps_the_batches(tmp_path) -> No
     trainer, model, tuned, tuned_losses = run([DataLoaderTuning(tune_time_s=3.0)])
     assert model.train_mean.update_count == model.calls == 20
     assert all(torch.equal(a, b) for a, b in zip(plain.batches, tuned.batches))
-    torch.testing.assert_close(torch.tensor(tuned_losses), torch.tensor(plain_losses))
+    losses = torch.tensor(tuned_losses), torch.tensor(plain_losses)
+    torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)  # cuBLAS may differ in the last bits
     figures = report_for(trainer)["DataLoaderTuning"].figures
     assert figures["step_rate_bound"] > 0 and tuned.loader.num_workers == figures["num_workers"]
     assert "pin_memory False->True" in report_for(trainer)["DataLoaderTuning"].change

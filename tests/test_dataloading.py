@@ -243,12 +243,15 @@ class WhoLoads(Numbered):
 
 def test_tuned_in_fit_switches_workers_mid_epoch_on_the_same_batches() -> None:
     from lightning_efficient.techniques.dataloading.in_fit import TunedInFit, WorkerChoice
+    from lightning_efficient.techniques.dataloading.rebuild import _rebuild_kwargs
 
     data = WhoLoads(20)
     torch.manual_seed(3)
     plain = [b[:, 0].tolist() for _ in range(2) for b in DataLoader(data, 3, shuffle=True)]
     stream = torch.rand(1)  # the global RNG after the epochs: the same draws, no more
-    choice = WorkerChoice(lambda source: rebuild_dataloader(source, num_workers=2))
+    choice = WorkerChoice(
+        lambda source: _rebuild_kwargs(source, num_workers=2, persistent_workers=True)
+    )
     loader = TunedInFit(data, batch_size=3, shuffle=True, choice=choice)
     torch.manual_seed(3)
     seen, where = [], []
@@ -261,7 +264,8 @@ def test_tuned_in_fit_switches_workers_mid_epoch_on_the_same_batches() -> None:
     assert seen == plain  # the same batches in the same order, over the switch and the epoch
     assert torch.equal(torch.rand(1), stream)
     assert where[:3] == [{-1}] * 3 and all(-1 not in w for w in where[3:])
-    assert loader.choice is choice and choice.loader.num_workers == 2
+    assert loader.choice is choice and loader.num_workers == choice.loader.num_workers == 2
+    assert choice.loader.persistent_workers  # one start of the workers: epoch 1 reuses them
 
 
 class Counted(type(tiny_model())):

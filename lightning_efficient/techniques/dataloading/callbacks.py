@@ -10,6 +10,7 @@ under DDP.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -203,7 +204,8 @@ class DataLoaderTuning(_LoaderRebuilder):
         )
         return TunedInFit(choice=self._choice, **kwargs)
 
-    def _decide(self, trainer: Any, given: DataLoader, source: DataLoader) -> DataLoader:
+    def _decide(self, trainer: Any, given: DataLoader, source: DataLoader) -> dict[str, Any]:
+        """The worker search, bounded by the timed steps; the chosen loader's arguments."""
         rate = self._clock.batches_per_s()
         if rate is None:
             self.note("no training step was timed before the worker search: it is bounded by "
@@ -219,11 +221,18 @@ class DataLoaderTuning(_LoaderRebuilder):
             target_batches_per_s=None if rate is None else self.TARGET_HEADROOM * rate,
             max_worker_bytes=None if free is None else free // (2 * devices),
         )
-        self._chosen = self._tuned.best
-        new = self._rebuilt(trainer, source, self._chosen)
-        source.num_workers = self._chosen  # what the trainer's loader says it loads with
-        self._describe(trainer, given, new, "train_dataloader")
-        return new
+        self._chosen = workers = self._tuned.best
+        kwargs = _rebuild_kwargs(
+            source,
+            num_workers=workers,
+            pin_memory=self._pin(trainer),
+            persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            rank=trainer.global_rank,
+        )
+        chosen = SimpleNamespace(**{"persistent_workers": False, **kwargs})
+        self._describe(trainer, given, chosen, "train_dataloader")
+        return kwargs
 
     def _workers(self, trainer: Any, loader: DataLoader, hook: str) -> int:
         if self._chosen is not None:

@@ -5,9 +5,9 @@ is measured on the fit's own steps, never by running the module's ``training_ste
 (which would update whatever state the step touches: metrics, counters, caches). So the train
 loader starts loading in the main process, as a ``TunedInFit`` loader: same dataset, sampler,
 batch sampler, collate_fn and batch size as the user's. ``StepClock`` times the first training
-steps; then the search runs (``DataLoaderTuning``, between two steps) and the loader goes on
-with the chosen count: the rest of that epoch from the same index iterator (so the batches and
-their order are the user's), every later epoch through a loader rebuilt with that count.
+steps; then the search runs (``DataLoaderTuning``, between two steps) and one loader built with
+the chosen count takes over: the rest of that epoch from the same index iterator (so the batches
+and their order are the user's), then every later epoch (its workers start once).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_efficient.measure.timing import StepTimer
-from lightning_efficient.techniques.dataloading.rebuild import WorkerSeeder, _RNGParityDataLoader
+from lightning_efficient.techniques.dataloading.rebuild import _RNGParityDataLoader
 
 __all__ = ["StepClock", "TunedInFit", "WorkerChoice"]
 
@@ -59,22 +59,23 @@ class StepClock:
 
 
 class WorkerChoice:
-    """What a ``TunedInFit`` loader needs from its callback: ``decide(loader)`` (run once, returns
-    the loader of the chosen worker count) and whether it was decided."""
+    """What a ``TunedInFit`` loader shares with its callback: ``decide()`` runs the callback's
+    search once and keeps the constructor arguments of the loader to go on with (``kwargs``,
+    as ``rebuild_dataloader`` takes them); ``loader`` is that loader once built."""
 
     def __init__(self, decide: Any) -> None:
         self._decide = decide
-        self.loader: DataLoader | None = None  # the tuned loader, once decided
+        self.kwargs: dict[str, Any] | None = None
+        self.loader: DataLoader | None = None
         self.source: DataLoader | None = None  # the TunedInFit loader being iterated
 
     @property
     def decided(self) -> bool:
-        return self.loader is not None
+        return self.kwargs is not None
 
-    def decide(self) -> DataLoader:
-        if self.loader is None:
-            self.loader = self._decide(self.source)
-        return self.loader
+    def decide(self) -> None:
+        if self.kwargs is None:
+            self.kwargs = self._decide(self.source)
 
 
 class _Shared:
@@ -90,11 +91,33 @@ class _Shared:
         return self.it
 
 
+class _Continued:
+    """A (batch) sampler whose first epoch is what is left of ``rest``, an epoch already begun,
+    and then the epochs of ``source``: one loader (one start of its workers) takes over an
+    epoch mid-way and goes on."""
+
+    def __init__(self, source: Any, rest: _Shared | None) -> None:
+        self.source, self.rest = source, rest
+
+    def __iter__(self) -> Iterator[Any]:
+        # a loader's iterator may ask twice as it starts (torch's worker iterator resets once):
+        # the begun epoch is the first epoch until it is used up
+        return self._rest() if self.rest is not None else iter(self.source)
+
+    def _rest(self) -> Iterator[Any]:
+        yield from self.rest
+        self.rest = None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
 class TunedInFit(_RNGParityDataLoader):
     """A DataLoader that loads in the main process until ``choice`` decides the worker count (once
     the fit has timed its first steps; see the module docstring), then with that count: the rest
-    of the epoch from the same indices, later epochs through the chosen loader. ``choice`` is a constructor argument so that a copy
-    Lightning makes (to add its ``DistributedSampler``) keeps it."""
+    of the epoch from the same indices, and later epochs, through one loader built with it.
+    ``choice`` is a constructor argument so that a copy Lightning makes (to add its
+    ``DistributedSampler``) keeps it."""
 
     def __init__(self, *args: Any, choice: WorkerChoice | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,7 +128,10 @@ class TunedInFit(_RNGParityDataLoader):
         if choice is None:
             return super().__iter__()
         choice.source = self
-        if choice.decided:
+        if choice.loader is None and choice.decided:  # decided between two epochs
+            choice.loader = self._tuned(choice.kwargs, None)
+            self.num_workers = choice.loader.num_workers  # what the trainer's loader says
+        if choice.loader is not None:
             return iter(choice.loader)
         return self._until_decided(choice)
 
@@ -113,42 +139,46 @@ class TunedInFit(_RNGParityDataLoader):
         """One epoch: in the main process until the count is decided, then with it."""
         auto = self.batch_sampler is not None
         indices = _Shared(self.batch_sampler if auto else self.sampler)
-        head = iter(self._part(indices, 0))  # draws the epoch's base seed, as any epoch does
-        while True:
-            if choice.decided and choice.loader.num_workers > 0:
-                # the rest of the epoch with workers; their seed is no draw of the epoch's
-                devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-                state = self.generator.get_state() if self.generator is not None else None
-                with torch.random.fork_rng(devices=devices):
-                    rest = iter(self._part(indices, choice.loader.num_workers, choice.loader))
-                if state is not None:
-                    self.generator.set_state(state)
-                yield from rest
-                return
+        head = iter(self._in_process(indices))  # draws the epoch's base seed, as any epoch does
+        while not choice.decided:
             try:
                 batch = next(head)
             except StopIteration:
                 return
             yield batch
+        choice.loader = self._tuned(choice.kwargs, indices)
+        self.num_workers = choice.loader.num_workers
+        # the rest of the epoch: its iterator's seed is no draw of the epoch's
+        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        state = self.generator.get_state() if self.generator is not None else None
+        with torch.random.fork_rng(devices=devices):
+            rest = iter(choice.loader)
+        if state is not None:
+            self.generator.set_state(state)
+        yield from rest
 
-    def _part(self, indices: _Shared, workers: int, like: DataLoader | None = None) -> DataLoader:
-        """A plain loader over what is left of the epoch's indices, with ``workers``."""
+    def _in_process(self, indices: _Shared) -> DataLoader:
+        """A loader without workers over what is left of the epoch's indices."""
         kwargs: dict[str, Any] = dict(
-            num_workers=workers,
             collate_fn=self.collate_fn,
             pin_memory=self.pin_memory,
             timeout=self.timeout,
-            worker_init_fn=self.worker_init_fn,
             generator=self.generator,
         )
         if self.batch_sampler is not None:
             kwargs["batch_sampler"] = indices
         else:
             kwargs.update(batch_size=None, sampler=indices)
-        if workers > 0 and like is not None:
-            if kwargs["worker_init_fn"] is None:
-                kwargs["worker_init_fn"] = like.worker_init_fn or WorkerSeeder()
-            kwargs["prefetch_factor"] = like.prefetch_factor
-            if like.multiprocessing_context is not None:
-                kwargs["multiprocessing_context"] = like.multiprocessing_context
         return DataLoader(self.dataset, **kwargs)
+
+    def _tuned(self, kwargs: dict[str, Any], rest: _Shared | None) -> DataLoader:
+        """The loader of the chosen settings, over this loader's (batch) sampler, taking over
+        ``rest`` first when an epoch is under way."""
+        kwargs = dict(kwargs)
+        if self.batch_sampler is not None:
+            for key in ("batch_size", "sampler", "drop_last"):
+                kwargs.pop(key, None)
+            kwargs["batch_sampler"] = _Continued(self.batch_sampler, rest)
+        else:
+            kwargs["sampler"] = _Continued(self.sampler, rest)
+        return _RNGParityDataLoader(**kwargs)

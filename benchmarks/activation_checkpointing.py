@@ -63,7 +63,7 @@ def apply_mode(model: torch.nn.Module, mode: str, num_blocks: int | None = None)
         return []
     return apply_activation_checkpointing(
         model, num_blocks=num_blocks if mode == "budget" else None, **MODES[mode]
-    )
+    ).value
 
 
 def midway_budget(plain: int, full: int) -> int:

@@ -31,6 +31,7 @@ from lightning_efficient.techniques.batch_size.split import (
     split_batch,
 )
 from lightning_efficient.techniques.compile import (
+    apply_compile,
     compile_modules,
     compiled_modules,
     uncompile_modules,
@@ -86,10 +87,9 @@ from lightning_efficient.techniques.optimizers import (
     swap_optimizer,
 )
 from lightning_efficient.techniques.precision import (
+    apply_float8,
+    apply_matmul_precision,
     best_precision,
-    convert_to_float8,
-    restore_matmul_precision,
-    set_matmul_precision,
 )
 from lightning_efficient.techniques.zero_offload import (
     export_fp32,
@@ -132,9 +132,9 @@ __all__ = [
     "split_batch",
     "worst_case_batch",
     "best_precision",
-    "convert_to_float8",
-    "restore_matmul_precision",
-    "set_matmul_precision",
+    "apply_float8",
+    "apply_matmul_precision",
+    "apply_compile",
     "compile_modules",
     "compiled_modules",
     "uncompile_modules",

@@ -84,7 +84,7 @@ def calls_per_step(model: nn.Module, sub: nn.Module, batch) -> int:
 def test_auto_finds_tinygpt_blocks_and_recomputes_them() -> None:
     model, batch = gpt(), batch_for()
     assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 1
-    assert apply_activation_checkpointing(model) == FOUR
+    assert apply_activation_checkpointing(model).value == FOUR
     assert checkpointed_blocks(model) == {n: "full" for n in FOUR}
     assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 2  # forward + recompute
     assert calls_per_step(model, model.head, batch) == 1  # outside the blocks: not recomputed
@@ -104,7 +104,7 @@ def test_auto_finds_tinygpt_blocks_and_recomputes_them() -> None:
 )
 def test_policy_forms(policy, expected) -> None:
     model = gpt()
-    assert apply_activation_checkpointing(model, policy) == expected
+    assert apply_activation_checkpointing(model, policy).value == expected
     assert sorted(checkpointed_blocks(model)) == sorted(expected)
 
 
@@ -114,7 +114,7 @@ def test_policy_forms(policy, expected) -> None:
 )
 def test_every_n(every_n: int, expected: list[str]) -> None:
     model, batch = gpt(), batch_for()
-    assert apply_activation_checkpointing(model, every_n=every_n) == expected
+    assert apply_activation_checkpointing(model, every_n=every_n).value == expected
     assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 1
     assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 2
 
@@ -179,7 +179,7 @@ def test_auto_on_transformers_models(name: str) -> None:
 
     keys = list(model.state_dict())
     plain_loss, plain_grads = step()
-    names = apply_activation_checkpointing(model)
+    names = apply_activation_checkpointing(model).value
     assert names == [f"{prefix}.{i}" for i in range(3)]
     assert {type(model.get_submodule(n)).__name__ for n in names} == {block_cls}
     counter = ForwardCounter(
@@ -249,7 +249,8 @@ def test_in_place_idempotent_removable_and_copyable() -> None:
     apply_activation_checkpointing(model)  # again: not nested (would recompute twice)
     assert calls_per_step(model, model.blocks[2].attn.qkv, batch) == 2
     assert list(model.state_dict()) == keys and [id(b) for b in model.blocks] == ids
-    assert apply_activation_checkpointing(model, every_n=2) == ["blocks.0", "blocks.2"]  # replaces
+    every_2 = apply_activation_checkpointing(model, every_n=2)  # replaces
+    assert every_2.value == ["blocks.0", "blocks.2"]
     assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.2": "full"}
     apply_activation_checkpointing(model)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
@@ -262,6 +263,22 @@ def test_in_place_idempotent_removable_and_copyable() -> None:
         "forward" not in b.__dict__ for b in model.blocks
     )
     assert calls_per_step(model, model.blocks[1].attn.qkv, batch) == 1
+
+
+def test_the_change_says_what_it_did_and_undoes_it() -> None:
+    model, batch = gpt(), batch_for()
+    with apply_activation_checkpointing(model, every_n=2) as outer:
+        assert outer.what == "full checkpointing of 2/4 blocks (Block: blocks.0 .. blocks.2)"
+        assert outer.figures == {"blocks_wrapped": 2}
+        inner = apply_activation_checkpointing(model, selective=True, num_blocks=1)
+        assert checkpointed_blocks(model) == {"blocks.0": "selective"}
+        inner.undo()  # back to what the model had: the outer change's blocks
+        assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.2": "full"}
+        inner.undo()  # once only: the outer change stays
+        assert checkpointed_blocks(model) == {"blocks.0": "full", "blocks.2": "full"}
+    assert outer.undone and checkpointed_blocks(model) == {}
+    assert all("forward" not in vars(b) for b in model.blocks)
+    assert calls_per_step(model, model.blocks[0].attn.qkv, batch) == 1
 
 
 def test_layered_with_another_forward_wrapper() -> None:
@@ -621,7 +638,9 @@ def test_batchnorm_statistics_update_once_per_forward() -> None:
     torch.manual_seed(0)
     plain = SmallCNN()
     ckpt = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(ckpt, ConvBlock) == [f"blocks.{i}" for i in range(3)]
+    assert apply_activation_checkpointing(ckpt, ConvBlock).value == [
+        f"blocks.{i}" for i in range(3)
+    ]
     counter = ForwardCounter(ckpt.blocks[0].bn)
     grads_plain, grads_ckpt = _train_two_steps(plain), _train_two_steps(ckpt)
     assert counter.calls == 4  # 2 steps, each with a recompute in backward
@@ -663,7 +682,9 @@ def test_list_argument_that_grows_after_the_call_trains() -> None:
     torch.manual_seed(0)
     plain = TinyDenseNet()
     ckpt = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(ckpt, "DenseLayer") == [f"layers.{i}" for i in range(3)]
+    assert apply_activation_checkpointing(ckpt, "DenseLayer").value == [
+        f"layers.{i}" for i in range(3)
+    ]
     grads_plain, grads_ckpt = _train_two_steps(plain), _train_two_steps(ckpt)
     for n in grads_plain:
         torch.testing.assert_close(grads_ckpt[n], grads_plain[n], rtol=0, atol=0)
@@ -699,11 +720,13 @@ class TwoStageCNN(nn.Module):
 def test_auto_never_picks_leaf_layers() -> None:
     # before: stage2.conv1/conv2, two bare Conv2d (the sibling group with the most parameters)
     model = TwoStageCNN()
-    names = apply_activation_checkpointing(model)
+    names = apply_activation_checkpointing(model).value
     assert names == ["stage1.0", "stage1.1"]
     counter = ForwardCounter(model.stage1[0].conv)
     model(torch.randn(2, 4, 8, 8)).sum().backward()
     assert counter.calls == 2  # really recomputed
-    assert apply_activation_checkpointing(Stage(4)) == []  # only leaf layers repeat: no blocks
+    assert (
+        apply_activation_checkpointing(Stage(4)).value == []
+    )  # only leaf layers repeat: no blocks
     with pytest.raises(ValueError, match="matches no module"):
         apply_activation_checkpointing(Stage(4), "ConvBlock")  # an explicit policy still raises

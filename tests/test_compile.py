@@ -100,7 +100,7 @@ def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
     assert figures["compiled_modules"] == (2 if regional else 1)
     # the report says how many graphs were captured (identical blocks share one)
     change = report_for(trainer)["TorchCompile"].change
-    assert f": {figures['compiles']} graph" in change
+    assert f"; {figures['compiles']} graph" in change
     assert ("blocks in place" in change) == regional
     # compile time is reported apart from the steady state
     assert figures["compile_s"] > 0 and figures["compiles"] >= 1

@@ -8,6 +8,7 @@ even for properties no technique of ours has yet.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import SaveAt, fit, params_of, subprocess_timeout, tiny_model
+from given import Snapshot
+from helpers import SaveAt, fit, params_of, subprocess_timeout, tiny_data, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -44,6 +46,9 @@ class Case:
     ddp: True, or the message a DDP run must fail with when the technique refuses DDP.
     reports: the technique adds a row to the efficiency report (contract item 8).
     trainer_kwargs: extra Trainer arguments the technique needs in tests.
+    keeps: for a strategy whose result is the module changed (sharded parameters), the function
+        that makes only that change on a fresh module: a fit that raises leaves the module as
+        this alone leaves it (nothing else of the fit's).
     """
 
     cls: type
@@ -60,6 +65,7 @@ class Case:
     ddp: bool | str = True
     reports: bool = True
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    keeps: Any = None
     id: str = ""
 
     def __post_init__(self) -> None:
@@ -302,7 +308,24 @@ CASES.append(
 
 # -- scale out (issue 17): FSDP2 on an unmodified module; on one process the maths is the plain
 # run's; tests/test_fsdp.py checks 2 processes against the plain run and the techniques under it
-from lightning_efficient.techniques.fsdp import DTYPES, FullyShardedStrategy  # noqa: E402
+from lightning_efficient.techniques.fsdp import (  # noqa: E402
+    DTYPES,
+    FullyShardedStrategy,
+    apply_fully_shard,
+)
+
+
+def _sharded_alone(model: torch.nn.Module) -> None:
+    """What FullyShardedStrategy's sharding alone does to a module (over this process's group,
+    which a 1-process fit leaves): after a fit the module stays sharded, as Lightning's own FSDP
+    strategies leave it (undoing it would need every rank to gather every parameter, which an
+    exception on one rank cannot join)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    apply_fully_shard(model, init_device_mesh("cpu", (1,)))
+    model(torch.zeros(1, 8, dtype=torch.long))  # FSDP adds its state-dict hooks at the first run
+    model.reshard()  # the root keeps its parameters gathered after a forward
+
 
 CASES.append(
     Case(
@@ -325,6 +348,7 @@ CASES.append(
         stateful=False,
         # on one process keep the loader's own sampler (a distributed strategy would wrap it)
         trainer_kwargs={"use_distributed_sampler": False},
+        keeps=_sharded_alone,
     )
 )
 
@@ -763,3 +787,69 @@ def test_reports_once_not_per_step(case: Case, tmp_path, caplog, capsys) -> None
         assert case.cls.__name__ in report and report[case.cls.__name__].change
     else:
         assert case.cls.__name__ not in report
+
+
+# -- a fit that raises leaves the module, its data hooks and the global flags as given --------
+class _RaiseAt(pl.Callback):
+    """Raises ``error`` in optimizer step ``step``, after its forward (before its backward)."""
+
+    def __init__(self, step: int, error: type[BaseException]) -> None:
+        self.step, self.error, self.raised = step, error, False
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if trainer.global_step == self.step:
+            self.raised = True
+            raise self.error(f"raised by the test at step {self.step}")
+
+
+def test_the_snapshot_sees_what_a_fit_could_leave() -> None:
+    """The contract case can fail: each kind of leftover shows in the snapshot's diff."""
+    from lightning_efficient.core.change import patch_attribute
+    from lightning_efficient.functional import apply_activation_checkpointing, apply_compile
+
+    model, data = tiny_model(), tiny_data()
+    given = Snapshot.take(model, data)
+    assert given.diff(Snapshot.take(model, data)) == []
+    leftovers = [
+        (apply_activation_checkpointing(model), "instance[blocks.0]: forward added"),
+        (apply_compile(model, backend="eager"), "instance[blocks.1]: _compiled_call_impl added"),
+        (patch_attribute(data, "train_dataloader", lambda: None), "datamodule: train_dataloader"),
+        (patch_attribute(torch.backends.cudnn, "benchmark", True), "cudnn.benchmark False -> True"),
+    ]
+    handle = model.head.register_forward_hook(lambda *args: None)
+    hook = model.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+    left = "\n".join(given.diff(Snapshot.take(model, data)))
+    for _, line in leftovers:
+        assert line in left
+    assert "hooks[head]: _forward_hooks added" in left and "parameters: head.weight" in left
+    handle.remove(), hook.remove()
+    for change, _ in reversed(leftovers):
+        change.undo()
+    assert given.diff(Snapshot.take(model, data)) == []
+
+
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_fit_that_raises_leaves_what_was_given(case: Case, tmp_path) -> None:
+    # an exception propagates; a KeyboardInterrupt is caught by Lightning, which ends the process
+    # with SystemExit after the callbacks' on_exception (and ignores Ctrl+C from then on)
+    for error, seen in ((RuntimeError, RuntimeError), (KeyboardInterrupt, SystemExit)):
+        model, data = tiny_model(), tiny_data()
+        given = Snapshot.take(model, data)
+        raiser = _RaiseAt(2, error)
+        sigint = signal.getsignal(signal.SIGINT)
+        try:
+            with pytest.raises(seen):
+                case.fit(
+                    tmp_path / error.__name__, model=model, data=data, callbacks=[raiser],
+                    max_steps=4, limit_val_batches=0,
+                )  # fmt: skip
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+        assert raiser.raised
+        after = Snapshot.take(model, data)
+        if case.keeps is not None:  # the strategy's own result, and nothing else
+            alike = tiny_model()
+            case.keeps(alike)
+            given, after = Snapshot.take(alike, data).layout(), after.layout()
+        left = given.diff(after)
+        assert not left, f"{case.id} after {error.__name__} at step 2:\n" + "\n".join(left)

@@ -95,7 +95,7 @@ def test_auto_checkpointing_keeps_weights_and_buffers(name: str) -> None:
     plain, batch = build().train(), make_batch()
     ckpt = copy.deepcopy(plain)
     ranking = _ranked(name, copy.deepcopy(plain), batch, loss_fn)
-    names = apply_activation_checkpointing(ckpt, ranking.best.group.policy)
+    names = apply_activation_checkpointing(ckpt, ranking.best.group.policy).value
     assert names == ranking.best.group.names
     _train_step(plain, batch, loss_fn)
     _train_step(ckpt, batch, loss_fn)

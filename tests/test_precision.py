@@ -18,11 +18,10 @@ from lightning_efficient.techniques import precision as P
 from lightning_efficient.techniques.precision import (
     Float8Training,
     MatmulPrecision,
+    apply_float8,
+    apply_matmul_precision,
     best_precision,
     check_precision,
-    convert_to_float8,
-    restore_matmul_precision,
-    set_matmul_precision,
 )
 
 
@@ -102,15 +101,20 @@ def test_bf16_mixed_validation_loss_within_2_percent_of_fp32(tmp_path) -> None:
 
 
 # -- MatmulPrecision -----------------------------------------------------------------------------
-def test_set_and_restore_matmul_precision() -> None:
+def test_apply_matmul_precision_and_undo() -> None:
     before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
-    previous = set_matmul_precision("medium")
+    medium = apply_matmul_precision("medium")
     assert (
         torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.allow_tf32 is True
     )
-    set_matmul_precision("highest")
-    assert torch.backends.cudnn.allow_tf32 is False
-    restore_matmul_precision(previous)
+    assert medium.what == f"float32 matmul precision {before[0]!r} -> 'medium', cuDNN TF32 on"
+    with apply_matmul_precision("highest"):
+        assert torch.backends.cudnn.allow_tf32 is False
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (
+        "medium",
+        True,
+    )
+    medium.undo()
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
 
 
@@ -181,7 +185,7 @@ needs_torchao = pytest.mark.skipif(
 
 
 @needs_torchao
-def test_convert_to_float8_keeps_keys_and_trains_close_to_fp32() -> None:
+def test_apply_float8_keeps_keys_trains_close_to_fp32_and_undoes() -> None:
     # torch 2.13 runs float8 matmuls (torch._scaled_mm) on the CPU too: the numerics are testable
     from torchao.float8.float8_linear import Float8Linear
 
@@ -189,7 +193,8 @@ def test_convert_to_float8_keeps_keys_and_trains_close_to_fp32() -> None:
     ref, fp8 = tiny_model(n_embd=32), tiny_model(n_embd=32)
     fp8.load_state_dict(ref.state_dict())
     keys = list(fp8.state_dict())
-    names = convert_to_float8(fp8, exclude=["head"])
+    change = apply_float8(fp8, exclude=["head"])
+    names = change.value
     assert names and all(isinstance(fp8.get_submodule(n), Float8Linear) for n in names)
     assert "head" not in names and not isinstance(fp8.head, Float8Linear)
     assert list(fp8.state_dict()) == keys
@@ -204,6 +209,10 @@ def test_convert_to_float8_keeps_keys_and_trains_close_to_fp32() -> None:
     assert abs(losses["fp8"] - losses["ref"]) / losses["ref"] < 0.02
     g_ref, g_fp8 = ref.blocks[0].mlp[0].weight.grad, fp8.blocks[0].mlp[0].weight.grad
     assert torch.nn.functional.cosine_similarity(g_ref.flatten(), g_fp8.flatten(), dim=0) > 0.95
+    trained = fp8.blocks[0].mlp[0].weight
+    change.undo()  # the original layers are back, holding the same (trained) parameters
+    assert not any(isinstance(m, Float8Linear) for m in fp8.modules())
+    assert type(fp8.blocks[0].mlp[0]) is torch.nn.Linear and fp8.blocks[0].mlp[0].weight is trained
 
 
 def test_float8_training_on_cpu_says_it_did_nothing(tmp_path) -> None:
@@ -215,10 +224,41 @@ def test_float8_training_on_cpu_says_it_did_nothing(tmp_path) -> None:
     assert type(model.blocks[0].mlp[0]) is torch.nn.Linear
 
 
+@needs_torchao
+def test_float8_training_puts_the_layers_back_after_fit_and_on_error(tmp_path, monkeypatch) -> None:
+    """On a CPU with the device check answered as on an FP8 GPU (torch runs float8 matmuls on
+    the CPU too): the layers train in FP8 during the fit, and are nn.Linear again after it."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.setattr(P, "supports_fp8", lambda device=None: True)
+
+    class Types(pl.Callback):
+        def __init__(self, fail_at: int | None = None) -> None:
+            self.fail_at, self.seen = fail_at, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.seen.append(type(pl_module.blocks[0].mlp[0]))
+            if batch_idx == self.fail_at:
+                raise RuntimeError("stop here")
+
+    for fail_at in (None, 1):
+        model, types = tiny_model(), Types(fail_at)
+        weight = model.blocks[0].mlp[0].weight
+        if fail_at is None:
+            trainer, _, _ = fit(tmp_path, [Float8Training(), types], model=model, max_steps=2)
+            assert report_for(trainer)["Float8Training"].figures["converted_layers"] > 0
+        else:
+            with pytest.raises(RuntimeError, match="stop here"):
+                fit(tmp_path, [Float8Training(), types], model=model, max_steps=3)
+        assert types.seen[0] is Float8Linear
+        assert not any(isinstance(m, Float8Linear) for m in model.modules())
+        assert model.blocks[0].mlp[0].weight is weight  # the trained parameter, in place
+
+
 def test_missing_torchao_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
     with pytest.raises(ImportError, match=r"pip install 'lightning-efficient\[fp8\]'"):
-        convert_to_float8(tiny_model())
+        apply_float8(tiny_model())
 
 
 def test_float8_bad_arguments() -> None:

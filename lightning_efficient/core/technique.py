@@ -8,6 +8,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_efficient.core import compat
+from lightning_efficient.core.change import Change, changes_for
 from lightning_efficient.core.report import report_for
 
 __all__ = ["NoEffectWarning", "Technique", "techniques_of"]
@@ -20,15 +21,20 @@ class NoEffectWarning(UserWarning):
 class Technique(Callback):
     """Base class of this package's callbacks. Subclasses hold no maths; they decide *when*.
 
+    - ``self.record(trainer, change)`` keeps a ``Change`` (what an ``apply_*`` returned) to be
+      undone. ``restore`` undoes the recorded changes, last first, together with the changes
+      other techniques made after them (``core.change.ChangeLog``), at teardown after a fit and
+      when a fit raises or is interrupted (``on_exception``: Lightning calls it for a
+      ``KeyboardInterrupt`` too, and does not call ``teardown`` then). This is the one path every
+      undo takes: subclasses record their changes and override neither ``restore`` nor
+      ``teardown`` (``tests/test_layers.py`` checks it).
     - ``self.report(trainer, change, **figures)`` adds the technique's row to the efficiency
-      report, which is shown once at the end of fit on rank zero (by the last technique among
-      the trainer's callbacks; subclasses that override ``on_fit_end`` call ``super()`` last).
+      report (``change``: a ``Change``, whose ``what`` and figures make the row, or a line),
+      which is shown once at the end of fit on rank zero (by the last technique among the
+      trainer's callbacks; subclasses that override ``on_fit_end`` call ``super()`` last).
       Under several ranks every rank reaches that point and the figures are gathered first.
     - ``self.note(message)`` / ``self.no_effect(message)`` log once, on rank zero.
     - ``setup`` runs the package's compatibility rules once per fit (``compat.check``).
-    - ``restore(trainer, pl_module)`` undoes what the technique changed outside the weights
-      (hooks, global flags); it is called on an exception and at teardown, and must be safe to
-      call twice.
 
     What the compatibility rules (and the profiler's advice) need to know about a technique is
     declared here, as class attributes or properties that subclasses override (never read from
@@ -65,13 +71,16 @@ class Technique(Callback):
     def __init__(self) -> None:
         super().__init__()
         self._said: set[str] = set()
+        self._recorded: list[Change] = []
 
     # -- reporting -------------------------------------------------------------------------
     @property
     def name(self) -> str:
         return type(self).__name__
 
-    def report(self, trainer: Any, change: str, **figures: Any) -> None:
+    def report(self, trainer: Any, change: Change | str, **figures: Any) -> None:
+        if isinstance(change, Change):
+            change, figures = change.what, {**change.figures, **figures}
         entry = report_for(trainer).add(self.name, change, **figures)
         entry.decisions = tuple(self.decision_figures)
 
@@ -92,8 +101,26 @@ class Technique(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         compat.check(trainer, techniques_of(trainer))
 
+    # -- changes and their undo ---------------------------------------------------------------
+    def record(self, trainer: Any, change: Change) -> Change:
+        """Keep ``change`` to be undone by ``restore``; returns it. A change the technique
+        undoes itself during the fit (``change.undo()``) is simply let go."""
+        self._recorded = [c for c in self._recorded if not c.undone]
+        if not change.undone:
+            self._recorded.append(change)
+            if trainer is not None:
+                changes_for(trainer).record(change)
+        return change
+
     def restore(self, trainer: Any, pl_module: Any) -> None:
-        """Undo what the technique changed outside the weights; safe to call twice."""
+        """Undo the recorded changes, last first, after the changes other techniques made on
+        top of them; safe to call twice."""
+        live = [c for c in self._recorded if not c.undone]
+        self._recorded = []
+        if live and trainer is not None:
+            changes_for(trainer).undo_from(live[0])
+        for change in reversed(live):
+            change.undo()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         # shown by the last technique among the callbacks, once every row is in (a technique

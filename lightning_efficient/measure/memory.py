@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, format_bytes
 from lightning_efficient.measure.optimizer_models import (
@@ -80,6 +81,7 @@ class MemoryBreakdown(Technique):
         self.measurements: dict[int, MemoryEstimate] = {}
         self._step: int | None = None
         self._tracker: StorageTracker | None = None
+        self._tracking = Change("no storage tracker")
         self._cuda: dict[str, Any] | None = None
 
     @property
@@ -89,7 +91,7 @@ class MemoryBreakdown(Technique):
     # -- when to measure -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self.measurements = {}
+        self.measurements, self._step, self._cuda = {}, None, None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -107,6 +109,8 @@ class MemoryBreakdown(Technique):
         tracker = StorageTracker(fake=False)
         tracker.__enter__()
         self._tracker = tracker
+        # the tracker is a dispatch mode: it leaves the mode stack when fit raises mid-step too
+        self._tracking = self.record(trainer, Change("storage tracker entered", self._exit_tracker))
         tracker.phase = "forward"
         params = _unique_params(pl_module)
         tracker.label(params, "parameters")
@@ -157,10 +161,15 @@ class MemoryBreakdown(Technique):
             metrics.update({f"memory/{c}_bytes": float(v) for c, v in result.by_category.items()})
             logger.log_metrics(metrics, step=step)
 
-    def _stop_tracker(self) -> MemoryEstimate:
+    def _exit_tracker(self) -> None:
         tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+
+    def _stop_tracker(self) -> MemoryEstimate:
+        tracker = self._tracker
         assert tracker is not None
-        tracker.__exit__(None, None, None)
+        self._tracking.undo()
         return tracker.summary()
 
     def _cuda_result(self, trainer: Any, pl_module: Any) -> MemoryEstimate:
@@ -195,11 +204,6 @@ class MemoryBreakdown(Technique):
         )
 
     # -- end of fit ------------------------------------------------------------------------
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self._tracker is not None:
-            self._stop_tracker()
-        self._step, self._cuda = None, None
-
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self._tracker is not None:  # the fit ended inside a measured step
             self._stop_tracker()

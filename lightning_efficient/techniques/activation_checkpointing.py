@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     SettingsError,
@@ -108,8 +109,9 @@ def apply_activation_checkpointing(
     selective: bool = False,
     offload_activations: bool = False,
     num_blocks: int | None = None,
-) -> list[str]:
-    """Checkpoint blocks of ``module`` in place; returns the names of the checkpointed blocks.
+) -> Change:
+    """Checkpoint blocks of ``module`` in place; returns the ``Change``: its ``value`` is the
+    names of the checkpointed blocks, its ``undo()`` puts back the wrapping ``module`` had.
 
     Args:
         module: Any ``nn.Module`` (a LightningModule, a HF model, ...). It is not replaced and
@@ -124,7 +126,7 @@ def apply_activation_checkpointing(
         num_blocks: Checkpoint only the first ``num_blocks`` of them (used by the budget mode).
 
     Applying again replaces the previous settings (idempotent for the same arguments);
-    ``remove_activation_checkpointing`` undoes it.
+    ``remove_activation_checkpointing`` removes every block's.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
@@ -134,13 +136,32 @@ def apply_activation_checkpointing(
     check_bool("offload_activations", offload_activations)
     check_int("num_blocks", num_blocks, minimum=0, allow_none=True)
     chosen, others = _choose(module, policy, every_n, num_blocks)
+    before = checkpointed_blocks(module)
     remove_activation_checkpointing(module)
+    mode = "selective" if selective else "full"
     for _, block in chosen:
-        _wrap(block, "selective" if selective else "full")
+        _wrap(block, mode)
     if offload_activations:
         for _, block in others:
             _wrap(block, "offload")
-    return [n for n, _ in chosen]
+    names = [n for n, _ in chosen]
+    what = f"{mode} checkpointing of {len(names)}/{len(chosen) + len(others)} blocks"
+    if not chosen and num_blocks == 0:  # a budget the plain run meets: nothing was needed
+        what = "no block checkpointed: the plain run fits the budget"
+    elif not chosen and not others:
+        what = "no block checkpointed: " + (
+            "the model has no repeated blocks" if policy == "auto" else "no block selected"
+        )
+    if names:
+        what += f" ({type(chosen[0][1]).__name__}: {_span(names)})"
+    if offload_activations and others:
+        what += f"; saved activations of {len(others)} other blocks offloaded to host"
+    return Change(
+        what,
+        functools.partial(_restore, module, before),
+        figures={"blocks_wrapped": len(names)},
+        value=names,
+    )
 
 
 # -- auto: blocks ranked by the activation memory they free ----------------------------------------
@@ -338,7 +359,8 @@ class ActivationCheckpointing(Technique):
     The blocks are wrapped in place when fit starts (``on_fit_start``, so layers built in
     ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with
     ``"auto"`` or a budget, at the first training batch (the estimate needs a batch). They are
-    unwrapped at teardown. ``state_dict`` keys never change.
+    unwrapped at the end of fit, and when fit raises or is interrupted. ``state_dict`` keys
+    never change.
     """
 
     stacks = False
@@ -366,7 +388,7 @@ class ActivationCheckpointing(Technique):
         self._policy: Any = self.policy  # "auto" resolved to the measured best group
         self._pending = False
         self._check = False
-        self._active = False
+        self._change = Change("no block checkpointed")
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
@@ -376,7 +398,6 @@ class ActivationCheckpointing(Technique):
         search runs, on the plan's model and batch (nested estimates), so the estimate shows the
         blocks a fit would checkpoint."""
         model = plan.model
-        before = checkpointed_blocks(model)
         num_blocks = None
         settings = {k: getattr(plan, k) for k in _PLAN_SETTINGS}
         self._policy = self.policy
@@ -394,9 +415,9 @@ class ActivationCheckpointing(Technique):
             )
             num_blocks = choice.num_blocks
         # offload is not run on fake tensors (no streams, no pinned memory): counted on device
-        names = self._apply(model, num_blocks, offload=False)
-        plan.on_exit(functools.partial(_restore, model, before))
-        plan.note(f"{self.name}: {self._describe(names, model, num_blocks)}")
+        change = self._apply(model, num_blocks, offload=False)
+        plan.on_exit(change.undo)
+        plan.note(f"{self.name}: {change.what}")
         if self.offload_activations:
             others = len(_choose(model, self._policy, self.every_n, num_blocks)[1])
             plan.note(
@@ -416,7 +437,8 @@ class ActivationCheckpointing(Technique):
             self._pending = True
             self._select(pl_module)  # fail now if the policy matches nothing
             return
-        self._apply_and_report(trainer, pl_module, None)
+        self._change = self.record(trainer, self._apply(pl_module, None))
+        self._report(trainer, pl_module)
         self._check = True  # measure what the chosen blocks save at the first batch
 
     def on_train_batch_start(
@@ -429,7 +451,7 @@ class ActivationCheckpointing(Technique):
             self._check = False
             self._measure(pl_module, batch, settings)
             if self.ranking is not None:
-                self._apply_and_report(trainer, pl_module, None)
+                self._report(trainer, pl_module)  # again, with what the blocks save
             return
         self._pending = False
         if self.policy == "auto":
@@ -444,13 +466,9 @@ class ActivationCheckpointing(Technique):
                 selective=self.selective,
                 **settings,
             )
-        self._apply_and_report(trainer, pl_module, self.choice.num_blocks if self.choice else None)
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._active:  # leave the model as it was given (``self.wrapped`` keeps the record)
-            remove_activation_checkpointing(pl_module)
-            self._active = False
-        self._pending = self._check = False
+        num_blocks = self.choice.num_blocks if self.choice else None
+        self._change = self.record(trainer, self._apply(pl_module, num_blocks))
+        self._report(trainer, pl_module)
 
     # -- helpers ----------------------------------------------------------------------------
     def _measure(self, model: nn.Module, batch: Any, settings: dict[str, Any]) -> None:
@@ -477,7 +495,7 @@ class ActivationCheckpointing(Technique):
     def _select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return _choose(model, self._policy, self.every_n, None)[0]
 
-    def _apply(self, model: nn.Module, num_blocks: int | None, offload: bool = True) -> list[str]:
+    def _apply(self, model: nn.Module, num_blocks: int | None, offload: bool = True) -> Change:
         return apply_activation_checkpointing(
             model,
             self._policy,
@@ -487,44 +505,29 @@ class ActivationCheckpointing(Technique):
             num_blocks=num_blocks,
         )
 
-    def _describe(self, names: Sequence[str], model: nn.Module, num_blocks: int | None) -> str:
-        if not names and num_blocks == 0:  # a budget the plain run meets: nothing was needed
-            return "no block checkpointed: the plain run fits the budget"
-        if not names and self.policy == "auto":
-            return "no block checkpointed: the model has no repeated blocks"
-        total = len(select_modules(model, self._policy))
-        kind = "selective" if self.selective else "full"
-        what = f"{kind} checkpointing of {len(names)}/{total} blocks"
-        if names:
-            cls = type(dict(model.named_modules())[names[0]]).__name__
-            what += f" ({cls}: {_span(names)})"
-        offloaded = sum(1 for m in checkpointed_blocks(model).values() if m == "offload")
-        if offloaded:
-            what += f"; saved activations of {offloaded} other blocks offloaded to host"
-        return what
-
-    def _savings(self, change: str, figures: dict[str, Any]) -> str:
-        """The measured saving of the chosen blocks (in ``figures``); a note when it is little."""
+    def _savings(self, figures: dict[str, Any]) -> str:
+        """What the measured ranking says the chosen blocks save (``figures`` get its numbers)."""
         ranking = self.ranking
         chosen = ranking.best if ranking is not None else None
         if ranking is None or chosen is None or self.every_n > 1:
-            return change
+            return ""
         figures.update(
             activations_before_bytes=ranking.plain_activation_bytes,
             activations_saved_bytes=chosen.saved_bytes,
         )
         little = little_saving(ranking, chosen, self._better)
         if little is None:
-            return f"{change}; {ranking.describe(chosen)}"
+            return f"; {ranking.describe(chosen)}"
         self.no_effect(little)
-        return f"{change}; saves little: {ranking.describe(chosen)}"
+        return f"; saves little: {ranking.describe(chosen)}"
 
-    def _apply_and_report(self, trainer: Any, pl_module: Any, num_blocks: int | None) -> None:
-        self.wrapped = self._apply(pl_module, num_blocks)
-        self._active = True
-        change = self._describe(self.wrapped, pl_module, num_blocks)
-        figures: dict[str, Any] = {"blocks_wrapped": len(self.wrapped)}
-        if not self.wrapped and self.policy == "auto" and num_blocks != 0:
+    def _report(self, trainer: Any, pl_module: Any) -> None:
+        change = self._change
+        self.wrapped = list(change.value)
+        figures: dict[str, Any] = {}
+        what = change.what
+        plain_fits = self.choice is not None and self.choice.num_blocks == 0
+        if not self.wrapped and self.policy == "auto" and not plain_fits:
             self.no_effect(
                 "no block to checkpoint: the model has no repeated blocks and no block in a "
                 "ModuleList/Sequential/ModuleDict. Pass `policy=` a module class, a class name or a "
@@ -533,10 +536,11 @@ class ActivationCheckpointing(Technique):
         if self.choice is not None:
             c = self.choice
             if c.num_blocks == 0:
-                change = (
+                what = (
                     f"no block checkpointed: the plain peak {format_bytes(c.plain_peak_bytes)} fits"
                 )
-            change += (
+                self.note("the plain run already fits the budget; no block is checkpointed.")
+            what += (
                 f" (budget {format_bytes(c.budget_bytes)}, estimated peak "
                 f"{format_bytes(c.plain_peak_bytes)} -> {format_bytes(c.peak_bytes)})"
             )
@@ -549,9 +553,9 @@ class ActivationCheckpointing(Technique):
                 activations_after_bytes=c.activation_bytes,
             )
         elif self.wrapped:
-            change = self._savings(change, figures)
-        self.report(trainer, change, **figures)
-        self.note(change)
+            what += self._savings(figures)
+        self.report(trainer, what, **{**change.figures, **figures})
+        self.note(what)
         if self.offload_activations:
             device = getattr(getattr(trainer, "strategy", None), "root_device", None)
             if getattr(device, "type", None) != "cuda":
@@ -559,8 +563,6 @@ class ActivationCheckpointing(Technique):
                     "offload_activations=True changes nothing on a CPU device: activations are "
                     "already in host memory."
                 )
-        if num_blocks == 0:
-            self.note("the plain run already fits the budget; no block is checkpointed.")
 
 
 _OWN = (

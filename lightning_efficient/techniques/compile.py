@@ -1,7 +1,8 @@
 """torch.compile, in place and per block, with compile time measured apart from step time.
 
-- ``compile_modules(model, ...)`` compiles in place with ``nn.Module.compile`` (state_dict keys
-  never change: no ``_orig_mod.``). Regional (the default) compiles each repeated block found by
+- ``apply_compile(model, ...)`` compiles in place with ``nn.Module.compile`` (state_dict keys
+  never change: no ``_orig_mod.``) and returns the ``Change`` whose ``undo()`` puts back what
+  each module ran before (``compile_modules`` does the same and returns the names). Regional (the default) compiles each repeated block found by
   ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
   compiled graph, so compile time is about one block's, not the whole model's. The parts outside
   the blocks (embeddings, final norm, head; the loss in ``training_step``) stay eager: compiling
@@ -19,8 +20,8 @@
   Dynamo's compile callbacks (``on_compile_start``/``on_compile_end``).
 - ``TorchCompile`` (callback) compiles at fit start, reports compile time, first-step time and
   steady-state step time apart, and warns once when recompilations pass a threshold, naming the
-  cause (usually changing shapes) and the fix (pad or bucket lengths); after fit (and on an
-  exception) it puts back what each module it compiled had before.
+  cause (usually changing shapes) and the fix (pad or bucket lengths); after fit (and when it
+  raises or is interrupted) it puts back what each module it compiled had before.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lightning_efficient.core._internals import (
     is_dynamo_error,
     set_compiled_call,
 )
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int
 from lightning_efficient.measure.timing import StepTimer
@@ -51,6 +53,7 @@ from lightning_efficient.techniques._blocks import (
 )
 
 __all__ = [
+    "apply_compile",
     "compile_modules",
     "uncompile_modules",
     "compiled_modules",
@@ -153,6 +156,40 @@ def compile_modules(
     return [name for name, _ in targets]
 
 
+def apply_compile(
+    model: nn.Module,
+    *,
+    mode: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    regional: bool = True,
+    backend: str | Callable[..., Any] = "inductor",
+    blocks: Any = "auto",
+    on_error: Callable[[BaseException], None] | None = None,
+) -> Change:
+    """``compile_modules`` with its undo: the change's ``value`` is the names compiled (``""``:
+    the model itself), its ``undo()`` makes each of them run as before (eagerly, or under the
+    user's own ``module.compile()``)."""
+    previous = {n: compiled_call(m) for n, m in model.named_modules()}
+    names = compile_modules(
+        model, mode=mode, fullgraph=fullgraph, dynamic=dynamic, regional=regional,
+        backend=backend, blocks=blocks, on_error=on_error,
+    )  # fmt: skip
+
+    def undo() -> None:
+        for name in names:
+            set_compiled_call(model.get_submodule(name), previous.get(name))
+
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
+    how = f"{name}, mode={mode}" if mode else name
+    what = (
+        f"compiled the whole model ({how})"
+        if names == [""]
+        else f"compiled {len(names)} blocks in place ({how}); the rest of the model runs eagerly"
+    )
+    return Change(what, undo, figures={"compiled_modules": len(names)}, value=names)
+
+
 class CompileWatch:
     """Counts Dynamo compilations and recompilations and sums their wall time while installed.
 
@@ -201,6 +238,11 @@ class CompileWatch:
             callback_handler.remove_start_callback(self._start)
             callback_handler.remove_end_callback(self._end)
             self._installed = False
+
+    def apply(self) -> Change:
+        """Install; the change's ``undo()`` removes the callbacks again."""
+        self.install()
+        return Change("compile callbacks installed", self.remove, value=self)
 
     def __enter__(self) -> CompileWatch:
         return self.install()
@@ -301,8 +343,7 @@ class TorchCompile(Technique):
         self.blocks = check_policy(blocks, argument="blocks")
         self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)
         self._names: list[str] = []
-        self._model: nn.Module | None = None
-        self._previous: dict[str, Any] = {}
+        self._compiled = Change("nothing compiled")
         self._watch: CompileWatch | None = None
         self._fell_back: str | None = None
         self._timer: Any = None
@@ -314,22 +355,24 @@ class TorchCompile(Technique):
 
     # -- compile and fall back ---------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._watch = CompileWatch(on_recompile=self._check_recompiles).install()
-        self._model = pl_module
-        # what each module had before (``None``: eager; a user's own ``module.compile()`` stays)
-        self._previous = {n: compiled_call(m) for n, m in pl_module.named_modules()}
+        self._watch = CompileWatch(on_recompile=self._check_recompiles)
+        self.record(trainer, self._watch.apply())
         self._fell_back = None
         self._warned_recompiles = False
-        self._names = compile_modules(
-            pl_module,
-            mode=self.mode,
-            fullgraph=self.fullgraph,
-            dynamic=self.dynamic,
-            regional=self.regional,
-            backend=self.backend,
-            blocks=self.blocks,
-            on_error=self._fall_back,
+        self._compiled = self.record(
+            trainer,
+            apply_compile(
+                pl_module,
+                mode=self.mode,
+                fullgraph=self.fullgraph,
+                dynamic=self.dynamic,
+                regional=self.regional,
+                backend=self.backend,
+                blocks=self.blocks,
+                on_error=self._fall_back,
+            ),
         )
+        self._names = self._compiled.value
         # torch.nn's own layers: Dynamo skips their frames. (Zero compile events alone are not
         # proof: a second fit of an identical model reuses Dynamo's process-wide cache.)
         self._torch_nn_only = bool(self._names) and all(
@@ -345,9 +388,7 @@ class TorchCompile(Technique):
     def _fall_back(self, err: BaseException) -> None:
         if self.strict:
             raise err
-        if self._model is not None:  # back to eager: the modules this callback compiled
-            for name in self._names:
-                set_compiled_call(self._model.get_submodule(name), None)
+        self._compiled.undo()  # the modules this callback compiled run as before
         self._fell_back = _describe_error(err)
         self.warn(
             f"torch.compile failed ({self._fell_back}); training continues in eager mode. "
@@ -431,55 +472,25 @@ class TorchCompile(Technique):
             change = f"compile failed, fell back to eager ({self._fell_back})"
         elif self._no_graphs():
             change = f"0 graphs compiled: {len(self._names)} modules run eagerly"
-        elif self._names == [""]:
-            change = f"compiled the whole model{self._graphs()} ({self._backend_name()})"
         else:
-            change = (
-                f"compiled {len(self._names)} blocks in place{self._graphs()} "
-                f"({self._backend_name()}); the rest of the model runs eagerly"
-            )
-        self.report(
-            trainer,
-            change,
-            compiled_modules=0 if self._fell_back or self._no_graphs() else len(self._names),
-            **self.timings(),
-        )
+            change = self._compiled.what + self._graphs()
+        figures = {**self._compiled.figures, **self.timings()}
+        if self._fell_back or self._no_graphs():
+            figures["compiled_modules"] = 0
+        self.report(trainer, change, **figures)
 
     def _graphs(self) -> str:
-        """``": 1 graph"`` once the model ran: how many graphs Dynamo captured for what was compiled
-        (identical blocks share one)."""
+        """``"; 1 graph"`` once the model ran: how many graphs Dynamo captured for what was
+        compiled (identical blocks share one)."""
         if self._watch is None or not self._step:
             return ""
         n = self._watch.compiles
-        return f": {n} graph{'' if n == 1 else 's'}"
-
-    def _backend_name(self) -> str:
-        name = (
-            self.backend
-            if isinstance(self.backend, str)
-            else getattr(self.backend, "__name__", "custom")
-        )
-        return f"{name}, mode={self.mode}" if self.mode else name
-
-    def _finish(self) -> None:
-        if self._watch is not None:
-            self._watch.remove()
+        return f"; {n} graph{'' if n == 1 else 's'}"
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._check_graphs()
         self._report(trainer)
-        self._finish()
         super().on_fit_end(trainer, pl_module)
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        """Every module this callback compiled runs as it did before fit (eagerly, or under the
-        user's own ``module.compile()``); safe to call twice."""
-        self._finish()
-        if self._model is not None:
-            for name in self._names:
-                module = self._model.get_submodule(name)
-                set_compiled_call(module, self._previous.get(name))
-        self._model, self._previous = None, {}
 
 
 def _span(names: list[str]) -> str:

@@ -5,16 +5,17 @@
   ``"16-mixed"`` on older CUDA devices, ``"32-true"`` otherwise. The CLI accepts
   ``trainer.precision: auto`` and resolves it through this function.
 - ``check_precision(value)`` validates a precision value against the ones Lightning knows.
-- ``set_matmul_precision(level)`` sets float32 matmul precision and cuDNN's TF32 flag and
-  returns the previous settings; ``restore_matmul_precision(previous)`` puts them back. The
-  ``MatmulPrecision`` callback does this around a fit (restores on exception too).
-- ``convert_to_float8(model)`` swaps ``nn.Linear`` layers for torchao's ``Float8Linear`` (state_dict
-  keys unchanged); the ``Float8Training`` callback does so at fit start on devices with FP8 tensor
-  cores (compute capability 8.9+) and says clearly that it did nothing elsewhere.
+- ``apply_matmul_precision(level)`` sets float32 matmul precision and cuDNN's TF32 flag; the
+  ``Change`` it returns puts the previous settings back. The ``MatmulPrecision`` callback does
+  this around a fit (undone after it, and when it raises or is interrupted).
+- ``apply_float8(model)`` swaps ``nn.Linear`` layers for torchao's ``Float8Linear`` (state_dict
+  keys unchanged; its ``Change`` puts the original layers back); the ``Float8Training`` callback
+  does so in setup on devices with FP8 tensor cores (compute capability 8.9+), undoes it after
+  fit, and says clearly that it did nothing elsewhere.
 
 ``Float8Training`` is a callback of its own, not an option of ``MatmulPrecision``: TF32 is a
 process-wide flag that is set and restored around a fit, FP8 is model surgery (module classes
-change, for good) that must happen before the optimizer is built and before compilation; the two
+change for the fit) that must happen before the optimizer is built and before compilation; the two
 have different devices, lifecycles and failure modes, and combine freely.
 """
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.core._internals import cpu_supports_bf16, lightning_precision_values
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_choice, missing_extra
 
@@ -37,9 +39,8 @@ __all__ = [
     "valid_precisions",
     "has_tf32",
     "supports_fp8",
-    "set_matmul_precision",
-    "restore_matmul_precision",
-    "convert_to_float8",
+    "apply_matmul_precision",
+    "apply_float8",
     "MatmulPrecision",
     "Float8Training",
     "MATMUL_LEVELS",
@@ -111,29 +112,31 @@ def has_tf32(device: torch.device | str | int | None = None) -> bool:
     )
 
 
-def set_matmul_precision(level: str) -> dict[str, Any]:
+def apply_matmul_precision(level: str) -> Change:
     """Set ``torch.set_float32_matmul_precision(level)`` and cuDNN's TF32 flag (on unless
-    ``level == "highest"``); return the previous settings for ``restore_matmul_precision``."""
+    ``level == "highest"``); the change's ``undo()`` puts the previous settings back."""
     check_choice("level", level, MATMUL_LEVELS)
-    previous = {
-        "matmul": torch.get_float32_matmul_precision(),
-        "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
-    }
+    matmul, cudnn_tf32 = torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
     torch.set_float32_matmul_precision(level)
     torch.backends.cudnn.allow_tf32 = level != "highest"
-    return previous
 
+    def undo() -> None:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
-def restore_matmul_precision(previous: dict[str, Any]) -> None:
-    torch.set_float32_matmul_precision(previous["matmul"])
-    torch.backends.cudnn.allow_tf32 = previous["cudnn_tf32"]
+    return Change(
+        f"float32 matmul precision {matmul!r} -> {level!r}, "
+        f"cuDNN TF32 {'on' if level != 'highest' else 'off'}",
+        undo,
+    )
 
 
 class MatmulPrecision(Technique):
     """Run float32 matmuls and convolutions on TF32 tensor cores during fit.
 
     At fit start it calls ``torch.set_float32_matmul_precision(level)`` and sets
-    ``torch.backends.cudnn.allow_tf32``; at the end of fit (and on an exception) it restores both.
+    ``torch.backends.cudnn.allow_tf32`` (``apply_matmul_precision``); after fit (and when it
+    raises or is interrupted) both are put back.
     On a device without TF32 (a CPU, CUDA before Ampere) it changes nothing and says so once.
 
     Args:
@@ -144,7 +147,6 @@ class MatmulPrecision(Technique):
     def __init__(self, level: str = "high") -> None:
         super().__init__()
         self.level = check_choice("level", level, MATMUL_LEVELS)
-        self._previous: dict[str, Any] | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         device = trainer.strategy.root_device
@@ -154,27 +156,7 @@ class MatmulPrecision(Technique):
             )
             self.report(trainer, f"no effect: no TF32 on {device}")
             return
-        self._previous = set_matmul_precision(self.level)
-        self.report(
-            trainer,
-            f"float32 matmul precision {self._previous['matmul']!r} -> {self.level!r}, "
-            f"cuDNN TF32 {'on' if self.level != 'highest' else 'off'}",
-        )
-
-    def _restore(self) -> None:
-        if self._previous is not None:
-            restore_matmul_precision(self._previous)
-            self._previous = None
-
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        self._restore()
-        super().on_fit_end(trainer, pl_module)
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._restore()
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._restore()
+        self.report(trainer, self.record(trainer, apply_matmul_precision(self.level)))
 
 
 # -- FP8 ---------------------------------------------------------------------------------------
@@ -197,30 +179,47 @@ def _fp8_eligible(module: nn.Module) -> bool:
     )
 
 
-def convert_to_float8(
+def apply_float8(
     model: nn.Module, *, recipe: str = "tensorwise", exclude: list[str] | tuple[str, ...] = ()
-) -> list[str]:
-    """Swap ``model``'s ``nn.Linear`` layers for torchao ``Float8Linear`` in place; return the
-    names converted. Layers whose name matches a glob in ``exclude`` and layers whose dimensions
-    are not multiples of 16 stay as they are. Parameters (and so state_dict keys and optimizer
-    references) are kept; the matmuls run in float8 with dynamic scaling (``recipe``)."""
+) -> Change:
+    """Swap ``model``'s ``nn.Linear`` layers for torchao ``Float8Linear`` in place; the change's
+    ``value`` is the names converted and its ``undo()`` puts the original layers back. Layers
+    whose name matches a glob in ``exclude`` and layers whose dimensions are not multiples of 16
+    stay as they are. Parameters (and so state_dict keys and optimizer references) are kept, and
+    shared with the original layers; the matmuls run in float8 with dynamic scaling
+    (``recipe``)."""
     check_choice("recipe", recipe, FP8_RECIPES)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
         raise missing_extra("torchao", "fp8", "FP8 training") from err
-    converted: list[str] = []
+    originals: dict[str, nn.Module] = {}
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        ok = _fp8_eligible(module) and not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
+        ok = (
+            bool(fqn)  # the model itself cannot be swapped in place
+            and _fp8_eligible(module)
+            and not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
+        )
         if ok:
-            converted.append(fqn)
+            originals[fqn] = module
         return ok
 
     convert_to_float8_training(
         model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe)
     )
-    return converted
+
+    def undo() -> None:
+        for fqn, original in originals.items():
+            parent, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(parent), name, original)
+
+    return Change(
+        f"{len(originals)} linear layers to FP8 ({recipe})",
+        undo,
+        figures={"converted_layers": len(originals)},
+        value=list(originals),
+    )
 
 
 class Float8Training(Technique):
@@ -228,8 +227,9 @@ class Float8Training(Technique):
     cores (CUDA compute capability 8.9+). Needs ``pip install 'lightning-efficient[fp8]'``.
 
     The layers are converted in ``setup`` (before the optimizer is built and before
-    ``TorchCompile`` compiles in ``on_fit_start``). On other devices nothing changes and the
-    callback says so once. Use with ``precision="bf16-mixed"``.
+    ``TorchCompile`` compiles in ``on_fit_start``) and put back after fit (and when it raises or
+    is interrupted), with the trained weights. On other devices nothing changes and the callback
+    says so once. Use with ``precision="bf16-mixed"``.
 
     Args:
         recipe: torchao scaling recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` or
@@ -261,11 +261,9 @@ class Float8Training(Technique):
             )
             self.report(trainer, f"no effect: no FP8 tensor cores on {device}")
             return
-        names = convert_to_float8(pl_module, recipe=self.recipe, exclude=self.exclude)
-        if not names:
-            self.no_effect("no nn.Linear layer with dimensions divisible by 16 to convert to FP8.")
-        self.report(
-            trainer,
-            f"{len(names)} linear layers to FP8 ({self.recipe})",
-            converted_layers=len(names),
+        change = self.record(
+            trainer, apply_float8(pl_module, recipe=self.recipe, exclude=self.exclude)
         )
+        if not change.value:
+            self.no_effect("no nn.Linear layer with dimensions divisible by 16 to convert to FP8.")
+        self.report(trainer, change)

@@ -87,11 +87,10 @@ class OOMRecovery(Technique):
         self.recovery.load_state_dict(state_dict)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.recovery.start(trainer, pl_module, self, lambda: self._report(trainer)):
+        armed = self.recovery.start(trainer, pl_module, self, lambda: self._report(trainer))
+        if armed is not None:
+            self.record(trainer, armed)  # the module's own methods back after fit
             self._report(trainer)
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:  # also at teardown
-        self.recovery.disarm(pl_module)
 
     def _report(self, trainer: Any) -> None:
         self.report(
@@ -235,12 +234,11 @@ class EfficientBatchSize(Technique):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         report = lambda: self._report(trainer)  # noqa: E731
-        armed = self.oom_recovery and self.recovery.start(trainer, pl_module, self, report)
-        if self._change or armed:  # one row: the choice, plus the recovery figures
+        armed = self.recovery.start(trainer, pl_module, self, report) if self.oom_recovery else None
+        if armed is not None:
+            self.record(trainer, armed)  # the module's own methods back after fit
+        if self._change or armed is not None:  # one row: the choice, plus the recovery figures
             report()
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:  # also at teardown
-        self.recovery.disarm(pl_module)
 
     def _report(self, trainer: Any) -> None:
         change = self._change or self.recovery.describe()

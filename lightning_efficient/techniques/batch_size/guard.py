@@ -3,7 +3,8 @@
 :class:`OOMGuard` is not a callback: :class:`OOMRecovery` and :class:`EfficientBatchSize` each
 hold one. For the duration of training it wraps the module's ``training_step``, ``backward`` and
 ``optimizer_zero_grad`` *on the instance* (the class and the state_dict keys are untouched) and
-hands each step to the splitter as callables.
+hands each step to the splitter as callables; ``arm`` returns the ``Change`` that puts the
+module's own methods back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import check_choice, check_int, import_object
 from lightning_efficient.measure.step import silenced_logging
 from lightning_efficient.measure.trial import is_out_of_memory
@@ -63,7 +65,8 @@ class OOMGuard:
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.token_counter = token_counter
         self.splitter = OOMSplitter(loss_weighting, token_counter=self._count_tokens)
-        self._armed: weakref.ref | None = None
+        self._armed = Change("not armed")
+        self._module: weakref.ref | None = None  # the module armed
         self._current: tuple[Any, int] | None = None
 
     def _count_tokens(self, batch: Any) -> int:
@@ -110,25 +113,28 @@ class OOMGuard:
         return None
 
     # -- arming ----------------------------------------------------------------------------------
-    def start(self, trainer: Any, module: Any, technique: Any, report: Callable[[], None]) -> bool:
-        """Arm for this fit where recovery can work (True); else say why once through
-        ``technique.no_effect`` (False). After each split: ``technique.warn(message)``, ``report()``."""
+    def start(
+        self, trainer: Any, module: Any, technique: Any, report: Callable[[], None]
+    ) -> Change | None:
+        """Arm for this fit where recovery can work (the change to record); else say why once
+        through ``technique.no_effect`` (None). After each split: ``technique.warn(message)``,
+        ``report()``."""
         reason = self.unsupported(trainer, module)
         if reason:
             technique.no_effect(reason)
-            return False
+            return None
 
         def on_split(message: str) -> None:
             technique.warn(message)
             report()
 
-        self.arm(trainer, module, on_split)
-        return True
+        return self.arm(trainer, module, on_split)
 
-    def arm(self, trainer: Any, module: Any, on_split: Callable[[str], None]) -> None:
-        """Wrap ``module``'s step methods on the instance; ``on_split(message)`` after each split."""
-        if self._armed is not None and self._armed() is module:
-            return
+    def arm(self, trainer: Any, module: Any, on_split: Callable[[str], None]) -> Change:
+        """Wrap ``module``'s step methods on the instance; ``on_split(message)`` after each split.
+        The change's ``undo()`` puts the module's own methods back."""
+        if not self._armed.undone and self._module is not None and self._module() is module:
+            return self._armed
         cls = type(module)
         orig_step = cls.training_step.__get__(module)
         orig_backward = cls.backward.__get__(module)
@@ -190,16 +196,15 @@ class OOMGuard:
             if splitter.take_zero_grad():  # else zeroed already, before the batch's first part
                 orig_zero_grad(*args, **kwargs)
 
-        module.training_step = training_step
-        module.backward = backward
-        module.optimizer_zero_grad = optimizer_zero_grad
-        self._armed = weakref.ref(module)
+        wrappers = {
+            "training_step": training_step,
+            "backward": backward,
+            "optimizer_zero_grad": optimizer_zero_grad,
+        }
+        patches = [patch_attribute(module, name, fn) for name, fn in wrappers.items()]
+        patches.append(Change("the step in progress forgotten", self._forget))
+        self._armed, self._module = Change.of(self.describe(), patches), weakref.ref(module)
+        return self._armed
 
-    def disarm(self, module: Any) -> None:
-        """Remove the wrappers from ``module`` (safe to call twice)."""
-        if self._armed is None or self._armed() is not module:
-            return
-        for name in ("training_step", "backward", "optimizer_zero_grad"):
-            vars(module).pop(name, None)
-        self._armed = None
+    def _forget(self) -> None:
         self._current = None

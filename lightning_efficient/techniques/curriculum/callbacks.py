@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_choice, check_float, check_int
 from lightning_efficient.techniques.curriculum.difficulty import (
@@ -107,7 +108,7 @@ class Curriculum(Technique):
         self.stages = check_int("stages", stages, minimum=1)
         self.seed = check_seed(seed)
         self.sampler: CurriculumSampler | None = None
-        self._wrapped: tuple[Any, str] | None = None
+        self._wrapped = Change("train_dataloader not wrapped")
         self._state: dict[str, Any] | None = None
         self._batches = 0  # training batches run so far (all epochs)
         self._epoch_start = 0  # batches run before the current epoch began
@@ -117,7 +118,7 @@ class Curriculum(Technique):
     # -- installing the sampler --------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if stage != "fit" or self._wrapped is not None:
+        if stage != "fit" or not self._wrapped.undone:
             return
         # a new fit: forget the last one (a checkpoint's state is loaded after setup)
         self.sampler, self._state, self._batches, self._epoch_start = None, None, 0, 0
@@ -134,8 +135,9 @@ class Curriculum(Technique):
         def train_dataloader() -> Any:
             return self._install(trainer, original())
 
-        owner.train_dataloader = train_dataloader
-        self._wrapped = (owner, "train_dataloader")
+        self._wrapped = self.record(
+            trainer, patch_attribute(owner, "train_dataloader", train_dataloader)
+        )
 
     def _install(self, trainer: Any, loader: Any) -> Any:
         if not isinstance(loader, DataLoader):
@@ -255,13 +257,6 @@ class Curriculum(Technique):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state = dict(state_dict)
 
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        if self._wrapped is not None:
-            owner, hook = self._wrapped
-            if hook in vars(owner):
-                delattr(owner, hook)
-            self._wrapped = None
-
 
 class SequenceLengthWarmup(Technique):
     """Train on shorter sequences first; the length grows to the full length over ``duration``.
@@ -313,7 +308,7 @@ class SequenceLengthWarmup(Technique):
             )
         self.lengths: dict[int, int] = {}  # length -> training batches cut to it
         self.warmup_steps: int | None = None
-        self._wrapped: tuple[Any, str] | None = None
+        self._wrapped = Change("on_after_batch_transfer not wrapped")
         self._watch: Any = None
         self._recompiles = 0
         self._before = 0
@@ -321,9 +316,10 @@ class SequenceLengthWarmup(Technique):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if stage != "fit" or self._wrapped is not None:
+        if stage != "fit" or not self._wrapped.undone:
             return
-        self.lengths, self._recompiles = {}, 0  # a new fit (a checkpoint's state comes later)
+        # a new fit (a checkpoint's state comes later)
+        self.lengths, self._recompiles, self._watch = {}, 0, None
         owner = _batch_hook_owner(trainer, pl_module)
         original = owner.on_after_batch_transfer
 
@@ -333,8 +329,9 @@ class SequenceLengthWarmup(Technique):
                 batch = self._cut(trainer, batch)
             return batch
 
-        owner.on_after_batch_transfer = on_after_batch_transfer
-        self._wrapped = (owner, "on_after_batch_transfer")
+        self._wrapped = self.record(
+            trainer, patch_attribute(owner, "on_after_batch_transfer", on_after_batch_transfer)
+        )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         from lightning_efficient.techniques.compile import CompileWatch, compiled_modules
@@ -345,7 +342,8 @@ class SequenceLengthWarmup(Technique):
         if self.warmup_steps == 0:
             self.no_effect("duration is 0 steps: every batch is trained at its full length.")
         if compiled_modules(pl_module) and self._watch is None:
-            self._watch = CompileWatch().install()
+            self._watch = CompileWatch()
+            self.record(trainer, self._watch.apply())  # removed after fit
 
     def _cut(self, trainer: Any, batch: Any) -> Any:
         try:
@@ -414,13 +412,3 @@ class SequenceLengthWarmup(Technique):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.lengths = {int(k): int(v) for k, v in state_dict.get("lengths", {}).items()}
         self._recompiles = int(state_dict.get("warmup_recompiles", 0))
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        if self._wrapped is not None:
-            owner, hook = self._wrapped
-            if hook in vars(owner):
-                delattr(owner, hook)
-            self._wrapped = None
-        if self._watch is not None:
-            self._watch.remove()
-            self._watch = None

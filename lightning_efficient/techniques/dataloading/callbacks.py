@@ -16,6 +16,7 @@ from typing import Any
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
 from lightning_efficient.measure.host import available_bytes
@@ -42,14 +43,16 @@ _HOOKS = ("train_dataloader", "val_dataloader")
 
 class _LoaderRebuilder(Technique):
     """Wraps the datamodule's (or module's) dataloader hooks in ``setup`` so that every loader they
-    return passes through ``self._rebuild(trainer, loader, hook)``; restored in ``teardown``."""
+    return passes through ``self._rebuild(trainer, loader, hook)``; the hooks are put back after
+    fit (and when it raises or is interrupted)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._wrapped: list[tuple[Any, str]] = []
+        self._wrapped: dict[str, Change] = {}  # hook -> its wrapping
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._wrapped = {h: c for h, c in self._wrapped.items() if not c.undone}
         if self._wrapped:
             return
         self._start()
@@ -67,9 +70,8 @@ class _LoaderRebuilder(Technique):
             def wrapped(_original: Callable[[], Any] = original, _hook: str = hook) -> Any:
                 return self._rebuild_all(trainer, _original(), _hook)
 
-            setattr(source, hook, wrapped)
-            self._wrapped.append((source, hook))
-        if not any(h == "train_dataloader" for _, h in self._wrapped) and stage == "fit":
+            self._wrapped[hook] = self.record(trainer, patch_attribute(source, hook, wrapped))
+        if "train_dataloader" not in self._wrapped and stage == "fit":
             self.no_effect(
                 "the train DataLoader was not returned by a LightningDataModule or LightningModule "
                 "`train_dataloader()` (loaders passed to trainer.fit directly cannot be rebuilt); "
@@ -79,15 +81,6 @@ class _LoaderRebuilder(Technique):
 
     def _start(self) -> None:
         """Forget what an earlier fit decided (a new trainer may differ)."""
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        for source, hook in self._wrapped:
-            if hook in vars(source):
-                delattr(source, hook)
-        self._wrapped = []
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")  # a failed fit leaves the hooks as they were
 
     def _rebuild_all(self, trainer: Any, loaders: Any, hook: str) -> Any:
         if isinstance(loaders, DataLoader):

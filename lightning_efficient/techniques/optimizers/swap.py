@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice
 from lightning_efficient.measure.optimizer_models import optimizer_class, optimizer_state_bytes
@@ -151,6 +152,11 @@ class OptimizerSwap(Technique):
             rebind_schedulers(schedulers, opt, swapped)
         trainer.optimizers = new
         self._originals, self._swapped = old, new
+        for opt in new:
+            if isinstance(
+                opt, InBackwardOptimizer
+            ):  # its gradient hooks off the parameters after fit
+                self.record(trainer, Change("optimizer stepped in backward", opt.detach))
         self._prepare_restore()
         if self.optimizer_name == "adamw_fused" and not all(
             p.is_cuda for o in new for g in o.param_groups for p in g["params"]
@@ -184,12 +190,9 @@ class OptimizerSwap(Technique):
             )
         super().on_fit_end(trainer, pl_module)
 
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        """Remove the optimizer-in-backward hooks (the swapped optimizers stay, as Lightning's)."""
-        for opt in self._swapped:
-            if isinstance(opt, InBackwardOptimizer):
-                opt.detach()
-        self._loaded_checkpoint = None
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._loaded_checkpoint = None  # a new fit: a checkpoint, if any, is loaded after setup
 
     def _change(self) -> str:
         olds = ", ".join(sorted({type(o).__name__ for o in self._originals}))

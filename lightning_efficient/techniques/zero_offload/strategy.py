@@ -156,6 +156,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
             super().setup_environment()
 
     def teardown(self) -> None:
+        release_engine(self.model)  # before the parent unwraps the module from the engine
         super().teardown()
         if self.world_size == 1:
             # one process: the launcher and DeepSpeed exported the group's address, port and
@@ -282,6 +283,21 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         """Count what this strategy keeps in host memory as host bytes in the memory estimate:
         the offloaded categories, plus DeepSpeed's other host buffers (``host_buffers``)."""
         configure_offload_estimate(plan, self.config or {})
+
+
+def release_engine(engine: Any) -> None:
+    """Take what a DeepSpeed engine put on the module it wraps off it again: its forward pre- and
+    post-hooks and (``engine.destroy()``) the ZeRO optimizer's gradient hooks on every parameter.
+    After a fit, and after one that raised, the module runs as it was given. (Stage 3 partitions
+    the parameters themselves, which stays.) Anything but an engine is left alone."""
+    if not callable(getattr(engine, "destroy", None)) or not hasattr(engine, "module"):
+        return
+    for name in ("module_forward_pre_hook", "module_forward_post_hook"):
+        handle = getattr(engine, name, None)
+        if handle is not None:
+            handle.remove()
+            setattr(engine, name, None)
+    engine.destroy()
 
 
 def configure_offload_estimate(plan: Any, config: Mapping[str, Any]) -> None:

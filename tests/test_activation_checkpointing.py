@@ -23,6 +23,7 @@ from lightning_efficient.functional import (
     remove_activation_checkpointing,
 )
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.compile import TorchCompile
 
 FOUR = [f"blocks.{i}" for i in range(4)]
 
@@ -561,14 +562,7 @@ def test_budget_callback_with_8bit_optimizer_in_fit(tmp_path) -> None:
     assert cb.choice.plain_peak_bytes < 0.95 * adamw
 
 
-# -- with TorchCompile (branch `speed`), in both orders -------------------------------------------
-def _torch_compile_cls():
-    try:
-        return importlib.import_module("lightning_efficient.techniques.compile").TorchCompile
-    except (ImportError, AttributeError):
-        return None
-
-
+# -- with TorchCompile, in both orders -----------------------------------------------------------
 class _Seen(pl.Callback):
     """Records, during training, which blocks are checkpointed."""
 
@@ -576,12 +570,8 @@ class _Seen(pl.Callback):
         self.blocks = checkpointed_blocks(pl_module)
 
 
-@pytest.mark.skipif(
-    _torch_compile_cls() is None, reason="TorchCompile (branch `speed`) not merged yet"
-)
 @pytest.mark.parametrize("order", ["checkpoint-first", "compile-first"])
 def test_with_torch_compile_both_orders(order: str, tmp_path) -> None:
-    TorchCompile = _torch_compile_cls()
     seen = _Seen()
     cbs = [ActivationCheckpointing(), TorchCompile(backend="aot_eager")]  # aot_eager: no C++ build
     if order == "compile-first":

@@ -3,7 +3,10 @@ that moves one fails here, by name, instead of deep inside a fit."""
 
 from __future__ import annotations
 
+import platform
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,8 +84,25 @@ def test_compiled_call_in_place() -> None:
     assert I.compiled_call(lin) is None
 
 
-def test_cpu_bf16_probe_answers() -> None:
-    assert isinstance(I.cpu_supports_bf16(), bool)
+def test_cpu_bf16_probe_answers_from_onednn_and_the_cpu(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from lightning_efficient.techniques.precision import best_precision
+
+    answer = I.cpu_supports_bf16()
+    # what the CPU says: oneDNN's bf16 kernels need AVX512 (BW/VL/DQ); AVX512-BF16 has them fast
+    x86_linux = sys.platform == "linux" and platform.machine() == "x86_64"
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if x86_linux else set()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        assert answer is True
+    elif x86_linux and "avx512bw" not in flags:
+        assert answer is False
+    assert best_precision("cpu") == ("bf16-mixed" if answer else "32-true")
+    # it is oneDNN's answer, and False on a build without oneDNN's probe
+    monkeypatch.setattr(torch.ops, "mkldnn", SimpleNamespace(_is_mkldnn_bf16_supported=lambda: 1))
+    assert I.cpu_supports_bf16() is True
+    monkeypatch.setattr(torch.ops, "mkldnn", SimpleNamespace())
+    assert I.cpu_supports_bf16() is False
 
 
 def test_option_type_of_a_lightning_parser() -> None:

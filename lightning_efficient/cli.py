@@ -160,11 +160,34 @@ def _resolve_precision(config: Any) -> None:
         trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
 
 
+def _stateful_callbacks_once(config: Any) -> None:
+    """A stateful technique given twice in ``trainer.callbacks`` fails with the compatibility
+    rule's message here, before Lightning's Trainer refuses it with its generic one."""
+    from lightning_efficient.core.compat import stateful_twice
+    from lightning_efficient.core.validate import SettingsError, import_object
+
+    trainer = config.get("trainer")
+    callbacks = trainer.get("callbacks") if trainer is not None else None
+    if not isinstance(callbacks, list):
+        return
+    classes = []
+    for callback in callbacks:
+        path = callback.get("class_path") if hasattr(callback, "get") else None
+        if isinstance(path, str) and "." in path:
+            try:
+                classes.append(import_object("trainer.callbacks", path))
+            except ValueError:  # the parser says what is wrong with it
+                continue
+    message = stateful_twice(classes)
+    if message:
+        raise SettingsError(message)
+
+
 #: Functions ``hook(parser)`` that add or change parser options.
 _PARSER_HOOKS: list[Callable[[Any], None]] = [_precision_accepts_auto]
 
 #: Functions ``hook(config)`` run on the parsed config before any class is built.
-_CONFIG_HOOKS: list[Callable[[Any], None]] = [_resolve_precision]
+_CONFIG_HOOKS: list[Callable[[Any], None]] = [_resolve_precision, _stateful_callbacks_once]
 
 #: Commands that are not trainer methods: name -> (one-line help, "module:function"). The
 #: function takes the remaining arguments and returns an exit code; it is imported on use.

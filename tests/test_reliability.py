@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 from helpers import fit, tiny_data, tiny_model
 
-from lightning_efficient import ActivationCheckpointing, TorchCompile
+from lightning_efficient import (
+    ActivationCheckpointing,
+    EfficientBatchSize,
+    OptimizerSwap,
+    TorchCompile,
+)
 from lightning_efficient.cli import reason_first
 from lightning_efficient.core.validate import SettingsError, parse_bytes
 from lightning_efficient.measure.types import resolve_optimizer
@@ -37,6 +42,39 @@ def test_an_optimizer_path_must_name_an_optimizer_class() -> None:
 def test_a_technique_that_does_not_stack_is_refused_twice(tmp_path, make) -> None:
     with pytest.raises(SettingsError, match="more than once"):
         fit(tmp_path, [make(), make()], max_steps=1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: OptimizerSwap("adamw_fused"), EfficientBatchSize],
+    ids=["OptimizerSwap", "EfficientBatchSize"],
+)
+def test_a_stateful_technique_added_twice_is_refused_by_the_rules(tmp_path, make) -> None:
+    # Lightning checks state keys only for the callbacks given to Trainer(...); one appended
+    # later would silently share the first one's checkpoint entry
+    from helpers import tiny_trainer
+
+    trainer = tiny_trainer(tmp_path, [make()], max_steps=1)
+    trainer.callbacks.append(make())
+    name = type(trainer.callbacks[-1]).__name__
+    with pytest.raises(SettingsError, match=f"{name} is given more than once.*under one key"):
+        trainer.fit(tiny_model(), datamodule=tiny_data())
+
+
+def test_a_stateful_technique_twice_in_a_config_is_said_before_the_trainer(capsys) -> None:
+    from lightning_efficient.cli import EfficientCLI
+
+    swap = "--trainer.callbacks+=OptimizerSwap"
+    with pytest.raises(SystemExit) as info:
+        EfficientCLI(
+            args=["--trainer.accelerator=cpu", swap, "--trainer.callbacks.name=adamw8bit", swap,
+                  "--trainer.callbacks.name=adamw_fused"],
+            run=False,
+        )  # fmt: skip
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "OptimizerSwap is given more than once" in error and "Keep one instance" in error
+    assert "Found more than one stateful callback" not in error  # not Lightning's generic one
 
 
 def test_an_unreachable_budget_is_a_short_error_with_the_smallest_peak(tmp_path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning_efficient.core.validate import SettingsError
 
-__all__ = ["RULES", "check", "rule"]
+__all__ = ["RULES", "check", "rule", "keyed_by_class", "stateful_twice"]
 
 Rule = Callable[[Any, Sequence[Any]], "str | None"]
 RULES: list[Rule] = []
@@ -48,13 +48,57 @@ def _names(techniques: Sequence[Any]) -> str:
     return ", ".join(type(t).__name__ for t in techniques)
 
 
+def keyed_by_class(cls: type) -> bool:
+    """A callback class that keeps state in checkpoints (``state_dict``) under Lightning's default
+    ``state_key``, its class name: every instance of it uses the same key."""
+    from lightning.pytorch import Callback
+
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, Callback)
+        and cls.state_dict is not Callback.state_dict
+        and cls.state_key is Callback.state_key
+    )
+
+
+def stateful_twice(classes: Sequence[type]) -> str | None:
+    """The message for stateful callback classes without a ``state_key`` of their own that are
+    given more than once (``None``: none is)."""
+    counts: dict[type, int] = {}
+    for cls in classes:
+        if keyed_by_class(cls):
+            counts[cls] = counts.get(cls, 0) + 1
+    doubled = [cls.__name__ for cls, n in counts.items() if n > 1]
+    if not doubled:
+        return None
+    names = ", ".join(doubled)
+    return (
+        f"{names} is given more than once. It keeps its state in the checkpoint under one key, "
+        "its class name, so a checkpoint would hold the state of only one of the instances, and "
+        "a resumed run would give that state to both; the second would also redo what the first "
+        "did (swap the optimizer again, choose the batch size again). Keep one instance with "
+        "the settings you want (several settings of one technique go in one instance, e.g. one "
+        "OptimizerSwap(name=..., overrides={...}))."
+    )
+
+
+@rule
+def _stateful_twice(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """A stateful technique without a ``state_key`` of its own, given twice. Lightning refuses
+    that at ``Trainer(callbacks=[...])`` with a generic message; callbacks appended later
+    (``trainer.callbacks.append``) it does not check, and a checkpoint then keeps one instance's
+    state silently. The CLI checks a config's callbacks with this message before the Trainer is
+    built (``cli.py``)."""
+    return stateful_twice([type(t) for t in techniques])
+
+
 @rule
 def _duplicates(trainer: Any, techniques: Sequence[Any]) -> str | None:
     """Two instances of a technique that does not stack: the second would silently replace the
-    first."""
+    first. (Stateful ones are said by ``_stateful_twice``.)"""
     seen: dict[type, int] = {}
     for t in techniques:
-        if not getattr(t, "stacks", True):
+        if not getattr(t, "stacks", True) and not keyed_by_class(type(t)):
             seen[type(t)] = seen.get(type(t), 0) + 1
     doubled = [cls.__name__ for cls, n in seen.items() if n > 1]
     if doubled:

@@ -3,7 +3,7 @@
 Under fake tensors transformers believes it is being traced and, unable to read the padding mask
 or the position ids, builds a batch x 1 x seq x seq attention mask that a real run on a batch
 without padding never builds. The estimate answers those checks from the real batch's values
-(``core._internals.hf_mask_checks_on_values``), so it takes the real run's path: within 2% of
+(``measure.hf_masks.hf_mask_checks_on_values``), so it takes the real run's path: within 2% of
 the same steps tracked on real tensors, with and without padding, and within 5% of the CPU
 allocator's own peak (``torch.profiler`` memory events, ``measure.allocator``)."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_efficient.core._internals import NO_PADDING_NOTE
 from lightning_efficient.measure import estimate_memory
 from lightning_efficient.measure.allocator import allocator_step_peak
+from lightning_efficient.measure.hf_masks import NO_PADDING_NOTE
 
 transformers = pytest.importorskip("transformers")
 

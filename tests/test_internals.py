@@ -244,37 +244,16 @@ def test_lightning_precision_values() -> None:
     assert {"bf16-mixed", "32-true", "16-mixed"} <= set(values) and 32 in values
 
 
-def test_hf_mask_checks_answer_from_the_real_batch() -> None:
-    """transformers' SDPA mask under fake tensors: built by default (it cannot read the values);
-    inside ``hf_mask_checks_on_values`` skipped for an unpadded batch, built for a padded one,
-    assumed unpadded (and said so) for a batch known by shape only."""
-    transformers = pytest.importorskip("transformers")
+def test_hf_mask_functions_are_found_where_transformers_holds_them() -> None:
+    pytest.importorskip("transformers")
     mu = pytest.importorskip("transformers.masking_utils")
-    present = [n for n in I.HF_MASK_SKIP_CHECKS if hasattr(mu, n)]
-    assert present and hasattr(mu, I.HF_MASK_ARGUMENTS), "transformers moved its mask checks"
-    cfg = transformers.LlamaConfig(hidden_size=8, num_attention_heads=1, num_hidden_layers=1)
-    cfg._attn_implementation = "sdpa"
-    ones = torch.ones(2, 16, dtype=torch.long)
-    padded = ones.clone()
-    padded[0, -4:] = 0
-    originals = {n: getattr(mu, n) for n in present}
-
-    def mask(real: torch.Tensor | None) -> tuple[object, list[str]]:
-        with I.FakeTensorMode() as mode:
-            embeds = torch.empty(2, 16, 8)
-        fake = mode.from_tensor(ones)
-        with I.hf_mask_checks_on_values([(fake, real)]) as assumed, mode:
-            return mu.create_causal_mask(cfg, embeds, fake, None), assumed
-
-    with I.FakeTensorMode():
-        built = mu.create_causal_mask(cfg, torch.empty(2, 16, 8), torch.ones(2, 16), None)
-    assert built is not None and built.shape[-2:] == (16, 16)  # what the issue was about
-    assert mask(ones) == (None, [])  # the real run skips it: SDPA's is_causal
-    got, assumed = mask(padded)
-    assert got is not None and got.shape[-2:] == (16, 16) and assumed == []
-    got, assumed = mask(None)
-    assert got is None and assumed == [I.NO_PADDING_NOTE]
-    assert {n: getattr(mu, n) for n in present} == originals  # put back
+    functions = I.hf_mask_functions()
+    present = [n for n in I.HF_MASK_SKIP_CHECKS if n in functions]
+    assert present and I.HF_MASK_ARGUMENTS in functions, "transformers moved its mask checks"
+    assert all(functions[n] is getattr(mu, n) for n in functions)
+    sites = I.hf_mask_function_sites(functions)
+    assert {(mu, n) for n in functions} <= set(sites)
+    assert all(vars(m)[n] is functions[n] for m, n in sites)
 
 
 def test_set_model_parallel_sizes() -> None:

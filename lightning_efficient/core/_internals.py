@@ -34,7 +34,8 @@ __all__ = [
     "without_cpu_autocast",
     "dynamo_backends",
     "fake_tensor_errors",
-    "hf_mask_checks_on_values",
+    "hf_mask_functions",
+    "hf_mask_function_sites",
     "guard_failure_reasons",
     "inductor_modes",
     "is_dynamo_error",
@@ -411,135 +412,31 @@ HF_MASK_SKIP_CHECKS = (
 HF_PACKED_CHECK = "find_packed_sequence_indices"
 #: Receives the model's ``attention_mask`` and ``position_ids`` as the model passed them.
 HF_MASK_ARGUMENTS = "_preprocess_mask_arguments"
-_HF_WRAPPED = "__lightning_efficient_wrapped__"
-
-NO_PADDING_NOTE = (
-    "transformers' SDPA mask: the attention mask's values are not known (a meta tensor, a shape, "
-    "or a mask made inside the model), so the estimate takes the path of a batch without padding "
-    "(no batch x 1 x seq x seq mask); a padded batch builds that mask"
-)
-UNPACKED_NOTE = (
-    "transformers' SDPA mask: the position ids' values are not known (a meta tensor or a shape), "
-    "so the estimate takes the path of one sequence per row (no packed-sequence mask)"
-)
 
 
-def _hf_batch_facts(
-    real: torch.Tensor | None, packed_check: Any
-) -> tuple[bool | None, bool | None]:
-    """(padded, packed) of a real batch tensor as transformers would find them; ``None``: not
-    known (no values, or not an integer/bool tensor)."""
-    if real is None or isinstance(real, FakeTensor) or real.is_meta:
-        return None, None  # no values to read (a batch given fake, on meta, or by shape)
-    if real.is_floating_point() or real.is_complex():
-        return None, None
-    if real.numel() == 0 or real.dim() > 2:
-        return None, None
-    padded = not bool(real.bool().all())
-    packed = None
-    if packed_check is not None:
-        with contextlib.suppress(Exception):  # not position ids after all
-            packed = packed_check(real.reshape(1, -1) if real.dim() == 1 else real) is not None
-    return padded, packed
-
-
-@contextlib.contextmanager
-def hf_mask_checks_on_values(
-    batch: list[tuple[torch.Tensor, torch.Tensor | None]],
-) -> Iterator[list[str]]:
-    """While inside, transformers' SDPA mask checks take on fake tensors the path a real run
-    takes: the mask is skipped unless the batch's attention mask really has padding (or its
-    position ids really pack several sequences per row).
-
-    ``batch`` pairs each fake batch tensor with the real tensor it stands for (``None``: only
-    the shape is known); enter it outside the fake mode (the real values are read on entry).
-    Yields the list of assumptions made where values were not known (notes for the estimate).
-    Does nothing when ``transformers.masking_utils`` is not imported or lacks these functions
-    (then the mask is built, as before: an over-estimate, never an error).
-    """
-    import inspect
+def hf_mask_functions() -> dict[str, Any]:
+    """The mask functions above that ``transformers.masking_utils`` has (name -> function);
+    empty when transformers' masking is not imported (nothing to answer for)."""
     import sys
 
-    assumed: list[str] = []
     mu = sys.modules.get("transformers.masking_utils")
     names = (*HF_MASK_SKIP_CHECKS, HF_PACKED_CHECK, HF_MASK_ARGUMENTS)
-    originals = {n: getattr(mu, n) for n in names if callable(getattr(mu, n, None))}
-    if HF_MASK_ARGUMENTS in originals and getattr(originals[HF_MASK_ARGUMENTS], _HF_WRAPPED, 0):
-        originals = {}  # already inside: the outer context answers
-    if not originals or not any(n in originals for n in HF_MASK_SKIP_CHECKS):
-        yield assumed
-        return
-    packed_check = originals.get(HF_PACKED_CHECK)
-    facts = {id(f): (f, *_hf_batch_facts(r, packed_check)) for f, r in batch}
-    state: dict[str, bool | None] = {"padded": None, "packed": None}
+    return {n: getattr(mu, n) for n in names if callable(getattr(mu, n, None))}
 
-    def note(text: str) -> None:
-        if text not in assumed:
-            assumed.append(text)
 
-    def fact(t: Any, i: int, what: str) -> bool | None:
-        if not isinstance(t, FakeTensor):
-            return None
-        entry = facts.get(id(t))
-        known = entry[i] if entry is not None and entry[0] is t else None
-        if known is None and (entry is not None or what == NO_PADDING_NOTE):
-            note(what)  # a batch tensor without values, or a mask the model made itself
-        return known
+def hf_mask_function_sites(functions: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Every ``(transformers module, name)`` that holds one of ``functions`` under its name:
+    ``masking_utils`` itself, and the modules that imported one by name (read from each
+    module's own namespace, so that no lazy module is imported)."""
+    import sys
 
-    def bound(fn: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-        try:
-            return inspect.signature(fn).bind(*args, **kwargs)
-        except (TypeError, ValueError):
-            return None
-
-    def arguments_wrapper(fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            ba = bound(fn, args, kwargs)
-            if ba is not None:
-                mask = ba.arguments.get("attention_mask")
-                state["padded"] = fact(mask, 1, NO_PADDING_NOTE) if mask is not None else False
-                state["packed"] = fact(ba.arguments.get("position_ids"), 2, UNPACKED_NOTE)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    def skip_wrapper(fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            ba = bound(fn, args, kwargs)
-            if ba is None or not isinstance(ba.arguments.get("padding_mask"), FakeTensor):
-                return fn(*args, **kwargs)
-            if state["padded"]:  # really padded: the real run builds the mask too
-                return fn(*args, **kwargs)
-            ba.arguments["padding_mask"] = None  # every token attends: the real run skips
-            return fn(*ba.args, **ba.kwargs)
-
-        return wrapper
-
-    def packed_wrapper(fn: Any) -> Any:
-        def wrapper(position_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(position_ids, FakeTensor) and not state["packed"]:
-                return None  # one sequence per row, as the real values say (or as assumed)
-            return fn(position_ids, *args, **kwargs)
-
-        return wrapper
-
-    make = {HF_MASK_ARGUMENTS: arguments_wrapper, HF_PACKED_CHECK: packed_wrapper}
-    wrappers = {n: make.get(n, skip_wrapper)(fn) for n, fn in originals.items()}
-    for w in wrappers.values():
-        setattr(w, _HF_WRAPPED, 1)
-    # the module itself, and any transformers module that imported one of them by name
-    patched: list[tuple[Any, str, Any]] = []
     modules = [m for k, m in list(sys.modules.items()) if k.startswith("transformers") and m]
-    try:
-        for module in modules:
-            for name, fn in originals.items():
-                if vars(module).get(name) is fn:  # vars: no lazy-module imports
-                    patched.append((module, name, fn))
-                    setattr(module, name, wrappers[name])
-        yield assumed
-    finally:
-        for module, name, fn in reversed(patched):
-            setattr(module, name, fn)
+    return [
+        (module, name)
+        for module in modules
+        for name, fn in functions.items()
+        if vars(module).get(name) is fn
+    ]
 
 
 # --- Lightning: FullyShardedStrategy (the model-parallel strategy's mesh sizes) ------------------

@@ -25,11 +25,11 @@ from torch import nn
 from lightning_efficient.core._internals import (
     FakeTensorMode,
     fake_tensor_errors,
-    hf_mask_checks_on_values,
     module_tensor_slots,
 )
 from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
+from lightning_efficient.measure.hf_masks import hf_mask_checks_on_values
 from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
 from lightning_efficient.measure.settings import configured_optimizer
 from lightning_efficient.measure.targets import DeviceTarget, resolve_target

@@ -289,14 +289,6 @@ def build_technique(spec: dict[str, Any]) -> Any:
     return cls(**spec.get("init_args", {}))
 
 
-def class_spec(obj: Any) -> dict[str, Any]:
-    """The ``{"class_path", "init_args"}`` of a technique the planner built."""
-    return {
-        "class_path": type(obj).__name__,
-        "init_args": dict(getattr(obj, "plan_init_args", {}) or {}),
-    }
-
-
 def meta_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return ids, ids
@@ -971,11 +963,9 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
         if rung is None:
             rec.note(f"the planner found no stack for batch {target} within the cap")
         else:
-            callbacks, strategy = rung.build()
-            specs = [class_spec(c) for c in callbacks]
+            specs, strat = rung.specs()
             # every block checkpointed: the largest batch any subset of blocks reaches
             specs = [AC if s["class_path"] == "ActivationCheckpointing" else s for s in specs]
-            strat = class_spec(strategy) if strategy is not None else None
             b_stack, est_stack, seen = largest(rung.precision, specs + ([strat] if strat else []))
             rec.figure(stack_estimates=len(seen))
             probes.add(

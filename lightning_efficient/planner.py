@@ -39,12 +39,34 @@ from lightning_efficient.measure.settings import estimate_settings, strategy_sha
 from lightning_efficient.measure.targets import is_local_gpu, resolve_target
 from lightning_efficient.measure.trial import stack_trial
 
-__all__ = ["Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
+__all__ = ["Part", "Rung", "PlanResult", "default_ladder", "plan_stack", "plan_command"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One technique of a rung, as data: the name of a class of the package and its constructor
+    arguments, stated once. ``build()`` makes a fresh instance; ``spec()`` is the same arguments
+    as a LightningCLI ``class_path``/``init_args`` entry."""
+
+    class_path: str
+    init_args: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        from lightning_efficient import techniques
+
+        return getattr(techniques, self.class_path)(**self.init_args)
+
+    def spec(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"class_path": self.class_path}
+        if self.init_args:
+            spec["init_args"] = dict(self.init_args)
+        return spec
 
 
 @dataclass
 class Rung:
-    """One stack to try: a precision, callbacks and an optional strategy, built fresh on demand.
+    """One stack to try: a precision, callbacks and an optional strategy (``Part``s, built fresh
+    on demand); ``configured``: techniques already built (the config's own, "as configured").
 
     ``sharding``: how the rung divides the state across ranks when it has no strategy of its
     own (``None``: as configured); a rung's strategy declares its own (``strategy_sharding``).
@@ -52,13 +74,22 @@ class Rung:
 
     name: str
     precision: str
-    make_callbacks: Callable[[], list[Any]] = list
-    make_strategy: Callable[[], Any] | None = None
+    callbacks: tuple[Part, ...] = ()
+    strategy: Part | None = None
     cost: str = ""
     sharding: str | None = None
+    configured: tuple[Any, ...] = ()
 
     def build(self) -> tuple[list[Any], Any]:
-        return self.make_callbacks(), (self.make_strategy() if self.make_strategy else None)
+        callbacks = [*self.configured, *(part.build() for part in self.callbacks)]
+        return callbacks, (self.strategy.build() if self.strategy is not None else None)
+
+    def specs(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """The callbacks' and the strategy's ``class_path``/``init_args`` (a configured technique:
+        its class; its arguments are the config's own)."""
+        callbacks = [{"class_path": type(obj).__name__} for obj in self.configured]
+        callbacks += [part.spec() for part in self.callbacks]
+        return callbacks, (self.strategy.spec() if self.strategy is not None else None)
 
 
 @dataclass
@@ -170,25 +201,34 @@ class PlanResult:
             return ""
         import yaml
 
-        callbacks, strategy = self.chosen.build()
+        callbacks, strategy = self.chosen.specs()
         trainer: dict[str, Any] = {"precision": self.chosen.precision}
         if devices is not None:
             trainer["devices"] = check_int("devices", devices, minimum=1)
         if num_nodes is not None:
             trainer["num_nodes"] = check_int("num_nodes", num_nodes, minimum=1)
         if callbacks:
-            trainer["callbacks"] = [_class_spec(cb) for cb in callbacks]
+            trainer["callbacks"] = callbacks
         if strategy is not None:
-            trainer["strategy"] = _class_spec(strategy)
+            trainer["strategy"] = strategy
         return yaml.safe_dump({"trainer": trainer}, sort_keys=False)
 
 
-def _class_spec(obj: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {"class_path": type(obj).__name__}
-    args = getattr(obj, "plan_init_args", None)
-    if args:
-        spec["init_args"] = dict(args)
-    return spec
+#: The parts of the ladder (``checkpoint_fewest`` takes the budget).
+ADAMW8BIT = Part("OptimizerSwap", {"name": "adamw8bit"})
+ADAMW8BIT_IN_BACKWARD = Part("OptimizerSwap", {"name": "adamw8bit", "optimizer_in_backward": True})
+CHECKPOINT_ALL = Part("ActivationCheckpointing")
+ZERO2_OFFLOAD = Part("ZeROOffload", {"stage": 2, "offload_optimizer": "cpu"})
+ZERO3_OFFLOAD = Part(
+    "ZeROOffload", {"stage": 3, "offload_optimizer": "cpu", "offload_parameters": True}
+)
+FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
+FSDP_FULL = Part("FullyShardedStrategy")
+
+
+def checkpoint_fewest(budget_bytes: int) -> Part:
+    """Checkpoint the fewest blocks that bring the estimated peak under ``budget_bytes``."""
+    return Part("ActivationCheckpointing", {"budget": budget_bytes})
 
 
 def default_ladder(
@@ -216,44 +256,32 @@ def default_ladder(
     ``configured_sharding``: how the configured strategy divides the state (a sharding rung
     that divides no more than it is left out).
     """
-    from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
-    from lightning_efficient.techniques.optimizers import OptimizerSwap
-    from lightning_efficient.techniques.zero_offload import ZeROOffload
-
     check_int("world_size", world_size, minimum=1)
     low = "bf16-mixed" if bf16 and precision == "32-true" else precision
-
-    def swap() -> Any:
-        return _with_args(OptimizerSwap("adamw8bit"), name="adamw8bit")
-
-    def ac(budget: int | None = None) -> Any:
-        return _with_args(
-            ActivationCheckpointing(budget=budget), **({"budget": budget} if budget else {})
-        )
-
-    rungs = [Rung("as configured", precision, lambda: list(configured), cost="none")]
+    fewest = checkpoint_fewest(budget_bytes)
+    rungs = [Rung("as configured", precision, cost="none", configured=tuple(configured))]
     if low != precision:
         rungs.append(Rung(low, low, cost="none on bf16 hardware; loss within ~2% of fp32"))
     if world_size > 1:
-        rungs += _sharding_rungs(low, budget_bytes, ac, configured_sharding)
+        rungs += _sharding_rungs(low, fewest, configured_sharding)
     else:
         rungs += [
             Rung(
                 f"{low} + adamw8bit",
                 low,
-                lambda: [swap()],
+                (ADAMW8BIT,),
                 cost="8-bit optimizer states (lossy, small)",
             ),
             Rung(
                 f"{low} + adamw8bit + checkpoint fewest blocks",
                 low,
-                lambda: [swap(), ac(budget_bytes)],
+                (ADAMW8BIT, fewest),
                 cost="recompute some blocks' forward",
             ),
             Rung(
                 f"{low} + adamw8bit + checkpoint all blocks",
                 low,
-                lambda: [swap(), ac()],
+                (ADAMW8BIT, CHECKPOINT_ALL),
                 cost="recompute every block's forward (~+30% step time)",
             ),
         ]
@@ -262,14 +290,7 @@ def default_ladder(
             Rung(
                 f"{low} + adamw8bit in backward + checkpoint all blocks",
                 low,
-                lambda: [
-                    _with_args(
-                        OptimizerSwap("adamw8bit", optimizer_in_backward=True),
-                        name="adamw8bit",
-                        optimizer_in_backward=True,
-                    ),
-                    ac(),
-                ],
+                (ADAMW8BIT_IN_BACKWARD, CHECKPOINT_ALL),
                 cost="no gradient clipping or accumulation",
             )
         )
@@ -277,22 +298,15 @@ def default_ladder(
         Rung(
             f"{low} + checkpoint all blocks + ZeRO-2 optimizer offload",
             low,
-            lambda: [ac()],
-            lambda: _with_args(
-                ZeROOffload(stage=2, offload_optimizer="cpu"), stage=2, offload_optimizer="cpu"
-            ),
+            (CHECKPOINT_ALL,),
+            ZERO2_OFFLOAD,
             cost="optimizer step on the host (PCIe traffic every step)",
         ),
         Rung(
             f"{low} + checkpoint all blocks + ZeRO-3 parameter offload",
             low,
-            lambda: [ac()],
-            lambda: _with_args(
-                ZeROOffload(stage=3, offload_optimizer="cpu", offload_parameters=True),
-                stage=3,
-                offload_optimizer="cpu",
-                offload_parameters=True,
-            ),
+            (CHECKPOINT_ALL,),
+            ZERO3_OFFLOAD,
             cost="weights streamed from the host for every layer (slowest)",
         ),
     ]
@@ -305,23 +319,15 @@ _AT_LEAST_GRAD_OP = ("zero2", "zero3", "grad_op", "full")
 _AT_LEAST_FULL = ("zero3", "full")
 
 
-def _sharding_rungs(
-    low: str, budget_bytes: int, ac: Callable[..., Any], configured_sharding: str | None
-) -> list[Rung]:
+def _sharding_rungs(low: str, fewest: Part, configured_sharding: str | None) -> list[Rung]:
     """The multi-rank rungs between bf16 and host offload (see :func:`default_ladder`)."""
-    from lightning_efficient.techniques.fsdp import FullyShardedStrategy
-
-    def fsdp(sharding: str) -> Callable[[], Any]:
-        args = {"sharding": sharding} if sharding != "full" else {}
-        return lambda: _with_args(FullyShardedStrategy(**args), **args)
-
     rungs = []
     if configured_sharding not in _AT_LEAST_GRAD_OP:
         rungs.append(
             Rung(
                 f"{low} + FSDP grad_op",
                 low,
-                make_strategy=fsdp("grad_op"),
+                strategy=FSDP_GRAD_OP,
                 cost="state sharded; communication as DDP (all-gather + reduce-scatter)",
             )
         )
@@ -330,7 +336,7 @@ def _sharding_rungs(
             Rung(
                 f"{low} + FSDP full",
                 low,
-                make_strategy=fsdp("full"),
+                strategy=FSDP_FULL,
                 cost="parameters gathered again in backward (+50% communication over DDP)",
             )
         )
@@ -338,25 +344,19 @@ def _sharding_rungs(
         Rung(
             f"{low} + FSDP full + checkpoint fewest blocks",
             low,
-            lambda: [ac(budget_bytes)],
-            fsdp("full"),
+            (fewest,),
+            FSDP_FULL,
             cost="+ recompute some blocks' forward",
         ),
         Rung(
             f"{low} + FSDP full + checkpoint all blocks",
             low,
-            lambda: [ac()],
-            fsdp("full"),
+            (CHECKPOINT_ALL,),
+            FSDP_FULL,
             cost="+ recompute every block's forward (~+30% step time)",
         ),
     ]
     return rungs
-
-
-def _with_args(obj: Any, **init_args: Any) -> Any:
-    """Remember the constructor arguments, so the plan can be written back as yaml."""
-    obj.plan_init_args = init_args
-    return obj
 
 
 def plan_stack(
@@ -444,7 +444,7 @@ def plan_stack(
             continue
         fits = est.fits(budget_bytes)
         problem = "" if fits else "over budget"
-        if fits and trial is not None and result.chosen is None and rung.make_strategy is None:
+        if fits and trial is not None and result.chosen is None and rung.strategy is None:
             outcome = trial(rung)
             result.trials.append((rung, outcome))
             if not outcome.ok:

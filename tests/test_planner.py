@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from lightning_efficient.demos import TinyGPT
-from lightning_efficient.planner import Rung, plan_stack
+from lightning_efficient.planner import Part, Rung, default_ladder, plan_stack
 
 ROOT = Path(__file__).parents[1]
 
@@ -51,12 +51,8 @@ def test_custom_ladder_and_yaml_round_trip(workload, tmp_path) -> None:
 
     model, batch = workload
 
-    def ac():
-        cb = ActivationCheckpointing(every_n=2)
-        cb.plan_init_args = {"every_n": 2}
-        return cb
-
-    ladder = [Rung("fp32", "32-true"), Rung("fp32 + half the blocks", "32-true", lambda: [ac()])]
+    half = Part("ActivationCheckpointing", {"every_n": 2})
+    ladder = [Rung("fp32", "32-true"), Rung("fp32 + half the blocks", "32-true", (half,))]
     plain_peak = (
         plan_stack(model, batch, "1TiB", ladder=ladder[:1], cuda_rounding=False)
         .tried[0][1]
@@ -145,3 +141,27 @@ def test_fragmentation_advice_names_expandable_segments(workload) -> None:
     assert "expandable_segments:True" in advice and "not measured" in advice
     assert cuda.fragmentation_advice(threshold=gap * 2) == ""
     assert plan_stack(model, batch, "1TiB", device="cpu").fragmentation_advice(0.0) == ""
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_every_rung_writes_back_what_it_builds(world_size) -> None:
+    """A rung's techniques are data (``Part``: a class and its arguments, stated once): what it
+    builds and what its yaml says are made from the same arguments."""
+    from lightning_efficient import techniques
+
+    ladder = default_ladder(2**30, world_size=world_size)
+    assert {r.name for r in ladder} >= {"as configured"} and len(ladder) > 4
+    for rung in ladder:
+        callbacks, strategy = rung.build()
+        specs, strategy_spec = rung.specs()
+        built = [*callbacks, *([strategy] if strategy is not None else [])]
+        written = [*specs, *([strategy_spec] if strategy_spec is not None else [])]
+        assert [type(obj).__name__ for obj in built] == [s["class_path"] for s in written]
+        for obj, spec in zip(built, written):
+            again = getattr(techniques, spec["class_path"])(**spec.get("init_args", {}))
+            assert _state(again) == _state(obj), rung.name
+
+
+def _state(obj) -> dict:
+    simple = (int, float, str, bool, type(None))
+    return {k: v for k, v in vars(obj).items() if isinstance(v, simple) and not k.startswith("_")}

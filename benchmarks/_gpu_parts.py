@@ -43,11 +43,14 @@ from _results import QUIET_TRAINER  # noqa: E402
 import lightning_efficient as le  # noqa: E402
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.functional import compile_modules, largest_fitting_batch  # noqa: E402
+from lightning_efficient.functional import largest_fitting_batch
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import StorageTracker  # noqa: E402
-from lightning_efficient.techniques.compile import CompileWatch  # noqa: E402
+from lightning_efficient.techniques.compile import (
+    CompileWatch,  # noqa: E402
+    compile_modules,
+)
 from lightning_efficient.techniques.precision import resolve_precision  # noqa: E402
 
 SUITE = Path(__file__).resolve().parent / "gpu_suite.py"

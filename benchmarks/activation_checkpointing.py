@@ -41,11 +41,13 @@ from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.functional import (  # noqa: E402
     apply_activation_checkpointing,
     blocks_for_budget,
-    remove_activation_checkpointing,
 )
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import measure_step  # noqa: E402
+from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
+    remove_activation_checkpointing,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES: dict[str, dict[str, Any]] = {

@@ -50,12 +50,16 @@ from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.demos.text import ByteChunks, EpochShuffle, load_corpus  # noqa: E402
-from lightning_efficient.functional import LengthBucketSampler, auto_num_workers, padding_stats  # noqa: E402
+from lightning_efficient.functional import (
+    LengthBucketSampler,
+    padding_stats,
+)
 from lightning_efficient.measure.timing import StepTimer  # noqa: E402
 from lightning_efficient.techniques.dataloading import (  # noqa: E402
     DataLoaderTuning,
     DevicePreload,
     InputStallMonitor,
+    auto_num_workers,
 )
 
 RESULTS = ROOT / "benchmarks" / "results"

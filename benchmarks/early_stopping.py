@@ -35,8 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.functional import PlateauTracker, scale_lr, set_lr  # noqa: E402
+from lightning_efficient.functional import PlateauTracker
 from lightning_efficient.techniques import DivergenceGuard, EarlyStopper  # noqa: E402
+from lightning_efficient.techniques.early_stopping import (
+    scale_lr,
+    set_lr,
+)
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = dict(seq_len=32, n_layer=2, n_embd=32, n_head=2, dropout=0.0, lr=3e-3, warmup_steps=10)

@@ -44,14 +44,15 @@ from _results import environment as base_environment  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.functional import (
+from lightning_efficient.measure.timing import time_fn  # noqa: E402
+from lightning_efficient.measure.track import measure_step  # noqa: E402
+from lightning_efficient.techniques.optimizers import (  # noqa: E402
+    EIGHT_BIT_NAMES,
+    OptimizerSwap,
     attach_optimizer_in_backward,
     build_optimizer,
     embedding_parameters,
-)  # noqa: E402
-from lightning_efficient.measure.timing import time_fn  # noqa: E402
-from lightning_efficient.measure.track import measure_step  # noqa: E402
-from lightning_efficient.techniques.optimizers import EIGHT_BIT_NAMES, OptimizerSwap  # noqa: E402
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINE = "torch.optim.AdamW"

@@ -1,7 +1,8 @@
 """lightning-efficient: Lightning callbacks and strategies that make training fit and run fast.
 
 Every technique is importable from here (``from lightning_efficient import
-ActivationCheckpointing``); the pure functions behind them live in ``lightning_efficient.functional``.
+ActivationCheckpointing``); ``lightning_efficient.functional`` holds the functions a user composes
+without Lightning (``apply_*``, each returning a ``Change`` with its ``undo()``).
 """
 
 __version__ = "0.1.0"

@@ -1,187 +1,81 @@
-"""The pure functions behind every technique, usable without Lightning (no trainer needed)."""
+"""The functions a user composes without Lightning (no trainer needed).
 
-from lightning_efficient.core.validate import (
-    format_bytes,
-    parse_bytes,
-)
-from lightning_efficient.techniques._blocks import (
-    candidate_groups,
-    find_repeated_blocks,
-    select_modules,
-)
+One verb style: ``apply_*`` changes a module, an optimizer, a loader or the process's flags and
+returns a ``Change`` (``core/change.py``): ``what`` it did, its ``figures``, the ``value`` to
+work with next (the names wrapped, the new optimizer or loader) and ``undo()``; ``with
+apply_x(...) as change:`` undoes on leaving the block. Next to them: the measurements and
+decisions that pick the arguments (``rank_blocks``, ``blocks_for_budget``,
+``largest_fitting_batch``, ``tune_num_workers``, ...), what a training loop of one's own calls
+each step (``sequence_length_at``/``cut_batch``, ``micro_batch_step``, ``PlateauTracker``,
+``DivergenceDetector``), the samplers, and the ZeRO checkpoint tools.
+
+Every other helper stays importable from its module (e.g. ``format_bytes`` from
+``lightning_efficient.core.validate``, ``rebuild_dataloader`` from
+``lightning_efficient.techniques.dataloading``).
+"""
+
+from lightning_efficient.core.change import Change
+from lightning_efficient.measure.optimizer_models import optimizer_state_bytes
 from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
     blocks_for_budget,
     checkpointed_blocks,
     rank_blocks,
-    remove_activation_checkpointing,
 )
-from lightning_efficient.techniques.batch_size.sizing import (
-    accumulation_for,
-    choose_micro_batch,
-    count_tokens,
-    largest_fitting_batch,
-    longest_sample,
-    round_batch_size,
-    worst_case_batch,
-)
-from lightning_efficient.techniques.batch_size.split import (
-    chunk_weights,
-    micro_batch_step,
-    split_batch,
-)
-from lightning_efficient.techniques.compile import (
-    apply_compile,
-    compile_modules,
-    compiled_modules,
-    uncompile_modules,
-)
-from lightning_efficient.techniques.curriculum import (
-    CurriculumSampler,
-    cut_batch,
-    difficulty_scores,
-    easiest_first,
-    pacing_fraction,
-    pool_size,
-    pool_walk,
-    reshape_length,
-    sequence_length_at,
-    sequence_shape,
-    with_sampler,
-)
-from lightning_efficient.techniques.dataloading import (
-    LengthBucketSampler,
-    auto_num_workers,
-    padding_stats,
-    preload_to_device,
-    rebuild_dataloader,
-    tune_num_workers,
-)
-from lightning_efficient.techniques.early_stopping import (
-    DivergenceDetector,
-    PlateauTracker,
-    batch_counts,
-    divergence_reason,
-    drop_gradients,
-    ema_alpha,
-    ema_update,
-    format_duration,
-    grad_norm,
-    host_copy,
-    is_improvement,
-    is_spike,
-    parse_count,
-    parse_duration,
-    restore_training_state,
-    scale_lr,
-    scale_lr_for_step,
-    set_lr,
-    threshold_reached,
-)
-from lightning_efficient.techniques.optimizers import (
-    attach_optimizer_in_backward,
-    build_optimizer,
-    embedding_parameters,
-    optimizer_state_bytes,
-    repoint_scheduler,
-    swap_optimizer,
-)
+from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch
+from lightning_efficient.techniques.batch_size.split import micro_batch_step
+from lightning_efficient.techniques.compile import apply_compile, compiled_modules
+from lightning_efficient.techniques.curriculum.difficulty import difficulty_scores
+from lightning_efficient.techniques.curriculum.sampler import CurriculumSampler, apply_sampler
+from lightning_efficient.techniques.curriculum.schedule import sequence_length_at
+from lightning_efficient.techniques.curriculum.sequence import cut_batch
+from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler, padding_stats
+from lightning_efficient.techniques.dataloading.preload import apply_device_preload
+from lightning_efficient.techniques.dataloading.rebuild import apply_dataloader_tuning
+from lightning_efficient.techniques.dataloading.workers import tune_num_workers
+from lightning_efficient.techniques.early_stopping import DivergenceDetector, PlateauTracker
+from lightning_efficient.techniques.optimizers.build import apply_optimizer_swap
+from lightning_efficient.techniques.optimizers.in_backward import apply_optimizer_in_backward
 from lightning_efficient.techniques.precision import (
     apply_float8,
     apply_matmul_precision,
     best_precision,
 )
-from lightning_efficient.techniques.zero_offload import (
-    export_fp32,
-    full_state_dict,
-    host_buffers,
-    load_zero_optimizer_state,
-    offloaded_categories,
-    rebind_schedulers,
-    scale_buckets,
-    to_deepspeed_optimizer,
-    zero_offload_config,
-    zero_optimizer_state,
-)
+from lightning_efficient.techniques.zero_offload import export_fp32, zero_offload_config
 
 __all__ = [
-    "format_bytes",
-    "parse_bytes",
-    "find_repeated_blocks",
-    "candidate_groups",
-    "rank_blocks",
-    "select_modules",
+    # what changes a module, an optimizer, a loader or the flags: a Change with its undo
+    "Change",
     "apply_activation_checkpointing",
-    "blocks_for_budget",
-    "checkpointed_blocks",
-    "remove_activation_checkpointing",
-    "attach_optimizer_in_backward",
-    "build_optimizer",
-    "embedding_parameters",
-    "optimizer_state_bytes",
-    "repoint_scheduler",
-    "swap_optimizer",
-    "accumulation_for",
-    "choose_micro_batch",
-    "chunk_weights",
-    "count_tokens",
-    "largest_fitting_batch",
-    "longest_sample",
-    "micro_batch_step",
-    "round_batch_size",
-    "split_batch",
-    "worst_case_batch",
-    "best_precision",
+    "apply_compile",
     "apply_float8",
     "apply_matmul_precision",
-    "apply_compile",
-    "compile_modules",
+    "apply_optimizer_swap",
+    "apply_optimizer_in_backward",
+    "apply_dataloader_tuning",
+    "apply_device_preload",
+    "apply_sampler",
+    # what is applied now
+    "checkpointed_blocks",
     "compiled_modules",
-    "uncompile_modules",
-    "CurriculumSampler",
-    "cut_batch",
-    "difficulty_scores",
-    "easiest_first",
-    "pacing_fraction",
-    "pool_size",
-    "pool_walk",
-    "reshape_length",
-    "sequence_length_at",
-    "sequence_shape",
-    "with_sampler",
-    "LengthBucketSampler",
-    "auto_num_workers",
-    "padding_stats",
-    "preload_to_device",
-    "rebuild_dataloader",
+    # measurements and decisions that pick the arguments
+    "rank_blocks",
+    "blocks_for_budget",
+    "largest_fitting_batch",
     "tune_num_workers",
-    "export_fp32",
-    "full_state_dict",
-    "host_buffers",
-    "load_zero_optimizer_state",
-    "offloaded_categories",
-    "rebind_schedulers",
-    "scale_buckets",
-    "to_deepspeed_optimizer",
-    "zero_offload_config",
-    "zero_optimizer_state",
-    "DivergenceDetector",
+    "optimizer_state_bytes",
+    "padding_stats",
+    "best_precision",
+    "difficulty_scores",
+    # a training loop of one's own
+    "sequence_length_at",
+    "cut_batch",
+    "micro_batch_step",
     "PlateauTracker",
-    "batch_counts",
-    "divergence_reason",
-    "drop_gradients",
-    "ema_alpha",
-    "ema_update",
-    "format_duration",
-    "grad_norm",
-    "host_copy",
-    "is_improvement",
-    "is_spike",
-    "parse_count",
-    "parse_duration",
-    "restore_training_state",
-    "scale_lr",
-    "scale_lr_for_step",
-    "set_lr",
-    "threshold_reached",
+    "DivergenceDetector",
+    "CurriculumSampler",
+    "LengthBucketSampler",
+    # ZeRO checkpoints and configs
+    "zero_offload_config",
+    "export_fp32",
 ]

@@ -20,9 +20,11 @@ from lightning_efficient.functional import (
     apply_activation_checkpointing,
     blocks_for_budget,
     checkpointed_blocks,
+)
+from lightning_efficient.techniques.activation_checkpointing import (
+    ActivationCheckpointing,
     remove_activation_checkpointing,
 )
-from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.compile import TorchCompile
 
 FOUR = [f"blocks.{i}" for i in range(4)]

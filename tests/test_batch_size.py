@@ -18,15 +18,8 @@ from lightning.pytorch import Callback, LightningDataModule
 
 from lightning_efficient.core.report import report_for
 from lightning_efficient.functional import (
-    accumulation_for,
-    choose_micro_batch,
-    chunk_weights,
     largest_fitting_batch,
-    longest_sample,
     micro_batch_step,
-    round_batch_size,
-    split_batch,
-    worst_case_batch,
 )
 from lightning_efficient.measure.estimate import estimate_memory
 from lightning_efficient.techniques.batch_size import (
@@ -34,6 +27,17 @@ from lightning_efficient.techniques.batch_size import (
     OOMRecovery,
     OutOfMemoryRecoveryError,
     is_out_of_memory,
+)
+from lightning_efficient.techniques.batch_size.sizing import (
+    accumulation_for,
+    choose_micro_batch,
+    longest_sample,
+    round_batch_size,
+    worst_case_batch,
+)
+from lightning_efficient.techniques.batch_size.split import (
+    chunk_weights,
+    split_batch,
 )
 
 HERE = Path(__file__).parent

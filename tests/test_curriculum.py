@@ -21,15 +21,17 @@ from lightning_efficient.functional import (
     CurriculumSampler,
     cut_batch,
     difficulty_scores,
+    sequence_length_at,
+)
+from lightning_efficient.techniques import Curriculum, SequenceLengthWarmup
+from lightning_efficient.techniques.curriculum import (
     easiest_first,
     pacing_fraction,
     pool_size,
     pool_walk,
     reshape_length,
-    sequence_length_at,
     with_sampler,
 )
-from lightning_efficient.techniques import Curriculum, SequenceLengthWarmup
 
 HERE = Path(__file__).parent
 

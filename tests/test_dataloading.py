@@ -18,10 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from lightning_efficient.core.report import report_for
 from lightning_efficient.functional import (
     LengthBucketSampler,
-    auto_num_workers,
     padding_stats,
-    preload_to_device,
-    rebuild_dataloader,
     tune_num_workers,
 )
 from lightning_efficient.techniques import NoEffectWarning
@@ -32,6 +29,9 @@ from lightning_efficient.techniques.dataloading import (
     PreloadedBatches,
     PreloadRefused,
     WorkerSeeder,
+    auto_num_workers,
+    preload_to_device,
+    rebuild_dataloader,
 )
 
 

@@ -23,6 +23,9 @@ from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.functional import (
     DivergenceDetector,
     PlateauTracker,
+)
+from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
+from lightning_efficient.techniques.early_stopping import (
     batch_counts,
     divergence_reason,
     drop_gradients,
@@ -39,7 +42,6 @@ from lightning_efficient.functional import (
     scale_lr_for_step,
     set_lr,
 )
-from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
 
 HERE = Path(__file__).parent
 

@@ -12,20 +12,18 @@ import torch
 from helpers import SaveAt, fit, params_of, tiny_model
 from torch import nn
 
-from lightning_efficient.functional import (
-    attach_optimizer_in_backward,
-    build_optimizer,
-    embedding_parameters,
-    repoint_scheduler,
-    swap_optimizer,
-)
 from lightning_efficient.measure.track import measure_step
 from lightning_efficient.techniques.optimizers import (
     EIGHT_BIT_NAMES,
     NAMES,
     InBackwardOptimizer,
     OptimizerSwap,
+    attach_optimizer_in_backward,
+    build_optimizer,
+    embedding_parameters,
     rebind_schedulers,
+    repoint_scheduler,
+    swap_optimizer,
 )
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers import SaveAt, fit, params_of, tiny_model
 
-from lightning_efficient import functional as F
 from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+from lightning_efficient.techniques import zero_offload as F
 from lightning_efficient.techniques.zero_offload import (
     SUPPORTED_OPTIMIZERS,
     ZeROOffload,

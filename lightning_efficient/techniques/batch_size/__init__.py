@@ -4,7 +4,7 @@ A small package (every name below is importable from ``lightning_efficient.techn
 as before the split):
 
 - :mod:`.sizing`: pure maths: rounding for the hardware, accumulation for a target, the search
-  over batch sizes with a memory estimate, the worst-case input (exported from
+  over batch sizes with a memory estimate, the worst-case input (``largest_fitting_batch`` is in
   ``lightning_efficient.functional``).
 - :mod:`.split`: the pure OOM splitter: a batch as micro-batches with gradient accumulation,
   and the retry state machine, on callables (no trainer).

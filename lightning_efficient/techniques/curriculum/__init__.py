@@ -1,7 +1,8 @@
 """Curriculum learning: easiest samples first (``Curriculum``) and short sequences first
 (``SequenceLengthWarmup``), on an unmodified module and datamodule.
 
-Pure functions (no Lightning needed, exported from ``lightning_efficient.functional``):
+Pure functions (no Lightning needed; the ones a user composes are in
+``lightning_efficient.functional``):
 
 - ``schedule``: ``pacing_fraction``, ``pool_size``, ``sequence_length_at``, ``reshape_length``.
 - ``difficulty``: ``difficulty_scores`` (entropy, length, a dataset attribute or field, a callable

@@ -27,6 +27,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_float, check_int
 from lightning_efficient.techniques._sharded_sampler import ShardedSampler
 from lightning_efficient.techniques.curriculum.difficulty import check_seed, easiest_first
@@ -36,7 +37,7 @@ from lightning_efficient.techniques.curriculum.schedule import (
     pool_size,
 )
 
-__all__ = ["CurriculumSampler", "own_sampler", "pool_walk", "with_sampler"]
+__all__ = ["CurriculumSampler", "apply_sampler", "own_sampler", "pool_walk", "with_sampler"]
 
 
 def pool_walk(
@@ -308,3 +309,15 @@ def with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
             kwargs[name] = getattr(loader, name)
     cls = type(loader) if type(loader).__init__ is DataLoader.__init__ else DataLoader
     return cls(**kwargs)
+
+
+def apply_sampler(loader: DataLoader, sampler: Sampler) -> Change:
+    """:func:`with_sampler` as a change (e.g. with a :class:`CurriculumSampler` or a
+    ``LengthBucketSampler``): its ``value`` is the loader drawing from ``sampler``. ``loader``
+    itself is not changed, so there is nothing to undo."""
+    new = with_sampler(loader, sampler)
+    return Change(
+        f"sampler {type(loader.sampler).__name__} -> {type(sampler).__name__}",
+        figures={"batches": len(new)} if hasattr(sampler, "__len__") else {},
+        value=new,
+    )

@@ -1,6 +1,7 @@
 """The data pipeline: DataLoader tuning, device preloading, length bucketing.
 
-Pure functions (no Lightning needed, exported from ``lightning_efficient.functional``):
+Pure functions (no Lightning needed; the ones a user composes are in
+``lightning_efficient.functional``):
 
 - ``rebuild_dataloader(loader, num_workers=..., ...)`` (``rebuild.py``): the same loader (dataset,
   sampler or batch sampler, collate_fn, batch_size, drop_last, generator) with other

@@ -21,13 +21,14 @@ from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
 from lightning_efficient.measure.host import available_bytes
 from lightning_efficient.techniques.dataloading.in_fit import StepClock, TunedInFit, WorkerChoice
-from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preload_to_device
+from lightning_efficient.techniques.dataloading.preload import PreloadRefused, apply_device_preload
 from lightning_efficient.techniques.dataloading.rebuild import (
     _check_num_workers,
     _check_pin,
     _check_prefetch,
     _rebuild_kwargs,
     auto_num_workers,
+    loader_change,
     rebuild_dataloader,
 )
 from lightning_efficient.techniques.dataloading.workers import (
@@ -270,12 +271,7 @@ class DataLoaderTuning(_LoaderRebuilder):
 
     def _describe(self, trainer: Any, loader: DataLoader, new: Any, hook: str) -> None:
         changed = (loader.num_workers, loader.pin_memory) != (new.num_workers, new.pin_memory)
-        self._changes[hook] = (
-            f"{hook}: num_workers {loader.num_workers}->{new.num_workers}, pin_memory "
-            f"{loader.pin_memory}->{new.pin_memory}, persistent_workers {new.persistent_workers}"
-            if changed
-            else f"{hook}: kept num_workers {new.num_workers}, pin_memory {new.pin_memory}"
-        )
+        self._changes[hook] = f"{hook}: {loader_change(loader, new)}"
         figures: dict[str, Any] = {"num_workers": new.num_workers}
         tuned = self._tuned
         if tuned is not None:
@@ -322,13 +318,14 @@ class DevicePreload(_LoaderRebuilder):
         used = sum(b for h, b in self._used.items() if h != hook)
         device = trainer.strategy.root_device
         try:
-            new = preload_to_device(loader, device, max(1, limit - used))
+            change = apply_device_preload(loader, device, max(1, limit - used))
         except PreloadRefused as err:
             if "more than max_bytes" in str(err):
                 raise PreloadRefused(f"DevicePreload ({hook}): {err}") from err
             self.no_effect(f"{hook} is loaded as before: {err}")
             return loader
-        self._used[hook] = new.dataset.nbytes
+        new = change.value
+        self._used[hook] = change.figures["preloaded_bytes"]
         self.report(
             trainer,
             f"{', '.join(self._used)} preloaded onto {device}; batches served by index",

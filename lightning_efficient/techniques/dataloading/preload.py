@@ -14,10 +14,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from lightning_efficient.core._internals import tree_flatten, tree_unflatten
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_int, format_bytes, parse_bytes
 from lightning_efficient.techniques.dataloading.rebuild import _check_sampler_fits
 
-__all__ = ["PreloadRefused", "PreloadedBatches", "preload_to_device"]
+__all__ = ["PreloadRefused", "PreloadedBatches", "apply_device_preload", "preload_to_device"]
 
 
 class PreloadedBatches(Dataset):
@@ -69,6 +70,20 @@ def _leaves_of(batch: Any, n: int) -> tuple[list[torch.Tensor], Any]:
                 "batches of tensors (default_collate of tensors/numbers) can be served by index."
             )
     return leaves, spec
+
+
+def apply_device_preload(
+    loader: DataLoader, device: torch.device | str, max_bytes: int | str = "2GiB"
+) -> Change:
+    """:func:`preload_to_device` as a change: its ``value`` is the preloaded loader, its figures
+    the bytes preloaded. ``loader`` itself is not changed, so there is nothing to undo."""
+    new = preload_to_device(loader, device, max_bytes)
+    nbytes = new.dataset.nbytes
+    return Change(
+        f"{format_bytes(nbytes)} preloaded onto {torch.device(device)}; batches served by index",
+        figures={"preloaded_bytes": nbytes},
+        value=new,
+    )
 
 
 def preload_to_device(

@@ -16,11 +16,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_efficient.core._internals import kept_iterator
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_bool, check_choice, check_int
 from lightning_efficient.measure.host import usable_cores
 from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler
 
-__all__ = ["WorkerSeeder", "auto_num_workers", "rebuild_dataloader"]
+__all__ = ["WorkerSeeder", "apply_dataloader_tuning", "auto_num_workers", "rebuild_dataloader"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +197,39 @@ def _rebuild_kwargs(
         if hasattr(loader, name):
             kwargs[name] = getattr(loader, name)
     return kwargs
+
+
+def apply_dataloader_tuning(
+    loader: DataLoader,
+    *,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    rank: int = 0,
+) -> Change:
+    """:func:`rebuild_dataloader` as a change: its ``value`` is the rebuilt loader (the same
+    samples in the same order), its ``what`` the settings that changed. ``loader`` itself is
+    not changed, so there is nothing to undo."""
+    new = rebuild_dataloader(
+        loader,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor,
+        rank=rank,
+    )
+    return Change(loader_change(loader, new), figures={"num_workers": new.num_workers}, value=new)
+
+
+def loader_change(old: Any, new: Any) -> str:
+    """What rebuilding ``old`` as ``new`` (a loader, or its arguments) changed, or kept."""
+    if (old.num_workers, old.pin_memory) == (new.num_workers, new.pin_memory):
+        return f"kept num_workers {new.num_workers}, pin_memory {new.pin_memory}"
+    return (
+        f"num_workers {old.num_workers}->{new.num_workers}, pin_memory "
+        f"{old.pin_memory}->{new.pin_memory}, persistent_workers {new.persistent_workers}"
+    )
 
 
 def _check_sampler_fits(loader: DataLoader) -> None:

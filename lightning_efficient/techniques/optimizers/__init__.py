@@ -1,7 +1,8 @@
 """Memory-lean optimizers for an unmodified LightningModule: 8-bit, paged, Adafactor, fused, and
 optimizer-in-backward.
 
-Pure functions (no Lightning needed), exported from :mod:`lightning_efficient.functional`:
+Pure functions (no Lightning needed; ``apply_optimizer_swap`` and ``apply_optimizer_in_backward``
+are in :mod:`lightning_efficient.functional`):
 
 - :func:`optimizer_class` / :func:`build_optimizer`: an optimizer by short name or class path
   (:mod:`.build`, which also says how param groups carry over).

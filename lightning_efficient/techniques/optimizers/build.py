@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.measure.optimizer_models import (
     DEFAULT_MIN_8BIT_SIZE,
     OPTIMIZER_NAMES,
@@ -58,6 +59,7 @@ __all__ = [
     "carry_param_groups",
     "build_optimizer",
     "swap_optimizer",
+    "apply_optimizer_swap",
     "replace_optimizer",
     "embedding_parameters",
 ]
@@ -330,6 +332,30 @@ def swap_optimizer(
     ``lr``/``weight_decay``/options carried as the module docstring says. ``old`` is not changed;
     its state (moments) is not converted."""
     return _build(name, old.param_groups, source=old, keep_32bit=keep_32bit, overrides=overrides)[0]
+
+
+def apply_optimizer_swap(
+    optimizer: Optimizer,
+    name: str,
+    *,
+    schedulers: Iterable[Any] = (),
+    keep_32bit: Iterable[torch.Tensor] = (),
+    **overrides: Any,
+) -> Change:
+    """:func:`swap_optimizer`, with the LR ``schedulers`` that drive ``optimizer`` pointed at the
+    new one. The change's ``value`` is the new optimizer; its ``undo()`` points the schedulers
+    back at ``optimizer`` (which the swap did not change)."""
+    from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers
+
+    new = swap_optimizer(optimizer, name, keep_32bit=keep_32bit, **overrides)
+    schedulers = list(schedulers)
+    moved = rebind_schedulers(schedulers, optimizer, new)
+    return Change(
+        f"{type(optimizer).__name__} -> {name}",
+        (lambda: rebind_schedulers(schedulers, new, optimizer)) if moved else None,
+        figures={"param_groups": len(new.param_groups), "schedulers": moved},
+        value=new,
+    )
 
 
 def replace_optimizer(

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["InBackwardOptimizer", "attach_optimizer_in_backward"]
+from lightning_efficient.core.change import Change
+
+__all__ = ["InBackwardOptimizer", "apply_optimizer_in_backward", "attach_optimizer_in_backward"]
 
 
 class InBackwardOptimizer(Optimizer):
@@ -118,3 +120,20 @@ def attach_optimizer_in_backward(
     if param_groups is None:
         param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     return InBackwardOptimizer(param_groups, optimizer_factory).attach()
+
+
+def apply_optimizer_in_backward(
+    model: nn.Module,
+    optimizer_factory: Callable[[list[dict]], Optimizer],
+    param_groups: Sequence[dict[str, Any]] | None = None,
+) -> Change:
+    """:func:`attach_optimizer_in_backward` as a change: its ``value`` is the
+    :class:`InBackwardOptimizer` to hand to Lightning or LR schedulers, its ``undo()`` takes the
+    gradient hooks off the parameters."""
+    optimizer = attach_optimizer_in_backward(model, optimizer_factory, param_groups)
+    return Change(
+        f"{len(optimizer.inner)} parameters stepped in backward",
+        optimizer.detach,
+        figures={"parameters": len(optimizer.inner)},
+        value=optimizer,
+    )

@@ -6,7 +6,8 @@ GPU holds only the parameters it computes with, one gradient bucket and the acti
 stage 3 with ``offload_parameters`` the parameters live on the host too and are fetched layer by
 layer.
 
-Pure functions (no Lightning needed), exported from :mod:`lightning_efficient.functional`:
+Pure functions (no Lightning needed; ``zero_offload_config`` and ``export_fp32`` are in
+:mod:`lightning_efficient.functional`):
 
 - ``config``: :func:`zero_offload_config` (the checked DeepSpeed config, a user ``config``
   merged in; a conflicting value is an error, never a silent override), :func:`scale_buckets`

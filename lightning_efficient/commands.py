@@ -25,39 +25,75 @@ from lightning_efficient.measure.per_rank import SHARDINGS, world_size_of
 from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.measure.targets import resolve_target
 
-__all__ = ["estimate_command", "profile_command", "config_workload", "fail"]
+__all__ = [
+    "OPTIONS",
+    "command_parser",
+    "estimate_command",
+    "profile_command",
+    "config_workload",
+    "fail",
+]
+
+
+#: The options several commands take, declared once: name -> (flag, argparse keywords, what the
+#: default is when the command gives none).
+OPTIONS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "config": (
+        "--config",
+        {"required": True, "action": "append", "help": "LightningCLI yaml (repeatable)"},
+        "",
+    ),
+    "precision": ("--precision", {"choices": PRECISIONS}, "the config's trainer.precision"),
+    "batch_size": (
+        "--batch-size",
+        {"type": int, "help": "override the datamodule's batch_size (one rank's batch)"},
+        "the config's",
+    ),
+    "steps": ("--steps", {"type": int, "help": "optimizer steps to run"}, ""),
+    "device": (
+        "--device",
+        {
+            "help": "the device to model: cpu, cuda (this machine's GPU, else the H100/H200 "
+            "class), cuda:sm80, cuda:a100, ..."
+        },
+        "the config's trainer's",
+    ),
+    "devices": ("--devices", {"type": int, "help": "processes per node"}, "the config's"),
+    "num_nodes": ("--num-nodes", {"type": int, "help": "nodes"}, "the config's"),
+}
+
+
+def command_parser(
+    command: str, description: str, options: Sequence[str], **defaults: Any
+) -> argparse.ArgumentParser:
+    """The parser of ``lightning-efficient <command>`` with the shared ``options`` (names of
+    :data:`OPTIONS`, in that order); ``defaults`` give an option a default of its own. The command
+    adds the options only it takes."""
+    p = argparse.ArgumentParser(prog=f"lightning-efficient {command}", description=description)
+    for name in options:
+        flag, kwargs, default_text = OPTIONS[name]
+        kwargs = {"default": None, **kwargs}
+        if name in defaults:
+            kwargs["default"], default_text = defaults[name], str(defaults[name])
+        if default_text:
+            kwargs["help"] = f"{kwargs.get('help', '')} (default: {default_text})".lstrip()
+        p.add_argument(flag, **kwargs)
+    return p
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lightning-efficient estimate",
-        description="Print the memory of training steps of a config's model on one batch, "
-        "estimated on fake tensors (no GPU, no allocation).",
-    )
-    p.add_argument(
-        "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
-    )
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=None,
-        help="default: the config's trainer.precision",
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=None, help="override the datamodule's batch_size"
+    p = command_parser(
+        "estimate",
+        "Print the memory of training steps of a config's model on one batch, estimated on "
+        "fake tensors (no GPU, no allocation).",
+        ("config", "precision", "batch_size", "steps", "device", "devices", "num_nodes"),
+        steps=2,
     )
     p.add_argument(
         "--optimizer",
         default=None,
         help="adamw | adam | sgd | an Optimizer class path (default: what the model's "
         "configure_optimizers returns)",
-    )
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default: 2)")
-    p.add_argument(
-        "--device",
-        default=None,
-        help="the device to model: cpu, cuda (this machine's GPU, else the H100/H200 class), "
-        "cuda:sm80, cuda:a100, ... (default: the config's trainer's)",
     )
     p.add_argument(
         "--cuda-rounding", action="store_true", help="round allocations as the CUDA allocator does"
@@ -69,10 +105,6 @@ def _parser() -> argparse.ArgumentParser:
         help="ranks the state is divided over (default: --devices x --num-nodes, else the "
         "config's trainer's)",
     )
-    p.add_argument(
-        "--devices", type=int, default=None, help="processes per node (default: the config's)"
-    )
-    p.add_argument("--num-nodes", type=int, default=None, help="nodes (default: the config's)")
     p.add_argument(
         "--sharding",
         choices=SHARDINGS,
@@ -184,15 +216,13 @@ def _batch_shape(batch: Any) -> str:
 
 # -- profile ---------------------------------------------------------------------------------
 def _profile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lightning-efficient profile",
-        description="Run N training steps of a config under StepProfiler and print where a "
-        "step's time goes, FLOPs and MFU, memory, and what to turn on next.",
+    p = command_parser(
+        "profile",
+        "Run N training steps of a config under StepProfiler and print where a step's time "
+        "goes, FLOPs and MFU, memory, and what to turn on next.",
+        ("config", "steps"),
+        steps=20,
     )
-    p.add_argument(
-        "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
-    )
-    p.add_argument("--steps", type=int, default=20, help="training steps to run (default: 20)")
     p.add_argument(
         "--json",
         default=None,

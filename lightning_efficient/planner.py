@@ -57,10 +57,8 @@ class Part:
         return getattr(techniques, self.class_path)(**self.init_args)
 
     def spec(self) -> dict[str, Any]:
-        spec: dict[str, Any] = {"class_path": self.class_path}
-        if self.init_args:
-            spec["init_args"] = dict(self.init_args)
-        return spec
+        args = {"init_args": dict(self.init_args)} if self.init_args else {}
+        return {"class_path": self.class_path, **args}
 
 
 @dataclass
@@ -474,39 +472,18 @@ def _first_line(err: BaseException, limit: int = 100) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lightning-efficient plan",
-        description="Pick the cheapest stack of techniques whose estimated peak fits a memory budget.",
+    from lightning_efficient.commands import command_parser
+
+    p = command_parser(
+        "plan",
+        "Pick the cheapest stack of techniques whose estimated peak fits a memory budget.",
+        ("config", "batch_size", "precision", "devices", "num_nodes", "device"),
+        device="cuda",
     )
-    p.add_argument(
-        "--config", required=True, action="append", help="LightningCLI yaml (repeatable)"
-    )
-    p.add_argument("--budget", required=True, help="device memory budget, e.g. 24GiB or 80GB")
-    p.add_argument(
-        "--batch-size", type=int, default=None, help="override the datamodule's batch_size"
-    )
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=None,
-        help="default: the config's trainer.precision",
-    )
+    p.add_argument("--budget", required=True, help="device memory budget (one rank's), e.g. 24GiB")
     p.add_argument("--no-bf16", action="store_true", help="the target device has no bf16")
     p.add_argument(
         "--all", action="store_true", help="estimate every rung, not just up to the first fit"
-    )
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=None,
-        help="processes per node (default: the config's); the budget and --batch-size are one rank's",
-    )
-    p.add_argument("--num-nodes", type=int, default=None, help="nodes (default: the config's)")
-    p.add_argument(
-        "--device",
-        default="cuda",
-        help="the GPU planned for: cuda (this machine's, else the H100/H200 class), cuda:a100, "
-        "cuda:sm89, ...; cpu (default: cuda)",
     )
     p.add_argument(
         "--no-trial",

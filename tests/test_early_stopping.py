@@ -26,7 +26,6 @@ from lightning_efficient.functional import (
 )
 from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
 from lightning_efficient.techniques.early_stopping import (
-    batch_counts,
     divergence_reason,
     drop_gradients,
     ema_alpha,
@@ -172,15 +171,6 @@ def test_parse_duration_and_count() -> None:
     for bad in ("lots", "5 Mb", "-3", "0"):
         with pytest.raises(ValueError, match="max_tokens"):
             parse_count(bad, "max_tokens")
-
-
-def test_batch_counts() -> None:
-    x = torch.zeros(4, 32, dtype=torch.long)
-    assert batch_counts((x, x)) == (4, 128)
-    mask = torch.ones(4, 32)
-    mask[:, 20:] = 0
-    assert batch_counts({"input_ids": x, "attention_mask": mask, "labels": x}) == (4, 80)
-    assert batch_counts(torch.zeros(8, 3, 4, 4)[:, 0, 0, 0]) == (8, 8)
 
 
 def test_spike_detection_and_detector() -> None:

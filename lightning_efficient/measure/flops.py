@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_efficient.measure.estimate import faked
 from lightning_efficient.measure.step import loss_of, silenced_logging
 from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.measure.track import StorageTracker, _takes_batch_idx, _tensors
+from lightning_efficient.measure.track import StorageTracker, _takes_batch_idx
 
 __all__ = [
     "GPU_PEAKS",
@@ -294,20 +294,3 @@ def count_flops(
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
     forward = int(counter.get_total_flops())
     return FlopCount(forward=forward, step=3 * forward, ops=tracker.allocations, by_op=by_op)
-
-
-def batch_counts(batch: Any) -> tuple[int, int | None]:
-    """``(samples, tokens or None)`` of a batch: samples from the first tensor's first dimension;
-    tokens from the first integer tensor with two or more dimensions (``batch x sequence``)."""
-    samples, tokens = 0, None
-    for t in _tensors(batch):
-        if t.dim() == 0:
-            continue
-        if not samples:
-            samples = int(t.shape[0])
-        if tokens is None and t.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
-            if t.dtype != torch.bool:
-                tokens = int(t.numel())
-        if samples and tokens is not None:
-            break
-    return samples, tokens

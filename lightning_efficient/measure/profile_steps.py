@@ -13,7 +13,6 @@ import torch
 
 from lightning_efficient.measure.advice import Findings, advise
 from lightning_efficient.measure.flops import (
-    batch_counts,
     compute_dtype,
     count_flops,
     mfu,
@@ -29,6 +28,7 @@ from lightning_efficient.measure.profile_report import (
     _recompiles,
     phase_summary,
 )
+from lightning_efficient.measure.tokens import batch_counts
 
 
 def _hook_optimizers(self, trainer: Any) -> None:

@@ -34,9 +34,6 @@ from lightning_efficient.core.validate import (
     parse_bytes,
 )
 from lightning_efficient.measure import profile_steps as _methods
-from lightning_efficient.measure.flops import (
-    batch_counts,
-)
 from lightning_efficient.measure.profile_report import (
     PHASES,
     _change,
@@ -48,6 +45,7 @@ from lightning_efficient.measure.profile_report import (
     profile_table,
 )
 from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.measure.tokens import batch_counts
 
 __all__ = ["PHASES", "StepProfiler", "profile_table", "profile_png", "phase_summary"]
 

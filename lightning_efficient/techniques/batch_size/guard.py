@@ -20,8 +20,8 @@ from torch import nn
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import check_choice, check_int, import_object
 from lightning_efficient.measure.step import silenced_logging
+from lightning_efficient.measure.tokens import count_loss_tokens
 from lightning_efficient.measure.trial import is_out_of_memory
-from lightning_efficient.techniques.batch_size.sizing import count_tokens
 from lightning_efficient.techniques.batch_size.split import (
     OOMSplitter,
     OutOfMemoryRecoveryError,
@@ -71,7 +71,7 @@ class OOMGuard:
 
     def _count_tokens(self, batch: Any) -> int:
         if self.token_counter is None:
-            return count_tokens(batch, self.ignore_index)
+            return count_loss_tokens(batch, self.ignore_index)
         if isinstance(self.token_counter, str):
             return import_object("token_counter", self.token_counter)(batch)
         return self.token_counter(batch)

@@ -6,7 +6,8 @@
 - :func:`largest_fitting_batch`: search over batch sizes with a memory estimate (no OOM trials);
   :func:`first_fitting` / :func:`fastest`: walk candidates with a real measurement.
 - :func:`longest_sample` / :func:`worst_case_batch` / :func:`resize_batch`: the worst-case input.
-- :func:`batch_length` / :func:`sample_size` / :func:`count_tokens`: reading a batch.
+- :func:`batch_length` / :func:`sample_size`: reading a batch (its tokens:
+  :mod:`lightning_efficient.measure.tokens`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ __all__ = [
     "search_cap",
     "batch_length",
     "sample_size",
-    "count_tokens",
     "longest_sample",
     "resize_batch",
     "worst_case_batch",
@@ -337,23 +337,3 @@ def worst_case_batch(
     if index is None:
         index, _ = longest_sample(dataset, **probe)
     return collate_fn([dataset[index]] * n)
-
-
-def count_tokens(batch: Any, ignore_index: int = -100, key: str = "labels") -> int:
-    """Target tokens that count in the loss: entries of ``batch[key]`` (dict batches) or of the
-    last tensor of a tuple/list batch that differ from ``ignore_index``."""
-    if isinstance(batch, Mapping):
-        if key not in batch:
-            raise ValueError(
-                f"token weighting: the batch has no {key!r} entry; keys are {list(batch)}"
-            )
-        target = batch[key]
-    elif isinstance(batch, (list, tuple)) and batch and isinstance(batch[-1], torch.Tensor):
-        target = batch[-1]
-    elif isinstance(batch, torch.Tensor):
-        target = batch
-    else:
-        raise ValueError(
-            "token weighting: cannot find the targets in the batch; pass `token_counter`"
-        )
-    return int((target != ignore_index).sum())

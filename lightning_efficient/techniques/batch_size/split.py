@@ -24,8 +24,9 @@ import torch
 
 from lightning_efficient.core.validate import check_choice, check_int
 from lightning_efficient.measure.step import loss_of
+from lightning_efficient.measure.tokens import count_loss_tokens
 from lightning_efficient.measure.trial import free_memory, is_out_of_memory
-from lightning_efficient.techniques.batch_size.sizing import batch_length, count_tokens
+from lightning_efficient.techniques.batch_size.sizing import batch_length
 
 __all__ = [
     "OOMSplitter",
@@ -86,7 +87,7 @@ def chunk_weights(
     if weighting == "samples":
         counts = [batch_length(c) for c in chunks]
     else:
-        counts = [(token_counter or count_tokens)(c) for c in chunks]
+        counts = [(token_counter or count_loss_tokens)(c) for c in chunks]
     total = sum(counts)
     if total == 0:
         return [1.0 / len(chunks)] * len(chunks)
@@ -205,7 +206,7 @@ class OOMSplitter:
 
     Args:
         weighting: ``"samples"`` or ``"tokens"`` (see :func:`chunk_weights`).
-        token_counter: ``fn(chunk) -> int`` for ``"tokens"`` (default :func:`count_tokens`).
+        token_counter: ``fn(chunk) -> int`` for ``"tokens"`` (default :func:`~lightning_efficient.measure.tokens.count_loss_tokens`).
     """
 
     def __init__(

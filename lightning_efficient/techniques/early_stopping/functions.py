@@ -6,8 +6,7 @@
 - Smoothing: ``ema_alpha(half_life)`` and ``ema_update`` (exponential moving average whose
   weight halves every ``half_life`` observations).
 - Budgets: ``parse_duration("1h30m") == 5400.0``, ``parse_count("2.5M") == 2_500_000``,
-  ``format_duration``, ``batch_counts(batch)`` (samples and tokens of a batch),
-  ``budget_reason`` (which budget is spent), ``steps_saved`` and ``stop_summary`` (the report
+  ``format_duration``, ``budget_reason`` (which budget is spent), ``steps_saved`` and ``stop_summary`` (the report
   row); ``matching_checkpoint`` finds a ModelCheckpoint whose best file can be restored.
 - Divergence: ``is_spike(value, baseline, factor)``, ``divergence_reason`` and
   ``DivergenceDetector`` (a smoothed baseline of the good values only).
@@ -43,7 +42,6 @@ __all__ = [
     "parse_duration",
     "format_duration",
     "parse_count",
-    "batch_counts",
     "budget_reason",
     "steps_saved",
     "stop_summary",
@@ -282,35 +280,6 @@ def parse_count(value: Any, name: str) -> int | None:
     if not math.isfinite(count) or count < 1:
         raise ValueError(f"`{name}` must be >= 1; got {value!r}.")
     return int(count)
-
-
-def _first_tensor(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping):
-        for key in ("input_ids", "inputs", "x"):
-            if isinstance(batch.get(key), torch.Tensor):
-                return batch[key]
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def batch_counts(batch: Any) -> tuple[int, int]:
-    """``(samples, tokens)`` of a batch. Samples: the first dimension of its first tensor
-    (``input_ids`` in a dict). Tokens: the ones of ``attention_mask`` when the batch has one,
-    else every element of that tensor (``batch x sequence`` for token ids; a 1-D tensor counts
-    one token per sample)."""
-    first = _first_tensor(batch)
-    if first is None or first.dim() == 0:
-        return 0, 0
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    tokens = int(mask.sum()) if isinstance(mask, torch.Tensor) else first.numel()
-    return int(first.shape[0]), tokens
 
 
 # -- divergence --------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import torch
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
+from lightning_efficient.measure.tokens import batch_counts
 from lightning_efficient.techniques.early_stopping.best import BestWeights, not_kept_message
 from lightning_efficient.techniques.early_stopping.functions import (
     MODES,
     PlateauTracker,
-    batch_counts,
     budget_reason,
     check_half_life,
     matching_checkpoint,
@@ -51,7 +51,7 @@ class EarlyStopper(Technique):
             every ``half_life`` checks (``None``: the raw value).
         max_time: Wall-clock budget of training, e.g. ``"1h30m"``, ``"90s"``, ``"00:10:00"`` or
             seconds; counted over resumed runs too.
-        max_tokens: Token budget (summed over ranks), e.g. ``"2B"`` or ``500_000``.
+        max_tokens: Token budget (summed over ranks, as ``measure.tokens`` counts), e.g. ``"2B"``.
         max_samples: Sample budget (summed over ranks), e.g. ``"1M"``.
         restore_best: At the end of fit (however it ended) load the best weights seen: from the
             best file of a ``ModelCheckpoint`` on the same metric when it saved them, else from a
@@ -144,7 +144,7 @@ class EarlyStopper(Technique):
     ) -> None:
         if self.max_tokens is not None or self.max_samples is not None:
             samples, tokens = batch_counts(batch)
-            self._pending = [self._pending[0] + tokens, self._pending[1] + samples]
+            self._pending = [self._pending[0] + (tokens or 0), self._pending[1] + samples]
         if trainer.global_step != self._last_step:  # not inside an accumulation window
             self._last_step = trainer.global_step
             if self.max_time_s or self.max_tokens or self.max_samples:

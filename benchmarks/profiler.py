@@ -53,7 +53,7 @@ from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
 from lightning_efficient.measure.flops import count_flops  # noqa: E402
-from lightning_efficient.measure.profiler import _FetchWatch  # noqa: E402
+from lightning_efficient.measure.step_phases import FetchWatch  # noqa: E402
 from lightning_efficient.measure.timing import StepTimer  # noqa: E402
 from lightning_efficient.measure.tokens import batch_counts  # noqa: E402
 
@@ -140,7 +140,7 @@ def hook_cost(step_s: float) -> dict:
             profiler._switch(phase)
         batch_counts((x, x))
     switches = (time.perf_counter() - t0) / n
-    plain, watch = PassThroughProfiler(), _FetchWatch(PassThroughProfiler(), lambda: None)
+    plain, watch = PassThroughProfiler(), FetchWatch(PassThroughProfiler(), lambda: None)
     timings = {}
     for name, prof in (("plain", plain), ("watch", watch)):
         t0 = time.perf_counter()

@@ -216,3 +216,26 @@ def test_callbacks_and_strategies_are_thin() -> None:
     assert any(name.endswith(".ActivationCheckpointing") for name, _, _ in classes)
     fat = [f"{name}: {n} lines" for name, _, n in classes if n > 250]
     assert not fat, "callback/strategy classes over 250 lines:\n" + "\n".join(fat)
+
+
+def _functions_taking_self(module: str) -> list[str]:
+    """Module-level functions whose first parameter is ``self``: methods written outside their
+    class (and attached to it), which hides the class's real size and responsibilities."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [*node.args.posonlyargs, *node.args.args]
+            if params and params[0].arg == "self":
+                found.append(f"line {node.lineno}: {node.name}(self, ...)")
+    return found
+
+
+def test_no_module_function_takes_self() -> None:
+    sample = "def _count(self, batch):\n    return 1\n"  # what the rule looks for
+    params = ast.parse(sample).body[0].args.args
+    assert params[0].arg == "self"
+    found = {m: f for m in MODULES if (f := _functions_taking_self(m))}
+    assert not found, "split the class by responsibility instead:\n" + "\n".join(
+        f"{m}: {', '.join(f)}" for m, f in found.items()
+    )

@@ -363,7 +363,7 @@ def test_output_paths_are_checked_at_construction(tmp_path) -> None:
 
 
 def test_trace_path_per_rank_and_never_a_false_written_note(tmp_path) -> None:
-    from lightning_efficient.measure.profile_steps import rank_trace_path
+    from lightning_efficient.measure.trace_window import rank_trace_path
 
     assert rank_trace_path("out/trace.json", 0, 1) == Path("out/trace.json")
     assert rank_trace_path("out/trace.json", 1, 2) == Path("out/trace.rank1.json")

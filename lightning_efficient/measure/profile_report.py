@@ -1,24 +1,25 @@
-"""The profiler's figures as a person reads them (rich table, PNG, report row, logger metrics),
-and the small readings of the trainer it needs (precision, device, active techniques)."""
+"""The profiler's figures as a person reads them: the report row (``report_line``,
+``report_figures``), logger metrics, the rich table and the PNG; pure functions of the summary
+(``measure.profile_summary.summarize``)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-import torch
+from lightning_efficient.core.validate import format_bytes
 
-from lightning_efficient.core.validate import (
-    check_float,
-    format_bytes,
-)
-from lightning_efficient.measure.flops import (
-    compute_dtype,
-    measured_peak_flops,
-    peak_flops,
-)
+__all__ = [
+    "PHASES",
+    "phase_summary",
+    "report_line",
+    "report_figures",
+    "logger_metrics",
+    "profile_table",
+    "profile_png",
+]
 
+#: The phases of a training step, in the order they run.
 PHASES = ("data", "forward", "backward", "optimizer", "rest")
 
 
@@ -29,76 +30,6 @@ def phase_summary(totals: dict[str, float], steps: int) -> dict[str, float]:
     return {p: float(totals.get(p, 0.0)) / steps for p in PHASES}
 
 
-def _positive_or_none(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    value = check_float(name, value, minimum=0.0)
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"`{name}` must be a finite number > 0 or None; got {value!r}.")
-    return float(value)
-
-
-def _precision(trainer: Any) -> str:
-    return str(getattr(trainer, "precision", "32-true"))
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
-
-
-def _bf16_speedup(device: torch.device, precision: str) -> float | None:
-    """How much faster bf16 matmuls run than fp32 ones (only asked for fp32 runs)."""
-    if not precision.startswith("32"):
-        return None
-    if device.type == "cuda":
-        if not torch.cuda.is_bf16_supported(including_emulation=False):
-            return None
-        bf16, _ = peak_flops(device, "bf16")
-        fp32, _ = peak_flops(device, compute_dtype(precision, device))
-        return bf16 / fp32 if bf16 and fp32 else 2.0
-    if device.type == "cpu":
-        threads = torch.get_num_threads()
-        return measured_peak_flops("bf16", threads) / measured_peak_flops("fp32", threads)
-    return None
-
-
-def _recompiles(trainer: Any) -> int | None:
-    counts = [
-        cb.recompiles
-        for cb in trainer.callbacks
-        if isinstance(getattr(cb, "recompiles", None), int) and not isinstance(cb.recompiles, bool)
-    ]
-    return sum(counts) if counts else None
-
-
-def _active(trainer: Any, precision: str) -> frozenset[str]:
-    names = {type(cb).__name__ for cb in trainer.callbacks}
-    names.add(type(trainer.strategy).__name__)
-    if not precision.startswith(("32", "64")):
-        names.add("precision")
-    return frozenset(names)
-
-
-def _example_batch(trainer: Any) -> Any:
-    """One training batch of the trainer's datamodule, built without worker processes."""
-    from torch.utils.data import DataLoader, IterableDataset
-
-    data = getattr(trainer, "datamodule", None)
-    if data is None or not hasattr(data, "train_dataloader"):
-        return None
-    loader = data.train_dataloader()
-    if (
-        isinstance(loader, DataLoader)
-        and loader.batch_size
-        and not isinstance(loader.dataset, IterableDataset)
-    ):
-        items = [loader.dataset[i] for i in range(min(loader.batch_size, len(loader.dataset)))]
-        return loader.collate_fn(items)
-    return next(iter(loader))
-
-
 # -- rendering ---------------------------------------------------------------------------------
 def _si(value: float, unit: str) -> str:
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -107,7 +38,8 @@ def _si(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
-def _change(s: dict[str, Any]) -> str:
+def report_line(s: dict[str, Any]) -> str:
+    """The efficiency report's line of a profile: step time by phase, throughput, MFU, advice."""
     shares = ", ".join(f"{p} {s['phases'][p] / s['step_s']:.0%}" for p in PHASES if s["step_s"] > 0)
     text = f"step {s['step_s'] * 1e3:.1f} ms ({shares}); {s['samples_per_s']:.1f} samples/s"
     if s["mfu"] is not None:
@@ -117,7 +49,8 @@ def _change(s: dict[str, Any]) -> str:
     return text
 
 
-def _figures(s: dict[str, Any]) -> dict[str, Any]:
+def report_figures(s: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers of a profile the efficiency report compares."""
     # (``*_s`` figures are seconds in the report: throughputs are named ``*_per_sec``)
     figures: dict[str, Any] = {
         "step_s": s["step_s"],
@@ -131,7 +64,8 @@ def _figures(s: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
-def _metrics(s: dict[str, Any]) -> dict[str, float]:
+def logger_metrics(s: dict[str, Any]) -> dict[str, float]:
+    """``profiler/*`` metrics of a profile for the trainer's logger."""
     out = {f"profiler/{p}_s": v for p, v in s["phases"].items()}
     out["profiler/step_s"] = s["step_s"]
     out["profiler/samples_per_s"] = s["samples_per_s"]

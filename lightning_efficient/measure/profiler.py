@@ -17,80 +17,44 @@ comes from the GPU table or a measured CPU matmul, memory from ``MemoryBreakdown
 (else the CUDA allocator's peak). ``measure.advice`` turns the figures into advice. At the end of
 fit the callback prints one table, logs ``profiler/*`` metrics, adds its row to the efficiency
 report, and keeps everything in ``summary`` (a plain dict).
+
+The callback only decides when: ``measure.step_phases.StepPhases`` keeps the phases and counts,
+``measure.trace_window.TraceWindow`` the trace, ``measure.profile_summary`` works the figures out
+and ``measure.profile_report`` renders them.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import torch
-from lightning.pytorch.profilers import Profiler
 
+from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     check_bool,
+    check_float,
     check_int,
     check_output_path,
     parse_bytes,
 )
-from lightning_efficient.measure import profile_steps as _methods
 from lightning_efficient.measure.profile_report import (
     PHASES,
-    _change,
-    _figures,
-    _metrics,
-    _positive_or_none,
+    logger_metrics,
     phase_summary,
     profile_png,
     profile_table,
+    report_figures,
+    report_line,
 )
-from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.measure.profile_summary import count_step_flops, plain_peak, summarize
+from lightning_efficient.measure.step_phases import FetchWatch, StepPhases
 from lightning_efficient.measure.tokens import batch_counts
+from lightning_efficient.measure.trace_window import TraceWindow
 
 __all__ = ["PHASES", "StepProfiler", "profile_table", "profile_png", "phase_summary"]
-
-#: The phases of a training step, in the order they run.
-_FETCH = "train_dataloader_next"  # suffix of Lightning's profiler action around the train fetch
-
-
-class _FetchWatch(Profiler):
-    """The trainer's profiler, wrapped: tells ``on_fetch`` when the train loader's ``next`` starts
-    and forwards every call to the profiler it wraps (the user's, or Lightning's pass-through)."""
-
-    def __init__(self, inner: Profiler, on_fetch: Any) -> None:
-        # no Profiler.__init__: its attributes (dirpath, _stage, ...) are the wrapped profiler's
-        self.inner = inner
-        self.on_fetch = on_fetch
-        self.seen = False
-
-    def start(self, action_name: str) -> None:
-        if action_name.endswith(_FETCH):
-            self.seen = True
-            self.on_fetch()
-        self.inner.start(action_name)
-
-    def stop(self, action_name: str) -> None:
-        self.inner.stop(action_name)
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
-        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
-
-    def teardown(self, stage: str | None) -> None:
-        self.inner.teardown(stage)
-
-    def __del__(self) -> None:  # the wrapped profiler's files belong to it, not to us
-        pass
-
-    def __getattr__(self, name: str) -> Any:  # e.g. ``dirpath`` of a user's profiler
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 class StepProfiler(Technique):
@@ -152,51 +116,31 @@ class StepProfiler(Technique):
         self._reset()
 
     def _reset(self) -> None:
-        self._timer: StepTimer | None = None
-        self._phase: str | None = None
-        self._measuring = False
-        self._start_step = self._end_step = 0
-        self._batches = self._samples = 0
-        self._tokens: int | None = 0
+        self._phases: StepPhases | None = None
+        self._watch: FetchWatch | None = None
+        self._trace: TraceWindow | None = None
+        self._trainer: Any = None
         self._counted = False
         self._count: Any = None  # FlopCount of the first batch
         self._count_samples = 0
-        self._count_error: str | None = None
-        self._hooked: dict[int, Any] = {}
-        self._watch: _FetchWatch | None = None
-        self._trainer: Any = None
-        self._tracer: Any = None
-        self._traced = False
+        self._hooked: set[int] = set()
         self._plain: int | None = None
-
-    # -- the phase machine ------------------------------------------------------------------
-    def _switch(self, phase: str | None) -> None:
-        timer = self._timer
-        if timer is None or phase == self._phase:
-            return
-        if self._phase is not None:
-            timer.stop(self._phase)
-        if phase is not None:
-            timer.start(phase)
-        self._phase = phase
 
     @property
     def _first_measured(self) -> int:
         return self.skip_steps + (self.trace_steps if self.trace else 0)
 
-    def _begin(self, trainer: Any, phase: str) -> None:
-        self._measuring = True
-        self._start_step = trainer.global_step
-        self._switch(phase)
+    def _recording(self) -> bool:
+        return self._trace is not None and self._trace.recording
 
     def _on_fetch(self) -> None:
-        trainer = self._trainer
-        if trainer is None or not trainer.training or trainer.sanity_checking:
+        trainer, phases = self._trainer, self._phases
+        if trainer is None or phases is None or not trainer.training or trainer.sanity_checking:
             return
-        if self._measuring:
-            self._switch("data")
-        elif self._tracer is None and trainer.global_step >= self._first_measured:
-            self._begin(trainer, "data")
+        if phases.measuring:
+            phases.switch("data")
+        elif not self._recording() and trainer.global_step >= self._first_measured:
+            phases.begin(trainer.global_step, "data")
 
     # -- hooks ------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -204,89 +148,88 @@ class StepProfiler(Technique):
         self._reset()
         self.summary = None
         if stage == "fit" and self.compare_plain:
-            self._plain = self._plain_estimate(trainer, pl_module)
+            self._plain, why_not = plain_peak(trainer, pl_module)
+            if why_not:
+                self.note(why_not)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
-        self._timer = StepTimer(trainer.strategy.root_device)
-        self._watch = _FetchWatch(trainer.profiler, self._on_fetch)
-        trainer.profiler = self._watch
+        self._phases = StepPhases(trainer.strategy.root_device)
+        self._watch = FetchWatch(trainer.profiler, self._on_fetch)
+        self.record(trainer, patch_attribute(trainer, "profiler", self._watch))
+        if self.trace:
+            self._trace = TraceWindow(self.trace, self.trace_steps)
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._timer is None:
+        phases = self._phases
+        if phases is None:
             return
-        if not self._counted:
-            paused, self._phase = self._phase, None  # the count is no part of any phase
-            if paused is not None:
-                self._timer.stop(paused)
-            self._count_once(trainer, pl_module, batch)
-            if paused is not None:
-                self._switch(paused)
+        if not self._counted:  # the count is no part of any phase
+            phases.paused(lambda: self._count_once(trainer, pl_module, batch))
         self._hook_optimizers(trainer)
-        step = trainer.global_step
-        if self.trace and not self._traced and self._tracer is None and step >= self.skip_steps:
-            self._start_trace(trainer)
-        if not self._measuring and self._tracer is None and step >= self._first_measured:
-            self._begin(trainer, "forward")  # the fetch was not seen (another fetcher)
-        if self._measuring:
-            self._switch("forward")
-            samples, tokens = batch_counts(batch)
-            self._batches += 1
-            self._samples += samples
-            if self._tokens is not None:
-                self._tokens = None if tokens is None else self._tokens + tokens
-            if self._batches % 256 == 0:
-                self._timer.totals()  # read pending CUDA events now and then
+        step, trace = trainer.global_step, self._trace
+        if trace is not None and not trace.done and not trace.recording and step >= self.skip_steps:
+            trace.start(trainer.strategy.root_device)
+            self.record(trainer, Change("trace recording", self._stop_trace))
+        if not phases.measuring and not self._recording() and step >= self._first_measured:
+            phases.begin(step, "forward")  # the fetch was not seen (another fetcher)
+        if phases.measuring:
+            phases.switch("forward")
+            phases.count(batch)
 
     def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._measuring and self._phase == "forward":
-            self._switch("optimizer")
+        self._switch_from("forward", "optimizer")
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        if self._measuring:
-            self._switch("backward")
+        self._switch_from(None, "backward")
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._measuring:
-            self._switch("optimizer")
+        self._switch_from(None, "optimizer")
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._measuring and self._phase == "optimizer":
-            self._switch("rest")
+        self._switch_from("optimizer", "rest")
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._measuring and self._phase in ("forward", "backward", "optimizer"):
-            self._switch("rest")  # no optimizer step this batch (accumulation) or no hook
-        if self._tracer is not None and trainer.global_step >= self.skip_steps + self.trace_steps:
+        # no optimizer step this batch (accumulation) or no hook: the rest of the batch
+        self._switch_from(("forward", "backward", "optimizer"), "rest")
+        if self._recording() and trainer.global_step >= self.skip_steps + self.trace_steps:
             self._stop_trace()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._measuring and not trainer.sanity_checking:
-            self._switch("validation")
+        if not trainer.sanity_checking:
+            self._switch_from(None, "validation")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._measuring and self._phase == "validation":
-            self._switch("rest")
+        self._switch_from("validation", "rest")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._measuring:
-            self._switch(None)
-            self._measuring = False
-            self._end_step = trainer.global_step
-        if self._tracer is not None:
+        phases = self._phases
+        if phases is not None:
+            phases.end(trainer.global_step)
+        if self._recording():
             self._stop_trace()
-        steps = self._end_step - self._start_step
-        if self._timer is None or steps < 1:
+        if phases is None or phases.steps < 1:
             return
         # summarised here, before any on_fit_end shows the efficiency report (with this row)
-        self.summary = summary = self._summarize(trainer, pl_module, steps)
-        self.report(trainer, _change(summary), **_figures(summary))
+        self.summary = summary = summarize(
+            trainer,
+            pl_module,
+            phases,
+            count=self._count,
+            count_samples=self._count_samples,
+            flops_per_step=self.flops_per_step,
+            given_peak_flops=self.peak_flops,
+            memory_budget=self.memory_budget,
+            plain_peak_bytes=self._plain,
+            fetch_seen=bool(self._watch is not None and self._watch.seen),
+        )
+        self.report(trainer, report_line(summary), **report_figures(summary))
         if self.log_metrics and trainer.logger is not None:
-            trainer.logger.log_metrics(_metrics(summary), step=trainer.global_step)
+            trainer.logger.log_metrics(logger_metrics(summary), step=trainer.global_step)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         summary = self.summary
@@ -305,24 +248,49 @@ class StepProfiler(Technique):
             if self.png:
                 profile_png(summary, self.png)
 
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        for handle in self._hooked.values():
-            handle.remove()
-        self._hooked.clear()
-        if self._watch is not None and getattr(trainer, "profiler", None) is self._watch:
-            trainer.profiler = self._watch.inner
-        self._watch = None
-        if self._tracer is not None:
-            self._stop_trace()
-        self._measuring, self._phase = False, None
-
     # -- helpers ----------------------------------------------------------------------------
+    def _switch_from(self, current: str | tuple[str, ...] | None, phase: str) -> None:
+        """Switch to ``phase`` while measuring, when the running phase is ``current`` (one of
+        them; ``None``: any)."""
+        phases = self._phases
+        if phases is None or not phases.measuring:
+            return
+        if current is None or phases.phase in ((current,) if isinstance(current, str) else current):
+            phases.switch(phase)
 
-    # measuring and summarising, as functions of the profiler's state (below the class)
-    _hook_optimizers = _methods._hook_optimizers
-    _count_once = _methods._count_once
-    _plain_estimate = _methods._plain_estimate
-    _start_trace = _methods._start_trace
-    _stop_trace = _methods._stop_trace
-    _summarize = _methods._summarize
-    _memory = _methods._memory
+    def _count_once(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        self._counted = True
+        self._count_samples = batch_counts(batch)[0]
+        if self.flops_per_step is None:
+            self._count, why_not = count_step_flops(trainer, pl_module, batch)
+            if why_not:
+                self.note(why_not)
+
+    def _hook_optimizers(self, trainer: Any) -> None:
+        for opt in trainer.optimizers:
+            opt = getattr(opt, "optimizer", opt)
+            if id(opt) not in self._hooked and hasattr(opt, "register_step_post_hook"):
+                self._hooked.add(id(opt))
+                handle = opt.register_step_post_hook(self._after_optimizer_step)
+                self.record(trainer, Change("optimizer step post-hook", handle.remove))
+
+    def _stop_trace(self) -> None:
+        trainer, trace = self._trainer, self._trace
+        if trace is None or not trace.recording:
+            return
+        world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+        rank = getattr(trainer, "global_rank", 0) if trainer is not None else 0
+        written, error = trace.stop(rank, world)
+        if error is not None:  # every rank says its own (a note on rank zero would hide rank 1's)
+            warnings.warn(f"StepProfiler: {error}", stacklevel=2)
+        elif written:
+            self.note(written)
+
+
+def _positive_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    value = check_float(name, value, minimum=0.0)
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"`{name}` must be a finite number > 0 or None; got {value!r}.")
+    return float(value)

@@ -1,0 +1,136 @@
+"""The phase bookkeeping of ``StepProfiler``: which phase of a training step runs now, its time
+(``StepTimer``: CUDA events on a GPU, ``perf_counter`` on a CPU), and what the measured steps
+held (batches, samples, tokens).
+
+- ``StepPhases``: the phase machine. ``switch(phase)`` stops the running phase and starts the
+  next; ``begin``/``end`` open and close the measured window; ``count(batch)`` adds a batch's
+  samples and tokens (``measure.tokens``); ``phases()`` are the seconds per step of each phase.
+- ``FetchWatch``: the trainer's profiler, wrapped, to see when the train loader's ``next``
+  starts (the ``data`` phase); every call is forwarded to the profiler it wraps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.profilers import Profiler
+
+from lightning_efficient.measure.profile_report import phase_summary
+from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.measure.tokens import batch_counts
+
+__all__ = ["FetchWatch", "StepPhases"]
+
+#: suffix of Lightning's profiler action around the train loader's ``next``
+_FETCH = "train_dataloader_next"
+
+
+class StepPhases:
+    """The phases of the measured training steps, timed, and the batches they ran.
+
+    Args:
+        device: the device whose work is timed (CUDA events there, ``perf_counter`` on a CPU).
+    """
+
+    def __init__(self, device: torch.device | str | None) -> None:
+        self.timer = StepTimer(device)
+        self.phase: str | None = None
+        self.measuring = False
+        self.start_step = self.end_step = 0
+        self.batches = self.samples = 0
+        self.tokens: int | None = 0  # None once a batch had no tokens
+
+    def switch(self, phase: str | None) -> None:
+        """Stop the running phase (if any) and start ``phase`` (``None``: none)."""
+        if phase == self.phase:
+            return
+        if self.phase is not None:
+            self.timer.stop(self.phase)
+        if phase is not None:
+            self.timer.start(phase)
+        self.phase = phase
+
+    def begin(self, step: int, phase: str) -> None:
+        """Open the measured window at optimizer step ``step``, in ``phase``."""
+        self.measuring, self.start_step = True, step
+        self.switch(phase)
+
+    def end(self, step: int) -> None:
+        """Close the measured window after optimizer step ``step``."""
+        if self.measuring:
+            self.switch(None)
+            self.measuring, self.end_step = False, step
+
+    def paused(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` outside every phase (it is no part of a step), then go on."""
+        phase = self.phase
+        self.switch(None)
+        try:
+            return work()
+        finally:
+            self.switch(phase)
+
+    def count(self, batch: Any) -> None:
+        """Add a measured batch's samples and tokens."""
+        samples, tokens = batch_counts(batch)
+        self.batches += 1
+        self.samples += samples
+        if self.tokens is not None:
+            self.tokens = None if tokens is None else self.tokens + tokens
+        if self.batches % 256 == 0:
+            self.timer.totals()  # read pending CUDA events now and then
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps in the measured window."""
+        return self.end_step - self.start_step
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per step of each phase of a training step."""
+        return phase_summary(self.timer.totals(), self.steps)
+
+    def seconds(self, phase: str) -> float:
+        """Seconds spent in ``phase`` over the window (e.g. ``"validation"``)."""
+        return float(self.timer.totals().get(phase, 0.0))
+
+
+class FetchWatch(Profiler):
+    """The trainer's profiler, wrapped: tells ``on_fetch`` when the train loader's ``next`` starts
+    and forwards every call to the profiler it wraps (the user's, or Lightning's pass-through)."""
+
+    def __init__(self, inner: Profiler, on_fetch: Callable[[], None]) -> None:
+        # no Profiler.__init__: its attributes (dirpath, _stage, ...) are the wrapped profiler's
+        self.inner = inner
+        self.on_fetch = on_fetch
+        self.seen = False
+
+    def start(self, action_name: str) -> None:
+        if action_name.endswith(_FETCH):
+            self.seen = True
+            self.on_fetch()
+        self.inner.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self.inner.stop(action_name)
+
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    def describe(self) -> None:
+        self.inner.describe()
+
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
+
+    def teardown(self, stage: str | None) -> None:
+        self.inner.teardown(stage)
+
+    def __del__(self) -> None:  # the wrapped profiler's files belong to it, not to us
+        pass
+
+    def __getattr__(self, name: str) -> Any:  # e.g. ``dirpath`` of a user's profiler
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -43,14 +43,11 @@ from _results import QUIET_TRAINER  # noqa: E402
 import lightning_efficient as le  # noqa: E402
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.functional import largest_fitting_batch
+from lightning_efficient.functional import apply_compile, largest_fitting_batch  # noqa: E402
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import StorageTracker  # noqa: E402
-from lightning_efficient.techniques.compile import (
-    CompileWatch,  # noqa: E402
-    compile_modules,
-)
+from lightning_efficient.techniques.compile import CompileWatch  # noqa: E402
 from lightning_efficient.techniques.precision import resolve_precision  # noqa: E402
 
 SUITE = Path(__file__).resolve().parent / "gpu_suite.py"
@@ -1326,7 +1323,7 @@ def _compile_variant(
     model = build_model("tinygpt", dims, ctx.device)
     names = []
     if variant != "eager":
-        names = compile_modules(model, regional=variant == "regional", backend=backend)
+        names = apply_compile(model, regional=variant == "regional", backend=backend).value
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:

@@ -36,7 +36,7 @@ from _results import environment, save_results, table  # noqa: E402
 
 from lightning_efficient.core._internals import set_compiled_call  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.techniques.compile import CompileWatch, compile_modules  # noqa: E402
+from lightning_efficient.techniques.compile import CompileWatch, apply_compile  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("eager", "whole", "regional", "regional+outer")
@@ -84,7 +84,7 @@ def build_variant(name: str, cfg: dict, batch, backend: str) -> tuple[dict, obje
     model = TinyGPT(**cfg)
     compiled = []
     if name != "eager":
-        compiled = compile_modules(model, regional=name != "whole", backend=backend)
+        compiled = apply_compile(model, regional=name != "whole", backend=backend).value
     if name == "regional+outer":
         compiled += compile_outer(model, compiled, backend)
     step = make_step(model, batch)

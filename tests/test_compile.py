@@ -29,7 +29,7 @@ from lightning_efficient.techniques.activation_checkpointing import (
 from lightning_efficient.techniques.compile import (
     CompileWatch,
     TorchCompile,
-    compile_modules,
+    apply_compile,
     compiled_modules,
     uncompile_modules,
     valid_backends,
@@ -62,7 +62,7 @@ def test_regional_compiles_the_repeated_blocks_in_place() -> None:
     keys = list(model.state_dict())
     x = torch.randint(0, 256, (2, 16))
     expected = model(x)
-    names = compile_modules(model, backend="aot_eager")
+    names = apply_compile(model, backend="aot_eager").value
     assert (
         names == [n for n, _ in find_repeated_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
     )
@@ -76,9 +76,9 @@ def test_regional_compiles_the_repeated_blocks_in_place() -> None:
 
 
 def test_whole_model_when_not_regional_or_no_blocks() -> None:
-    assert compile_modules(tiny_model(), regional=False, backend="aot_eager") == [""]
+    assert apply_compile(tiny_model(), regional=False, backend="aot_eager").value == [""]
     flat = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    assert compile_modules(flat, backend="aot_eager") == [""]
+    assert apply_compile(flat, backend="aot_eager").value == [""]
 
 
 class _Probe(pl.Callback):
@@ -275,6 +275,6 @@ def test_auto_never_compiles_leaf_layers(tmp_path) -> None:
 
     model = MLP()  # before: fc1 and fc2 were the auto blocks, and 0 graphs were compiled
     with CompileWatch() as watch:
-        assert compile_modules(model, backend="aot_eager") == [""]
+        assert apply_compile(model, backend="aot_eager").value == [""]
         model(torch.randn(2, 8)).sum().backward()
     assert watch.compiles >= 1

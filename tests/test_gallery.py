@@ -114,7 +114,7 @@ def test_auto_checkpointing_keeps_weights_and_buffers(name: str) -> None:
 def test_regional_compile_makes_graphs(name: str) -> None:
     from lightning_efficient.techniques.compile import (
         CompileWatch,
-        compile_modules,
+        apply_compile,
         uncompile_modules,
     )
 
@@ -123,7 +123,7 @@ def test_regional_compile_makes_graphs(name: str) -> None:
     model, batch = build().train(), make_batch()
     torch._dynamo.reset()
     with CompileWatch() as watch:
-        names = compile_modules(model, backend="eager")
+        names = apply_compile(model, backend="eager").value
         try:
             loss_fn(model, batch).backward()
         finally:

@@ -18,9 +18,10 @@
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+from lightning_efficient.core.per_trainer import PerTrainer
 
 __all__ = ["Change", "ChangeLog", "changes_for", "patch_attribute"]
 
@@ -150,12 +151,9 @@ class ChangeLog:
         return sum(1 for c in self._changes if not c.undone)
 
 
-_LOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOGS: PerTrainer[ChangeLog] = PerTrainer(ChangeLog)
 
 
 def changes_for(trainer: Any) -> ChangeLog:
     """The change log of one trainer (created on first use, released with the trainer)."""
-    log = _LOGS.get(trainer)
-    if log is None:
-        log = _LOGS[trainer] = ChangeLog()
-    return log
+    return _LOGS(trainer)

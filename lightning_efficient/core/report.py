@@ -13,11 +13,11 @@ figures, and whether all ranks took the same decisions.
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_efficient.core.per_trainer import PerTrainer
 from lightning_efficient.core.ranks import (
     annotate,
     distributed_world,
@@ -296,12 +296,9 @@ class EfficiencyReport:
         return True
 
 
-_REPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REPORTS: PerTrainer[EfficiencyReport] = PerTrainer(EfficiencyReport)
 
 
 def report_for(trainer: Any) -> EfficiencyReport:
     """The report of one trainer (created on first use, released with the trainer)."""
-    report = _REPORTS.get(trainer)
-    if report is None:
-        report = _REPORTS[trainer] = EfficiencyReport()
-    return report
+    return _REPORTS(trainer)

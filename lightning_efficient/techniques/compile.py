@@ -2,8 +2,8 @@
 
 - ``apply_compile(model, ...)`` compiles in place with ``nn.Module.compile`` (state_dict keys
   never change: no ``_orig_mod.``) and returns the ``Change`` whose ``undo()`` puts back what
-  each module ran before (``compile_modules`` does the same and returns the names). Regional (the default) compiles each repeated block found by
-  ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
+  each module ran before (its ``value``: the names compiled). Regional (the default) compiles
+  each repeated block found by ``techniques._blocks`` (the detection activation checkpointing uses): identical blocks share one
   compiled graph, so compile time is about one block's, not the whole model's. The parts outside
   the blocks (embeddings, final norm, head; the loss in ``training_step``) stay eager: compiling
   each as a region of its own was measured no faster and costlier to compile
@@ -54,7 +54,6 @@ from lightning_efficient.techniques._blocks import (
 
 __all__ = [
     "apply_compile",
-    "compile_modules",
     "uncompile_modules",
     "compiled_modules",
     "valid_backends",
@@ -114,14 +113,14 @@ def compiled_modules(model: nn.Module) -> list[str]:
 
 
 def uncompile_modules(model: nn.Module) -> list[str]:
-    """Undo ``compile_modules``: every in-place compiled submodule runs eagerly again."""
+    """Every in-place compiled submodule of ``model`` runs eagerly again, whoever compiled it."""
     names = compiled_modules(model)
     for name in names:
         set_compiled_call(model.get_submodule(name), None)
     return names
 
 
-def compile_modules(
+def apply_compile(
     model: nn.Module,
     *,
     mode: str | None = None,
@@ -131,8 +130,10 @@ def compile_modules(
     backend: str | Callable[..., Any] = "inductor",
     blocks: Any = "auto",
     on_error: Callable[[BaseException], None] | None = None,
-) -> list[str]:
-    """Compile ``model`` in place and return the names compiled (``""`` is the model itself).
+) -> Change:
+    """Compile ``model`` in place; the change's ``value`` is the names compiled (``""``: the
+    model itself), its ``undo()`` makes each of them run as before (eagerly, or under the
+    user's own ``module.compile()``).
 
     Regional: every block ``select_modules(model, blocks)`` picks; with ``blocks="auto"`` and no
     repeated blocks, the whole model. ``on_error(err)`` is called when a forward fails to compile
@@ -150,35 +151,15 @@ def compile_modules(
     def reraise(err: BaseException) -> None:
         raise err
 
+    previous = {name: compiled_call(module) for name, module in targets}
     for _, module in targets:
         module.compile(**kwargs)
         set_compiled_call(module, _FallbackCall(module, compiled_call(module), on_error or reraise))
-    return [name for name, _ in targets]
-
-
-def apply_compile(
-    model: nn.Module,
-    *,
-    mode: str | None = None,
-    fullgraph: bool = False,
-    dynamic: bool | None = None,
-    regional: bool = True,
-    backend: str | Callable[..., Any] = "inductor",
-    blocks: Any = "auto",
-    on_error: Callable[[BaseException], None] | None = None,
-) -> Change:
-    """``compile_modules`` with its undo: the change's ``value`` is the names compiled (``""``:
-    the model itself), its ``undo()`` makes each of them run as before (eagerly, or under the
-    user's own ``module.compile()``)."""
-    previous = {n: compiled_call(m) for n, m in model.named_modules()}
-    names = compile_modules(
-        model, mode=mode, fullgraph=fullgraph, dynamic=dynamic, regional=regional,
-        backend=backend, blocks=blocks, on_error=on_error,
-    )  # fmt: skip
+    names = [name for name, _ in targets]
 
     def undo() -> None:
-        for name in names:
-            set_compiled_call(model.get_submodule(name), previous.get(name))
+        for name, module in targets:
+            set_compiled_call(module, previous[name])
 
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
     how = f"{name}, mode={mode}" if mode else name

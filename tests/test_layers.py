@@ -239,3 +239,24 @@ def test_no_module_function_takes_self() -> None:
     assert not found, "split the class by responsibility instead:\n" + "\n".join(
         f"{m}: {', '.join(f)}" for m, f in found.items()
     )
+
+
+def test_techniques_undo_through_the_base_only() -> None:
+    """Every undo takes one path (``Technique.restore``, run at teardown and on an exception or
+    interrupt): a technique records its changes and does not override ``restore``; a
+    ``teardown`` or ``on_exception`` of its own (bookkeeping, e.g. putting the best weights
+    back) still calls the base's."""
+    from lightning_efficient.core.technique import Technique
+
+    techniques = [
+        cls for _, cls, _ in _classes() if issubclass(cls, Technique) and cls is not Technique
+    ]
+    assert len(techniques) >= 15
+    own = [f"{cls.__qualname__}.restore" for cls in techniques if "restore" in vars(cls)]
+    own += [
+        f"{cls.__qualname__}.{hook} does not call super().{hook}"
+        for cls in techniques
+        for hook in ("teardown", "on_exception")
+        if hook in vars(cls) and f"super().{hook}" not in inspect.getsource(vars(cls)[hook])
+    ]
+    assert not own, "record a Change instead (core/change.py):\n" + "\n".join(own)

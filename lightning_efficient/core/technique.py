@@ -26,8 +26,8 @@ class Technique(Callback):
       other techniques made after them (``core.change.ChangeLog``), at teardown after a fit and
       when a fit raises or is interrupted (``on_exception``: Lightning calls it for a
       ``KeyboardInterrupt`` too, and does not call ``teardown`` then). This is the one path every
-      undo takes: subclasses record their changes and override neither ``restore`` nor
-      ``teardown`` (``tests/test_layers.py`` checks it).
+      undo takes: subclasses record their changes and do not override ``restore``; their own
+      ``teardown`` or ``on_exception`` calls the base's (``tests/test_layers.py`` checks it).
     - ``self.report(trainer, change, **figures)`` adds the technique's row to the efficiency
       report (``change``: a ``Change``, whose ``what`` and figures make the row, or a line),
       which is shown once at the end of fit on rank zero (by the last technique among the

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
 from lightning_efficient.techniques.early_stopping.functions import (
@@ -102,11 +103,11 @@ class DivergenceGuard(Technique):
         self._window: torch.Tensor | None = None
         self._batches = 0
         self._decided: tuple[int, bool] = (-1, False)
-        self._undo_lr: Any = None  # puts the cooldown's factor back if the step did not run
+        self._cooldown_lr = Change("no cooldown")  # the factor on this step's learning rate
 
     # -- hooks ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._snapshot, self._window, self._undo_lr = None, None, None
+        self._snapshot, self._window = None, None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -149,20 +150,18 @@ class DivergenceGuard(Technique):
         if self.cooldown_left > 0 and self._steps(trainer):
             self.cooldown_left -= 1
             # for this step only: put back right after it, before the LR scheduler steps
-            self._undo_lr = scale_lr_for_step(trainer.optimizers, self.lr_factor)
+            self._cooldown_lr = self.record(
+                trainer,
+                Change("cooldown lr", scale_lr_for_step(trainer.optimizers, self.lr_factor)),
+            )
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.restore(trainer, pl_module)  # a step that did not run leaves no factor behind
+        self._cooldown_lr.undo()  # a step that did not run leaves no factor behind
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._report(trainer)
-
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        undo, self._undo_lr = self._undo_lr, None
-        if undo is not None:
-            undo()
 
     # -- decisions --------------------------------------------------------------------------
     @staticmethod

@@ -114,3 +114,19 @@ def test_techniques_are_undone_in_reverse_of_what_they_did(tmp_path, error) -> N
         with pytest.raises(RuntimeError, match="stop"):
             fit(tmp_path, [*callbacks, Fail("none")], model=tiny_model(), data=data, max_steps=1)
     assert "train_dataloader" not in vars(data)
+
+
+def test_an_undo_that_raises_does_not_stop_the_others() -> None:
+    order: list[str] = []
+
+    def fails() -> None:
+        order.append("fails")
+        raise RuntimeError("cannot put it back")
+
+    log = ChangeLog()
+    first = log.record(Change("first", lambda: order.append("first")))
+    log.record(Change("fails", fails))
+    log.record(Change("last", lambda: order.append("last")))
+    with pytest.raises(RuntimeError, match="cannot put it back"):
+        log.undo_from(first)
+    assert order == ["last", "fails", "first"] and len(log) == 0

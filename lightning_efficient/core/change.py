@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning_efficient.core.per_trainer import PerTrainer
 
-__all__ = ["Change", "ChangeLog", "changes_for", "patch_attribute"]
+__all__ = ["Change", "ChangeLog", "changes_for", "patch_attribute", "undo_last_first"]
 
 
 class Change:
@@ -83,12 +83,22 @@ class Change:
     ) -> Change:
         """One change made of several: its undo undoes them last first."""
         parts = list(changes)
+        return cls(
+            what, (lambda: undo_last_first(parts)) if parts else None, figures=figures, value=value
+        )
 
-        def undo() -> None:
-            for part in reversed(parts):
-                part.undo()
 
-        return cls(what, undo if parts else None, figures=figures, value=value)
+def undo_last_first(changes: Iterable[Change]) -> None:
+    """Undo ``changes``, the last first. An undo that raises does not stop the others: the first
+    error is raised once every change had its turn."""
+    errors: list[BaseException] = []
+    for change in reversed(list(changes)):
+        try:
+            change.undo()
+        except Exception as err:  # noqa: BLE001 - raised below, after the other undos
+            errors.append(err)
+    if errors:
+        raise errors[0]
 
 
 _MISSING = object()
@@ -137,8 +147,7 @@ class ChangeLog:
             return
         index = self._changes.index(change)
         later, self._changes = self._changes[index:], self._changes[:index]
-        for c in reversed(later):
-            c.undo()
+        undo_last_first(later)
 
     def undo_all(self) -> None:
         if self._changes:

@@ -8,7 +8,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_efficient.core import compat
-from lightning_efficient.core.change import Change, changes_for
+from lightning_efficient.core.change import Change, changes_for, undo_last_first
 from lightning_efficient.core.report import report_for
 
 __all__ = ["NoEffectWarning", "Technique", "techniques_of"]
@@ -117,10 +117,11 @@ class Technique(Callback):
         top of them; safe to call twice."""
         live = [c for c in self._recorded if not c.undone]
         self._recorded = []
-        if live and trainer is not None:
-            changes_for(trainer).undo_from(live[0])
-        for change in reversed(live):
-            change.undo()
+        try:
+            if live and trainer is not None:
+                changes_for(trainer).undo_from(live[0])
+        finally:
+            undo_last_first(live)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         # shown by the last technique among the callbacks, once every row is in (a technique

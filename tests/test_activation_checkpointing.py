@@ -468,6 +468,7 @@ def test_bf16_mixed_estimate_saves_too() -> None:
     assert est.by_category["activations"] <= 0.5 * plain.by_category["activations"]
 
 
+@pytest.mark.slow
 def test_budget_picks_fewest_blocks() -> None:
     # with transformers' mask utilities imported (by any earlier test in this process), the
     # estimate's mask checks must not read values of the already-fake batch of the search

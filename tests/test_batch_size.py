@@ -366,6 +366,7 @@ def test_gives_up_at_micro_batch_one(tmp_path) -> None:
         fit(tmp_path, [OOMRecovery()], model=gpt(oom_above=0, from_step=1), max_steps=3)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_target_and_oom(tmp_path) -> None:
     results = {}
     procs = {  # both runs at once: each is two processes that mostly wait on each other

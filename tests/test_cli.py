@@ -59,6 +59,7 @@ DEMO_NOISE = [
 ]
 
 
+@pytest.mark.slow
 def test_demo_config_fits_quietly_and_leaves_no_file(tmp_path) -> None:
     """The README's demo through the command line, shortened, from an empty working folder: the
     perplexity falls; the output is the fit's progress, the techniques' notes and the report,

@@ -107,6 +107,7 @@ def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
     assert figures["first_step_s"] > figures["steady_step_s"] > 0
 
 
+@pytest.mark.slow
 def test_real_inductor_matches_eager(tmp_path, eager_losses) -> None:
     tc = TorchCompile(backend="inductor", regional=True)
     trainer, _, rec = fit(tmp_path, [tc], max_steps=4, limit_val_batches=0)

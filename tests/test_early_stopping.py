@@ -488,6 +488,7 @@ def test_budgets_count_every_micro_batch_and_stop_on_a_step(tmp_path) -> None:
 
 
 # -- DivergenceGuard in real fits -------------------------------------------------------------------
+@pytest.mark.slow
 def test_nan_batch_skip_and_rollback_end_finite_no_guard_ends_nan(tmp_path) -> None:
     steps = dict(max_steps=24, limit_val_batches=0)
     _, broken, broken_rec = fit(tmp_path, [NaNAt([2])], max_steps=4, limit_val_batches=0)

@@ -267,6 +267,7 @@ json.dump({"params": n, "est": est.to_dict(),
 """
 
 
+@pytest.mark.slow
 def test_seven_billion_on_meta_stays_small_in_rss() -> None:
     pytest.importorskip("transformers")
     proc = subprocess.run(

@@ -80,6 +80,7 @@ def test_bad_budget_named(workload) -> None:
         plan_stack(model, batch, "1GiB", precision="fp33")
 
 
+@pytest.mark.slow
 def test_plan_command(tmp_path) -> None:
     args = [
         sys.executable,

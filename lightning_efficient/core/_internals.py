@@ -40,6 +40,7 @@ __all__ = [
     "inductor_modes",
     "is_dynamo_error",
     "kept_iterator",
+    "make_wrapper_tensor",
     "module_tensor_slots",
     "set_compiled_call",
     "set_option_type",
@@ -152,6 +153,18 @@ def without_cpu_autocast() -> Any:
     (the ``AutocastCPU`` dispatch key excluded), so casts made before it stay as made."""
     C = torch._C
     return C._ExcludeDispatchKeyGuard(C.DispatchKeySet(C.DispatchKey.AutocastCPU))
+
+
+def make_wrapper_tensor(
+    cls: type, shape: tuple[int, ...], dtype: torch.dtype, device: Any, *, requires_grad: bool
+) -> Any:
+    """An instance of the tensor subclass ``cls`` with this shape, dtype and device and no data
+    (``torch.Tensor._make_wrapper_subclass``): what a subclass that computes its values only on
+    demand (``__torch_function__``) is made of."""
+    make = getattr(torch.Tensor, "_make_wrapper_subclass", None)
+    if make is None:  # pragma: no cover - depends on torch
+        raise _moved("torch", "torch.Tensor._make_wrapper_subclass")
+    return make(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 # --- torch: Dynamo and Inductor ----------------------------------------------------------------

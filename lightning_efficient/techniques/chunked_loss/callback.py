@@ -41,7 +41,7 @@ class ChunkedCrossEntropy(Technique):
             ``"liger"`` or ``"cce"`` (the library asked for; the chunked implementation where it
             cannot compute the call, e.g. on a CPU).
         chunk_bytes: The largest float32 logits of one chunk (bytes or a string like
-            ``"64MiB"``; at least 64 KiB): rows per chunk = ``chunk_bytes / (4 * vocabulary)``.
+            ``"128MiB"``; at least 64 KiB): rows per chunk = ``chunk_bytes / (4 * vocabulary)``.
 
     The projection is changed when fit starts and put back after fit, and when fit raises or is
     interrupted; ``state_dict`` keys never change. A model whose configuration transforms its
@@ -54,7 +54,7 @@ class ChunkedCrossEntropy(Technique):
         self,
         head: str | None = None,
         backend: str = "auto",
-        chunk_bytes: int | str = "64MiB",
+        chunk_bytes: int | str = "128MiB",
     ) -> None:
         super().__init__()
         if head is not None and (not isinstance(head, str) or not head):

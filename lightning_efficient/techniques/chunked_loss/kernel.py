@@ -38,9 +38,9 @@ __all__ = [
     "chunked_linear_cross_entropy",
 ]
 
-#: The default size of one chunk's float32 logits: 64 MiB (at most about 4x that live in a
+#: The default size of one chunk's float32 logits: 128 MiB (at most about 4x that live in a
 #: chunk: its logits in the compute dtype, in float32, and the gradient in the compute dtype).
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_CHUNK_BYTES = 128 * 2**20
 #: The reductions the chunked loss computes (``"none"`` needs each row's gradient before the
 #: weight's gradient can be summed, which this forward-time gradient cannot know).
 REDUCTIONS = ("mean", "sum")

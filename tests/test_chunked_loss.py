@@ -1,0 +1,416 @@
+"""ChunkedCrossEntropy (issue 28): the loss from the output projection in chunks.
+
+The plain run is the reference: losses and gradients equal it in fp32 (rtol 1e-5 of each
+gradient's scale) on Hugging Face GPT-2, Llama, Mistral and Qwen2 tiny configs and on TinyGPT,
+with padding and ``ignore_index``; under bf16 autocast the error against the fp32 run is the plain
+bf16 run's (bf16 noise). The loss-phase memory it saves is measured with the instrument.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import fit, tiny_model
+from torch import nn
+
+from lightning_efficient.core.report import report_for
+from lightning_efficient.core.technique import NoEffectWarning
+from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.track import measure_step
+from lightning_efficient.techniques.chunked_loss import (
+    ChunkedCrossEntropy,
+    LazyLogits,
+    apply_chunked_cross_entropy,
+    chunked_linear_cross_entropy,
+    find_output_projection,
+    loss_refusal,
+)
+from lightning_efficient.techniques.chunked_loss.backends import Call, check_library, choose_backend
+
+transformers = pytest.importorskip("transformers")
+
+V, SEQ = 101, 16
+ROWS = 7  # rows per chunk in these tests: several chunks, the last one partial
+CHUNK = 4 * V * ROWS
+
+
+# -- models ---------------------------------------------------------------------------------------
+def _causal(config_cls: type, model_cls: type, **extra: object) -> nn.Module:
+    cfg = config_cls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        max_position_embeddings=SEQ,
+        **extra,
+    )
+    return model_cls(cfg)
+
+
+def _gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=V,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+HF = {
+    "gpt2": _gpt2,
+    "llama": lambda: _causal(transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": lambda: _causal(
+        transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=None
+    ),
+    "qwen2": lambda: _causal(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def _hf_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (3, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0  # padding: masked in attention, ignored by the loss
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (3, SEQ), generator=g), torch.randint(0, V, (3, SEQ), generator=g)
+    y[0, -5:] = -100  # ignore_index (F.cross_entropy's default)
+    return x, y
+
+
+def _tinygpt() -> nn.Module:
+    return tiny_model(vocab_size=V, seq_len=SEQ, n_layer=2, n_embd=32, n_head=2, dropout=0.0)
+
+
+def _step(model: nn.Module, batch: object, bf16: bool = False, **kwargs: object):
+    """Loss and gradients of one forward/backward (bf16: under CPU autocast, as bf16-mixed)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TinyGPT's self.log without a trainer
+        if isinstance(batch, dict):
+            loss = model(**batch, **kwargs).loss
+        else:
+            loss = model.training_step(batch, 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+def _assert_equal(got, want) -> None:
+    loss, grads = got
+    ref_loss, ref_grads = want
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5 * float(r.abs().max()))
+
+
+def _error(grads, truth) -> float:
+    a = torch.cat([g.float().flatten() for g in grads])
+    b = torch.cat([t.float().flatten() for t in truth])
+    return float((a - b).norm() / b.norm())
+
+
+MODELS = {**{k: (v, _hf_batch) for k, v in HF.items()}, "tinygpt": (_tinygpt, _tiny_batch)}
+
+
+@pytest.fixture(params=sorted(MODELS))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _pair(family: str) -> tuple[nn.Module, nn.Module, object]:
+    build, batch = MODELS[family]
+    torch.manual_seed(0)
+    model = build()
+    return model, copy.deepcopy(model), batch()
+
+
+# -- the same maths ---------------------------------------------------------------------------------
+def test_fp32_loss_and_gradients_equal_the_plain_run(family: str) -> None:
+    model, plain, batch = _pair(family)
+    change = apply_chunked_cross_entropy(model, chunk_bytes=CHUNK)
+    got = _step(model, batch)
+    assert change.value.by_backend == {"chunked": 1} and change.value.rows == ROWS
+    assert not change.value.fallbacks
+    _assert_equal(got, _step(plain, batch))
+
+
+def test_bf16_autocast_within_bf16_noise(family: str) -> None:
+    model, plain, batch = _pair(family)
+    truth_loss, truth = _step(copy.deepcopy(plain), batch)
+    ref_loss, ref = _step(plain, batch, bf16=True)
+    change = apply_chunked_cross_entropy(model, chunk_bytes=CHUNK)
+    loss, grads = _step(model, batch, bf16=True)
+    assert change.value.by_backend == {"chunked": 1}
+    assert loss.dtype == ref_loss.dtype == torch.float32
+    assert abs(float(loss - ref_loss)) <= 2**-8 * abs(float(ref_loss))
+    # the error against fp32 is the plain bf16 run's own (measured: 0.93-1.00x of it)
+    assert _error(grads, truth) <= 1.25 * _error(ref, truth)
+
+
+def test_hugging_face_num_items_in_batch_sums_then_divides() -> None:
+    model, plain, batch = _pair("gpt2")
+    apply_chunked_cross_entropy(model, chunk_bytes=CHUNK)
+    items = torch.tensor(29)  # e.g. the tokens of the whole accumulated batch
+    _assert_equal(
+        _step(model, batch, num_items_in_batch=items), _step(plain, batch, num_items_in_batch=items)
+    )
+
+
+class _Plain(nn.Module):
+    """A plain language model whose loss shifts the logits itself and smooths the labels."""
+
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 24)
+        self.norm = nn.LayerNorm(24)
+        self.out = nn.Linear(24, V, bias=bias)
+        self.loss = nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.emb(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)[:, :-1, :].contiguous()
+        return self.loss(logits.reshape(-1, logits.size(-1)), y[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_label_smoothing_shifted_logits_and_a_bias(bias: bool) -> None:
+    torch.manual_seed(0)
+    model = _Plain(bias)
+    plain = copy.deepcopy(model)
+    x, y = _tiny_batch()
+    y = y.clamp(min=0)  # ignore_index=0 here
+    name, _, how = find_output_projection(model)
+    assert (name, how) == ("out", "the last linear layer")
+    change = apply_chunked_cross_entropy(model, chunk_bytes=CHUNK)
+    _assert_equal(_step(model, (x, y)), _step(plain, (x, y)))
+    assert change.value.by_backend == {"chunked": 1}
+
+
+def test_the_kernel_alone_equals_cross_entropy_of_linear() -> None:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = torch.randn(V, 16, generator=g, requires_grad=True)
+    b = torch.randn(V, generator=g, requires_grad=True)
+    t = torch.randint(0, V, (37,), generator=g)
+    t[::5] = -100
+    for reduction in ("mean", "sum"):
+        ref = F.cross_entropy(F.linear(h, w, b), t, reduction=reduction, label_smoothing=0.2)
+        out = chunked_linear_cross_entropy(
+            h, w, b, t, reduction=reduction, label_smoothing=0.2, rows=8
+        )
+        want = torch.autograd.grad(ref * 3.0, [h, w, b])  # an incoming gradient other than 1
+        _assert_equal((out.detach(), torch.autograd.grad(out * 3.0, [h, w, b])), (ref, want))
+
+
+def test_gradients_are_handed_over_once() -> None:
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(V, 8, requires_grad=True)
+    loss = chunked_linear_cross_entropy(h, w, None, torch.randint(0, V, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated twice"):
+        loss.backward()
+
+
+# -- what stays lazy, what falls back ---------------------------------------------------------------
+def test_logits_outside_the_loss_are_computed_in_full_and_said_once() -> None:
+    torch.manual_seed(0)
+    model = _tinygpt()
+    said: list[str] = []
+    change = apply_chunked_cross_entropy(model, chunk_bytes=CHUNK, say=said.append)
+    x, y = _tiny_batch()
+    logits = model(x)
+    assert isinstance(logits, LazyLogits) and logits.shape == (3, SEQ, V)
+    loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+    accuracy = (logits.argmax(-1) == y).float().mean()  # a metric reads them
+    accuracy2 = (logits.argmax(-1) == y).float().mean()
+    assert float(accuracy) == float(accuracy2)
+    assert change.value.by_backend == {"chunked": 1}
+    assert change.value.fallbacks == {"Tensor.argmax": 1}  # the full logits computed once
+    assert len(said) == 1 and "Tensor.argmax" in said[0]
+    with torch.no_grad():  # validation: plain logits
+        assert type(model(x)) is torch.Tensor
+    per_row = F.cross_entropy(model(x).view(-1, V), y.view(-1), reduction="none")
+    assert per_row.shape == (3 * SEQ,)
+    assert any("reduction='none'" in k for k in change.value.fallbacks)
+    assert torch.isfinite(loss)
+
+
+def test_undo_puts_the_projection_back() -> None:
+    model = _tinygpt()
+    change = apply_chunked_cross_entropy(model)
+    assert "forward" in vars(model.head)
+    change.undo()
+    change.undo()  # once
+    assert "forward" not in vars(model.head) and type(model(_tiny_batch()[0])) is torch.Tensor
+
+
+def test_models_that_transform_their_logits_are_refused() -> None:
+    cfg = transformers.Gemma2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=V,
+    )
+    gemma = transformers.Gemma2ForCausalLM(cfg)
+    assert "final_logit_softcapping=30.0" in loss_refusal(gemma)
+    with pytest.raises(SettingsError, match="soft-capping"):
+        apply_chunked_cross_entropy(gemma)
+    assert "forward" not in vars(gemma.lm_head)
+    assert loss_refusal(HF["llama"]()) is None
+
+
+def test_head_must_name_a_linear_layer() -> None:
+    model = _tinygpt()
+    assert find_output_projection(model, "head")[0] == "head"
+    with pytest.raises(ValueError, match="`head` must name an nn.Linear.*'ln_f'"):
+        find_output_projection(model, "ln_f")
+    assert find_output_projection(HF["gpt2"]())[:1] == ("lm_head",)
+
+
+# -- backends ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("requested", "device", "bias", "smoothing", "available", "expected"),
+    [
+        ("auto", "cpu", False, 0.0, {"liger": True, "cce": True}, "chunked"),
+        ("auto", "cuda", False, 0.0, {"liger": True, "cce": True}, "liger"),
+        ("auto", "cuda", False, 0.0, {"liger": False, "cce": True}, "cce"),
+        ("auto", "cuda", True, 0.0, {"liger": False, "cce": True}, "chunked"),
+        ("auto", "cuda", False, 0.1, {"liger": False, "cce": True}, "chunked"),
+        ("auto", "cuda", False, 0.0, {"liger": False, "cce": False}, "chunked"),
+        ("cce", "cuda", False, 0.0, {"liger": True, "cce": True}, "cce"),
+        ("liger", "cpu", False, 0.0, {"liger": True, "cce": False}, "chunked"),
+        ("chunked", "cuda", False, 0.0, {"liger": True, "cce": True}, "chunked"),
+    ],
+)
+def test_backend_rule(requested, device, bias, smoothing, available, expected) -> None:
+    backend, why = choose_backend(requested, Call(device, bias, smoothing, "mean"), available)
+    assert backend == expected and why
+
+
+def test_a_library_backend_asked_for_must_be_installed() -> None:
+    from lightning_efficient.techniques.chunked_loss.backends import available_libraries
+
+    for name, installed in available_libraries().items():
+        if not installed:
+            with pytest.raises(ImportError, match="pip install .*backend='auto'"):
+                check_library(name)
+
+
+# -- the callback in a fit -----------------------------------------------------------------------------
+class _WithAccuracy(type(tiny_model())):  # TinyGPT whose training step also reads the logits
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_acc", (logits.argmax(-1) == y).float().mean())
+        return loss
+
+
+def test_fit_with_a_metric_on_the_logits_falls_back_and_says_so_once(tmp_path) -> None:
+    _, _, plain = fit(tmp_path, [], max_steps=3, model=_with_accuracy())
+    cb = ChunkedCrossEntropy(chunk_bytes="64KiB")
+    with pytest.warns(NoEffectWarning, match="Tensor.argmax") as caught:
+        trainer, model, rec = fit(tmp_path, [cb], max_steps=3, model=_with_accuracy())
+    assert sum("Tensor.argmax" in str(w.message) for w in caught) == 1
+    assert rec.losses == pytest.approx(plain.losses, rel=1e-5)
+    row = report_for(trainer).entries[0]
+    assert row.figures["losses_from_chunks"] == 3 and row.figures["full_logits_steps"] == 3
+    assert "forward" not in vars(model.head)  # put back after fit
+
+
+def _with_accuracy() -> _WithAccuracy:
+    from helpers import TINY_MODEL
+
+    torch.manual_seed(0)
+    return _WithAccuracy(**TINY_MODEL)
+
+
+def test_fit_refuses_a_soft_capped_model_at_fit_start() -> None:
+    cfg = transformers.Gemma2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16, vocab_size=V
+    )
+    cb = ChunkedCrossEntropy()
+
+    class Trainer:  # what setup reads: no other technique, no strategy
+        callbacks = [cb]
+
+    with pytest.raises(SettingsError, match="ChunkedCrossEntropy: Gemma2ForCausalLM caps"):
+        cb.setup(Trainer(), transformers.Gemma2ForCausalLM(cfg), "fit")
+
+
+# -- memory: the instrument ------------------------------------------------------------------------------
+class _Head(nn.Module):
+    """The loss phase alone: hidden states in, through a gain (as a final norm) and the output
+    projection, to the loss."""
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+        self.proj = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h * self.gain)
+
+
+def _head_loss(model: nn.Module, batch) -> torch.Tensor:
+    h, y = batch
+    logits = model(h)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+def test_loss_phase_peak_is_several_times_lower_and_the_estimate_says_so() -> None:
+    vocab, width, rows = 16384, 64, 2048
+    torch.manual_seed(0)
+    batch = (torch.randn(rows, width), torch.randint(0, vocab, (rows,)))
+    sgd = "torch.optim.SGD"
+    peaks = {}
+    for chunks in (False, True):
+        cbs = [ChunkedCrossEntropy(chunk_bytes="4MiB")] if chunks else []
+        real = measure_step(_Head(width, vocab), batch, sgd, loss_fn=_head_loss, callbacks=cbs)
+        est = estimate_memory(
+            _Head(width, vocab), batch, optimizer=sgd, loss_fn=_head_loss, callbacks=cbs,
+            device="cpu",
+        )  # fmt: skip
+        params = real.by_category["parameters"]
+        assert est.peak_bytes == pytest.approx(real.peak_bytes, rel=0.02)
+        peaks[chunks] = real.peak_bytes - params
+    # the plain step holds the (rows, vocab) logits three times; the chunks hold the weight's
+    # gradient (created in any step) and a few 4 MiB chunks
+    assert peaks[False] / peaks[True] >= 4
+
+
+def test_estimate_for_a_cuda_target_runs_the_chunks() -> None:
+    with torch.device("meta"):
+        model = tiny_model(vocab_size=8192, seq_len=256, n_layer=2, n_embd=64, dropout=0.0)
+    batch = (torch.zeros(8, 256, dtype=torch.long, device="meta"),) * 2
+    cb = ChunkedCrossEntropy(chunk_bytes="1MiB")  # 32 of the 2048 rows a chunk
+    plain = estimate_memory(model, batch, precision="bf16-mixed", device="cuda")
+    est = estimate_memory(model, batch, precision="bf16-mixed", device="cuda", callbacks=[cb])
+    assert est.target == plain.target and est.reserved_bytes > 0
+    assert est.by_category["workspaces"] == plain.by_category["workspaces"] > 0
+    chunked, full = (e.peak_bytes - e.by_category["workspaces"] for e in (est, plain))
+    assert chunked < 0.5 * full
+    assert any("ChunkedCrossEntropy: cross-entropy from `head`" in n for n in est.notes)
+    assert "forward" not in vars(model.head)  # the estimate put the projection back

@@ -360,6 +360,37 @@ def test_fit_refuses_a_soft_capped_model_at_fit_start() -> None:
         cb.setup(Trainer(), transformers.Gemma2ForCausalLM(cfg), "fit")
 
 
+@pytest.mark.slow
+def test_under_fsdp_the_loss_comes_from_chunks_and_equals_the_plain_run(tmp_path) -> None:
+    """FSDP2 registers its pre-backward hook on the root module's outputs (here the lazy
+    logits): it is moved to the loss, so the loss still comes from chunks, and the gradients
+    are reduced as in the plain run (two ranks at batch 4 read the plain run's batch of 8)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import interleaved_data, subprocess_timeout
+
+    here = Path(__file__).parent
+    run = {"callbacks": {"ChunkedCrossEntropy": {"chunk_bytes": "64KiB"}}, "steps": 3}
+    proc = subprocess.run(
+        [sys.executable, str(here / "_fsdp_fit.py"), json.dumps(run), str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=subprocess_timeout(600),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        row = rank["report"]["ChunkedCrossEntropy"]
+        assert row["losses_from_chunks"] == 3 and row["full_logits_steps"] == 0, row
+    _, _, plain = fit(None, data=interleaved_data(8), max_steps=3)
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5)
+
+
 # -- memory: the instrument ------------------------------------------------------------------------------
 class _Head(nn.Module):
     """The loss phase alone: hidden states in, through a gain (as a final norm) and the output

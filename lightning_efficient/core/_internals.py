@@ -41,6 +41,7 @@ __all__ = [
     "is_dynamo_error",
     "kept_iterator",
     "make_wrapper_tensor",
+    "TENSOR_BASE_GETTER",
     "module_tensor_slots",
     "set_compiled_call",
     "set_option_type",
@@ -153,6 +154,11 @@ def without_cpu_autocast() -> Any:
     (the ``AutocastCPU`` dispatch key excluded), so casts made before it stay as made."""
     C = torch._C
     return C._ExcludeDispatchKeyGuard(C.DispatchKeySet(C.DispatchKey.AutocastCPU))
+
+
+#: The getter of ``Tensor._base`` (the tensor a view was made from): what a ``__torch_function__``
+#: subclass sees when code asks whether a tensor is a view (FSDP2 asks it of a module's outputs).
+TENSOR_BASE_GETTER = torch.Tensor._base.__get__  # type: ignore[attr-defined]
 
 
 def make_wrapper_tensor(

@@ -196,7 +196,7 @@ class LossSession:
         self.by_backend[backend] = self.by_backend.get(backend, 0) + 1
         if backend == "chunked":
             self.rows = chunk_rows(source.weight.shape[0], hidden.shape[0], self.chunk_bytes)
-        return loss
+        return source.attach_hooks(loss)
 
     def fell_back(self, source: LogitsSource, what: str) -> None:
         """``what`` needed the full logits of ``source``: counted, and said once."""

@@ -21,13 +21,14 @@ hidden states the projection was called with and answers, through ``__torch_func
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from lightning_efficient.core._internals import make_wrapper_tensor, tree_map
+from lightning_efficient.core._internals import TENSOR_BASE_GETTER, make_wrapper_tensor, tree_map
 
 __all__ = ["LazyLogits", "LogitsSource", "LOSS_DTYPES"]
 
@@ -56,7 +57,17 @@ _METADATA = {
     torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
     torch.Tensor.grad_fn.__get__,  # type: ignore[attr-defined]
     torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_quantized.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_nested.__get__,  # type: ignore[attr-defined]
+    TENSOR_BASE_GETTER,  # not a view of anything
 }
+
+#: Modules whose tensor hooks only mark that backward has reached a module's output (FSDP2's
+#: pre-backward hook on a root module's outputs): on lazy logits they are moved to what the
+#: logits become, the loss (or the full logits), instead of needing the logits' gradient.
+_MARKER_HOOK_MODULES = ("torch.distributed.fsdp",)
 
 
 class LogitsSource:
@@ -81,6 +92,20 @@ class LogitsSource:
             torch.get_autocast_dtype(self.device_type),
         )
         self.logits: torch.Tensor | None = None  # the full logits, once something needed them
+        self.hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()  # marker hooks
+
+    def add_hook(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
+        """Keep a marker hook (see ``_MARKER_HOOK_MODULES``) for what the logits become."""
+        handle = torch.utils.hooks.RemovableHandle(self.hooks)
+        self.hooks[handle.id] = hook
+        return handle
+
+    def attach_hooks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Register the kept marker hooks on ``tensor`` (the loss, or the full logits)."""
+        if tensor.requires_grad:
+            for hook in self.hooks.values():
+                tensor.register_hook(hook)
+        return tensor
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -95,10 +120,11 @@ class LogitsSource:
             device_type = self.device_type
             now = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             if now == self.autocast:
-                self.logits = self.forward(self.hidden)
+                logits = self.forward(self.hidden)
             else:
                 with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False):
-                    self.logits = self.forward(self.hidden)
+                    logits = self.forward(self.hidden)
+            self.logits = self.attach_hooks(logits)
         return self.logits
 
 
@@ -173,6 +199,8 @@ class LazyLogits(torch.Tensor):
                 if why is None:
                     return session.loss(first, bound.arguments)
                 return _fall_back(func, args, kwargs, f"F.cross_entropy with {why}")
+            elif func is torch.Tensor.register_hook and _is_marker(args[1:], kwargs):
+                return first.source.add_hook(args[1])
             else:
                 lazy = _lazy_op(first, func, args[1:], kwargs)
                 if lazy is not None:
@@ -208,6 +236,14 @@ def _fall_back(func: Any, args: tuple, kwargs: dict, what: str | None = None) ->
         return x.full()
 
     return func(*tree_map(full, args), **tree_map(full, kwargs))
+
+
+def _is_marker(args: tuple, kwargs: dict) -> bool:
+    """Whether ``register_hook(*args, **kwargs)`` registers a marker hook."""
+    if kwargs or len(args) != 1:
+        return False
+    module = getattr(args[0], "__module__", None) or ""
+    return module.startswith(_MARKER_HOOK_MODULES)
 
 
 def _name(func: Any) -> str:

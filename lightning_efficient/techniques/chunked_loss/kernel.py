@@ -56,6 +56,58 @@ def _autocast_off(device_type: str) -> torch.autocast:
     return torch.autocast(device_type, enabled=False)
 
 
+def _chunk(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    t: torch.Tensor,
+    keep: torch.Tensor,
+    label_smoothing: float,
+    logit_casts: tuple[torch.dtype, ...],
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+) -> torch.Tensor:
+    """One chunk: its summed loss (float32), and its gradients added to ``grad_h`` (the chunk's
+    rows), ``grad_w`` and ``grad_b`` in place (unscaled). Every (rows x vocabulary) temporary is
+    freed on return, before the next chunk's logits are made."""
+    logits = F.linear(h, w, b)
+    for dtype in logit_casts:  # e.g. Hugging Face's logits.float()
+        logits = logits.to(dtype)
+    z = logits.float()
+    del logits
+    target_logit = z.gather(1, t).squeeze(1)
+    mean_logit = z.mean(1) if label_smoothing else None
+    top = z.amax(1, keepdim=True)
+    p = z.sub_(top).exp_()  # in place: z's storage holds the softmax from here
+    total = p.sum(1, keepdim=True)
+    lse = total.log().add_(top).squeeze(1)
+    row_loss = lse - target_logit
+    if label_smoothing:
+        row_loss = row_loss * (1 - label_smoothing) + (lse - mean_logit) * label_smoothing
+    loss = (row_loss * keep).sum()
+    if grad_h is None and grad_w is None and grad_b is None:
+        return loss
+    # d loss_row / d logits = softmax - (1 - eps) onehot - eps / V, and 0 on the ignored rows
+    p.div_(total)
+    if label_smoothing:
+        p.sub_(label_smoothing / p.shape[1])
+    p.scatter_add_(1, t, torch.full_like(t, -(1 - label_smoothing), dtype=p.dtype))
+    p.mul_(keep[:, None])
+    g = p.to(w.dtype)  # rounded as the plain step rounds the logits' gradient
+    del z, p
+    if grad_h is not None:
+        grad_h.copy_(g @ w)
+    if grad_w is not None:
+        if grad_w.dtype == g.dtype:
+            grad_w.addmm_(g.t(), h)
+        else:
+            grad_w += g.t() @ h
+    if grad_b is not None:
+        grad_b += g.sum(0, dtype=torch.float32)
+    return loss
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss in forward, gradients in forward (see the module's docstring), scaled in backward."""
 
@@ -73,7 +125,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         logit_casts: tuple[torch.dtype, ...],
         rows: int,
     ) -> torch.Tensor:
-        n, vocab = hidden.shape[0], weight.shape[0]
+        n = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with _autocast_off(hidden.device.type):
             w = weight.to(compute_dtype)
@@ -86,45 +138,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
             grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
             for start in range(0, n, rows):
-                stop = min(n, start + rows)
-                h = hidden[start:stop].to(compute_dtype)
-                logits = F.linear(h, w, b)
-                for dtype in logit_casts:  # e.g. Hugging Face's logits.float()
-                    logits = logits.to(dtype)
-                z = logits.float()
-                del logits
-                t, k = safe[start:stop, None], keep[start:stop]
-                target_logit = z.gather(1, t).squeeze(1)
-                mean_logit = z.mean(1) if label_smoothing else None
-                top = z.amax(1, keepdim=True)
-                p = z.sub_(top).exp_()  # z is dropped: its storage holds the softmax from here
-                total = p.sum(1, keepdim=True)
-                lse = total.log().add_(top).squeeze(1)
-                row_loss = lse - target_logit
-                if label_smoothing:
-                    row_loss = row_loss * (1 - label_smoothing) + (lse - mean_logit) * (
-                        label_smoothing
-                    )
-                loss += (row_loss * k).sum()
-                if not (need_h or need_w or need_b):
-                    continue
-                # d loss_row / d logits = softmax - (1 - eps) onehot - eps / V, 0 on ignored rows
-                p.div_(total)
-                if label_smoothing:
-                    p.sub_(label_smoothing / vocab)
-                p.scatter_add_(1, t, torch.full_like(t, -(1 - label_smoothing), dtype=p.dtype))
-                p.mul_(k[:, None])
-                g = p.to(compute_dtype)
-                del p
-                if need_h:
-                    grad_h[start:stop] = g @ w
-                if need_w:
-                    if grad_w.dtype == g.dtype:
-                        grad_w.addmm_(g.t(), h)
-                    else:
-                        grad_w += g.t() @ h
-                if need_b:
-                    grad_b += g.sum(0, dtype=torch.float32)
+                rows_ = slice(start, min(n, start + rows))
+                loss += _chunk(
+                    hidden[rows_].to(compute_dtype),
+                    w,
+                    b,
+                    safe[rows_, None],
+                    keep[rows_],
+                    label_smoothing,
+                    logit_casts,
+                    grad_h[rows_] if grad_h is not None else None,
+                    grad_w,
+                    grad_b,
+                )
             count = keep.sum()
             scale = 1 / count if reduction == "mean" else torch.ones_like(count)
         ctx.grads = (grad_h, grad_w, grad_b)

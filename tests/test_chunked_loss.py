@@ -391,6 +391,24 @@ def test_under_fsdp_the_loss_comes_from_chunks_and_equals_the_plain_run(tmp_path
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5)
 
 
+def test_zero_stage_3_is_refused_stage_2_is_not(tmp_path) -> None:
+    """ZeRO-3 holds a module's parameters only during its call; the loss uses the projection's
+    weight after it (a real ZeRO-3 run fell back every step and its losses parted from the plain
+    run's from step 2): refused when the fit starts. ZeRO-2 trains from chunks (a real run when
+    this rule was written: losses equal to 1e-7)."""
+    from lightning_efficient import ZeROOffload
+    from lightning_efficient.core import compat
+
+    stage3 = ZeROOffload(stage=3, offload_optimizer="cpu", offload_parameters=True)
+    with pytest.raises(SettingsError, match="ChunkedCrossEntropy under ZeROOffload with stage 3"):
+        fit(tmp_path, [ChunkedCrossEntropy()], strategy=stage3, max_steps=1)
+
+    class Trainer:  # what the rule reads: the strategy
+        strategy = ZeROOffload(stage=2, offload_optimizer="cpu")
+
+    assert compat._parameters_after_call(Trainer(), [ChunkedCrossEntropy()]) is None
+
+
 # -- memory: the instrument ------------------------------------------------------------------------------
 class _Head(nn.Module):
     """The loss phase alone: hidden states in, through a gain (as a final norm) and the output

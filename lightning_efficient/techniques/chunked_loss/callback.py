@@ -49,6 +49,7 @@ class ChunkedCrossEntropy(Technique):
     """
 
     stacks = False
+    uses_parameters_after_call = True
 
     def __init__(
         self,

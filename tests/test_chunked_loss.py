@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,9 @@ def _causal(config_cls: type, model_cls: type, **extra: object) -> nn.Module:
     return model_cls(cfg)
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(vocab: int = V) -> nn.Module:
     cfg = transformers.GPT2Config(
-        vocab_size=V,
+        vocab_size=vocab,
         n_positions=SEQ,
         n_embd=32,
         n_layer=2,
@@ -254,6 +255,37 @@ def test_logits_outside_the_loss_are_computed_in_full_and_said_once() -> None:
     assert torch.isfinite(loss)
 
 
+def test_fsdp_marker_hooks_move_to_the_loss_other_hooks_need_the_logits() -> None:
+    """FSDP2's pre-backward hook only marks that backward reached a module's output: on lazy
+    logits it goes to the loss, whether registered before the loss is computed (TinyGPT returns
+    the logits) or after (a Hugging Face model computes its loss inside forward)."""
+    model = _tinygpt()
+    change = apply_chunked_cross_entropy(model, chunk_bytes=CHUNK)
+    x, y = _tiny_batch()
+    calls: list[tuple[str, tuple]] = []
+
+    def marker(name: str):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            calls.append((name, tuple(grad.shape)))
+            return grad
+
+        hook.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"  # FSDP2's module
+        return hook
+
+    logits = model(x)
+    logits.register_hook(marker("before"))
+    loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+    logits.register_hook(marker("after"))
+    loss.backward()
+    assert sorted(calls) == [("after", ()), ("before", ())]  # each once, with the loss's gradient
+    assert change.value.by_backend == {"chunked": 1} and not change.value.fallbacks
+    seen: list[tuple] = []
+    logits = model(x)
+    logits.register_hook(lambda g: seen.append(tuple(g.shape)))  # needs the logits' gradient
+    F.cross_entropy(logits.view(-1, V), y.view(-1)).backward()
+    assert seen == [(3, SEQ, V)] and "Tensor.register_hook" in change.value.fallbacks
+
+
 def test_undo_puts_the_projection_back() -> None:
     model = _tinygpt()
     change = apply_chunked_cross_entropy(model)
@@ -345,6 +377,54 @@ def _with_accuracy() -> _WithAccuracy:
 
     torch.manual_seed(0)
     return _WithAccuracy(**TINY_MODEL)
+
+
+class _HFModule(pl.LightningModule):
+    """A Hugging Face causal LM in a LightningModule, as users write it (labels = inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _gpt2(vocab=1024)  # 16 rows a chunk of 64 KiB: 4 chunks of a batch
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_hugging_face_model_in_a_bf16_mixed_fit(tmp_path) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ids = torch.randint(0, 1024, (12, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def run(callbacks):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            default_root_dir=tmp_path, max_steps=3, precision="bf16-mixed", callbacks=callbacks,
+            accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        module = _HFModule()
+        losses = []
+
+        class Losses(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses.append(float(outputs["loss"]))
+
+        trainer.callbacks.append(Losses())
+        trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=4))
+        return trainer, losses
+
+    _, plain = run([])
+    trainer, chunked = run([ChunkedCrossEntropy(chunk_bytes="64KiB")])
+    row = report_for(trainer).entries[0]
+    assert row.figures["losses_from_chunks"] == 3 and row.figures["full_logits_steps"] == 0
+    assert row.figures["rows_per_chunk"] == 16
+    assert chunked == pytest.approx(plain, rel=2**-7)  # bf16 noise, over 3 optimizer steps
 
 
 def test_fit_refuses_a_soft_capped_model_at_fit_start() -> None:

@@ -21,6 +21,7 @@ hidden states the projection was called with and answers, through ``__torch_func
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -93,18 +94,27 @@ class LogitsSource:
         )
         self.logits: torch.Tensor | None = None  # the full logits, once something needed them
         self.hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()  # marker hooks
+        self._became: list[weakref.ref] = []  # the losses (or full logits) made from these
 
     def add_hook(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
-        """Keep a marker hook (see ``_MARKER_HOOK_MODULES``) for what the logits become."""
+        """Keep a marker hook (see ``_MARKER_HOOK_MODULES``) for what the logits become (and
+        put it on what they became already: a Hugging Face model's loss is computed before its
+        forward returns, when FSDP2 registers the hook)."""
         handle = torch.utils.hooks.RemovableHandle(self.hooks)
         self.hooks[handle.id] = hook
+        for ref in self._became:
+            tensor = ref()
+            if tensor is not None and tensor.requires_grad:
+                tensor.register_hook(hook)
         return handle
 
     def attach_hooks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Register the kept marker hooks on ``tensor`` (the loss, or the full logits)."""
+        """Register the kept marker hooks on ``tensor`` (the loss, or the full logits), and
+        the ones added later."""
         if tensor.requires_grad:
             for hook in self.hooks.values():
                 tensor.register_hook(hook)
+            self._became.append(weakref.ref(tensor))
         return tensor
 
     @property

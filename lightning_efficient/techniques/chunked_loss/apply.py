@@ -159,6 +159,9 @@ class LossSession:
             return "class weights (weight=)"
         if args["size_average"] is not None or args["reduce"] is not None:
             return "the deprecated size_average/reduce arguments"
+        smoothing = args["label_smoothing"]
+        if not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing <= 1.0:
+            return f"label_smoothing={smoothing!r}"
         if args["reduction"] not in REDUCTIONS:
             return f"reduction={args['reduction']!r} (chunks compute 'mean' and 'sum')"
         dtypes = (logits.dtype, logits.source.compute_dtype, logits.source.weight.dtype)

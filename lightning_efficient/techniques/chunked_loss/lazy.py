@@ -199,22 +199,24 @@ class LazyLogits(torch.Tensor):
         kwargs = kwargs or {}
         if func in _METADATA:
             return super().__torch_function__(func, types, args, kwargs)
+        if func is F.cross_entropy:
+            bound = _CE_SIGNATURE.bind(*args, **kwargs)
+            bound.apply_defaults()
+            logits = bound.arguments["input"]
+            if isinstance(logits, LazyLogits) and logits.source.logits is None:
+                session = logits.source.session
+                why = session.why_not(logits, bound.arguments)
+                if why is None:
+                    return session.loss(logits, bound.arguments)
+                return _fall_back(func, args, kwargs, f"F.cross_entropy with {why}")
+            return _fall_back(func, args, kwargs)
         first = args[0] if args else None
         if isinstance(first, LazyLogits) and first.source.logits is None:
-            if func is F.cross_entropy:
-                bound = _CE_SIGNATURE.bind(*args, **kwargs)
-                bound.apply_defaults()
-                session = first.source.session
-                why = session.why_not(first, bound.arguments)
-                if why is None:
-                    return session.loss(first, bound.arguments)
-                return _fall_back(func, args, kwargs, f"F.cross_entropy with {why}")
-            elif func is torch.Tensor.register_hook and _is_marker(args[1:], kwargs):
+            if func is torch.Tensor.register_hook and _is_marker(args[1:], kwargs):
                 return first.source.add_hook(args[1])
-            else:
-                lazy = _lazy_op(first, func, args[1:], kwargs)
-                if lazy is not None:
-                    return lazy
+            lazy = _lazy_op(first, func, args[1:], kwargs)
+            if lazy is not None:
+                return lazy
         return _fall_back(func, args, kwargs)
 
     @classmethod

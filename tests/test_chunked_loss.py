@@ -315,6 +315,16 @@ def test_models_that_transform_their_logits_are_refused() -> None:
     assert loss_refusal(HF["llama"]()) is None
 
 
+def test_worth_chunking_needs_wide_logits_and_a_loss_it_can_reproduce() -> None:
+    from lightning_efficient.techniques.chunked_loss import worth_chunking
+
+    assert worth_chunking(_gpt2(vocab=1024))  # 1024 outputs of width 32
+    assert worth_chunking(tiny_model(vocab_size=1024, n_embd=32, n_head=2))  # tied
+    assert not worth_chunking(_gpt2(vocab=101))  # 101 outputs of width 32: under 4x
+    assert not worth_chunking(type(tiny_model())())  # TinyGPT's bytes: 256 outputs, width 128
+    assert not worth_chunking(nn.Sequential(nn.Conv2d(3, 8, 3)))  # no linear layer
+
+
 def test_head_must_name_a_linear_layer() -> None:
     model = _tinygpt()
     assert find_output_projection(model, "head")[0] == "head"

@@ -15,6 +15,7 @@ from lightning_efficient.techniques.chunked_loss.apply import (
     apply_chunked_cross_entropy,
     find_output_projection,
     loss_refusal,
+    worth_chunking,
 )
 from lightning_efficient.techniques.chunked_loss.backends import BACKENDS, choose_backend
 from lightning_efficient.techniques.chunked_loss.callback import ChunkedCrossEntropy
@@ -38,4 +39,5 @@ __all__ = [
     "chunked_linear_cross_entropy",
     "find_output_projection",
     "loss_refusal",
+    "worth_chunking",
 ]

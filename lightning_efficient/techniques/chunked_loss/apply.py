@@ -39,6 +39,7 @@ __all__ = [
     "apply_chunked_cross_entropy",
     "find_output_projection",
     "loss_refusal",
+    "worth_chunking",
 ]
 
 #: Hugging Face config fields that change the logits between the projection and the loss:
@@ -121,6 +122,22 @@ def loss_refusal(model: nn.Module) -> str | None:
                 "differ. Remove ChunkedCrossEntropy for this model."
             )
     return None
+
+
+#: Logits this many times wider than the hidden states are what chunking is for (a language
+#: model's vocabulary: GPT-2's is 65 times its width); a narrower output layer is not.
+WIDE_LOGITS = 4
+
+
+def worth_chunking(model: nn.Module, head: str | None = None) -> bool:
+    """Whether ``ChunkedCrossEntropy`` applies to ``model`` and can save much: an output
+    projection is found, the model's loss is not refused, and its logits are at least
+    ``WIDE_LOGITS`` times as wide as the hidden states (the planner offers it then)."""
+    try:
+        _, linear, _ = find_output_projection(model, head)
+    except ValueError:
+        return False
+    return loss_refusal(model) is None and linear.out_features >= WIDE_LOGITS * linear.in_features
 
 
 @dataclass

@@ -11,7 +11,7 @@ hidden states the projection was called with and answers, through ``__torch_func
   as the plain step does);
 - ``F.cross_entropy`` on ``(N, V)`` lazy logits with integer targets, ``mean`` or ``sum``
   reduction, no class weights: with the loss computed from the hidden states and the projection's
-  weight in chunks (``LogitsSource.loss``);
+  weight in chunks (the session's ``loss``);
 - anything else (a metric reading the logits, ``detach()``, ``argmax``, a soft-cap, ...): the
   full logits are computed once, exactly as the projection would have computed them (its own
   forward, under the autocast state of the call), and the operation runs on them; the session
@@ -73,9 +73,9 @@ _MARKER_HOOK_MODULES = ("torch.distributed.fsdp",)
 
 class LogitsSource:
     """What one call of the output projection was: its own forward, the hidden states, the
-    weight and bias, the autocast state of the call; ``session`` hears what happened
-    (``session.chunked(source, backend)``, ``session.fell_back(source, what)``) and computes the
-    loss (``session.loss(...)``)."""
+    weight and bias, the autocast state of the call. ``session`` (``apply.LossSession``) decides
+    and computes the loss (``why_not``, ``loss``) and hears when the full logits were needed
+    (``fell_back(source, what)``)."""
 
     def __init__(
         self,

@@ -10,7 +10,6 @@
 """
 
 from lightning_efficient.techniques.chunked_loss.apply import (
-    ChunkedLossChange,
     LossSession,
     apply_chunked_cross_entropy,
     find_output_projection,
@@ -30,7 +29,6 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_CHUNK_BYTES",
     "ChunkedCrossEntropy",
-    "ChunkedLossChange",
     "LazyLogits",
     "LossSession",
     "apply_chunked_cross_entropy",

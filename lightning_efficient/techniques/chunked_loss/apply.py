@@ -11,8 +11,9 @@
   (Hugging Face's ``loss_function`` calls it after ``logits.float().view(-1, V)``; a plain module
   after ``logits.view(-1, V)``) computes the loss in chunks (:mod:`.backends`). Anything else
   that reads the logits gets the full logits, computed as before, and the session says so once.
-  Without grad (validation, generation) the projection is as it was. Returns a
-  :class:`ChunkedLossChange` whose ``undo()`` puts the projection's ``forward`` back.
+  Without grad (validation, generation) the projection is as it was. Returns a ``Change``
+  (``core/change.py``) whose ``value`` is the :class:`LossSession` and whose ``undo()`` puts the
+  projection's ``forward`` back.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.kernel import (
@@ -34,7 +36,6 @@ from lightning_efficient.techniques.chunked_loss.kernel import (
 from lightning_efficient.techniques.chunked_loss.lazy import LOSS_DTYPES, LazyLogits, LogitsSource
 
 __all__ = [
-    "ChunkedLossChange",
     "LossSession",
     "apply_chunked_cross_entropy",
     "find_output_projection",
@@ -239,28 +240,6 @@ class LossSession:
         return sum(self.fallbacks.values())
 
 
-@dataclass
-class ChunkedLossChange:
-    """What :func:`apply_chunked_cross_entropy` did and how to undo it.
-
-    ``what``: one line; ``figures``: the head and its shape; ``value``: the :class:`LossSession`
-    that computes and counts the losses; ``undo()`` puts the projection's forward back (once)."""
-
-    what: str
-    figures: dict[str, Any]
-    value: LossSession
-    _undo: Callable[[], None] | None = None
-
-    @property
-    def undone(self) -> bool:
-        return self._undo is None
-
-    def undo(self) -> None:
-        undo, self._undo = self._undo, None
-        if undo is not None:
-            undo()
-
-
 def _goes_lazy(linear: nn.Linear, hidden: Any) -> bool:
     """Whether this call of ``linear`` can return lazy logits (a training call whose logits
     the chunks can reproduce)."""
@@ -283,7 +262,7 @@ def apply_chunked_cross_entropy(
     backend: str = "auto",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     say: Callable[[str], None] = lambda message: None,
-) -> ChunkedLossChange:
+) -> Change:
     """Make ``model``'s output projection return lazy logits while training, so that
     ``F.cross_entropy`` on them is computed in chunks (see the module's docstring).
 
@@ -296,7 +275,6 @@ def apply_chunked_cross_entropy(
         raise SettingsError(f"ChunkedCrossEntropy cannot apply: {refusal}")
     name, linear, how = find_output_projection(model, head)
     session = LossSession(backend=backend, chunk_bytes=chunk_bytes, say=say, head=name)
-    had = "forward" in vars(linear)
     original = linear.forward
 
     def forward(hidden: Any, *args: Any, **kwargs: Any) -> Any:
@@ -304,18 +282,13 @@ def apply_chunked_cross_entropy(
             return original(hidden, *args, **kwargs)
         return LazyLogits.of(LogitsSource(original, hidden, linear.weight, linear.bias, session))
 
-    linear.forward = forward  # an instance attribute: the class's forward shows again on undo
-
-    def undo() -> None:
-        if had:
-            linear.forward = original
-        else:
-            vars(linear).pop("forward", None)
-
     vocab, width = linear.out_features, linear.in_features
-    return ChunkedLossChange(
-        f"cross-entropy from `{name}` ({how}, {width} -> {vocab}) in chunks",
-        {"head": name, "vocabulary": vocab, "hidden_size": width},
-        session,
-        undo,
+    what = f"cross-entropy from `{name}` ({how}, {width} -> {vocab}) in chunks"
+    # an instance attribute: undo puts back what the instance had (the class's forward shows)
+    patched = patch_attribute(linear, "forward", forward, what)
+    return Change(
+        what,
+        patched.undo,
+        figures={"head": name, "vocabulary": vocab, "hidden_size": width},
+        value=session,
     )

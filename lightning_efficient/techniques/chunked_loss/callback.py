@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_choice, parse_bytes
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.apply import (
-    ChunkedLossChange,
     apply_chunked_cross_entropy,
     find_output_projection,
     loss_refusal,
@@ -72,7 +72,7 @@ class ChunkedCrossEntropy(Technique):
             )
         self.chunk_bytes = chunk_bytes
         self._bytes = size
-        self._change: ChunkedLossChange | None = None
+        self._change: Change | None = None
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
@@ -93,8 +93,7 @@ class ChunkedCrossEntropy(Technique):
             raise SettingsError(f"{self.name}: {refusal}")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self.restore(trainer, pl_module)
-        self._change = self._apply(pl_module, say=self.no_effect)
+        self._change = self.record(trainer, self._apply(pl_module, say=self.no_effect))
         available = [n for n, ok in self._change.value.available.items() if ok]
         libraries = f"installed: {', '.join(available)}" if available else "no library installed"
         self.note(f"{self._change.what} (backend {self.backend!r}; {libraries})")
@@ -104,17 +103,13 @@ class ChunkedCrossEntropy(Technique):
             self._report(trainer, self._change)
         super().on_fit_end(trainer, pl_module)
 
-    def restore(self, trainer: Any, pl_module: Any) -> None:
-        if self._change is not None:
-            self._change.undo()
-
     # -- helpers ----------------------------------------------------------------------------
-    def _apply(self, model: Any, say: Any) -> ChunkedLossChange:
+    def _apply(self, model: Any, say: Any) -> Change:
         return apply_chunked_cross_entropy(
             model, head=self.head, backend=self.backend, chunk_bytes=self._bytes, say=say
         )
 
-    def _report(self, trainer: Any, change: ChunkedLossChange) -> None:
+    def _report(self, trainer: Any, change: Change) -> None:
         session = change.value
         chunked, fell_back = session.chunked_calls, session.fallback_calls
         if not chunked:

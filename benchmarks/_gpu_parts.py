@@ -735,12 +735,14 @@ def part_estimate(ctx: Ctx, rec: Recorder) -> None:
 
 
 # -- part 3: largest micro-batch within the cap ----------------------------------------------------
-def _usable_ladder(ctx: Ctx, rec: Recorder) -> list[Any]:
-    """The planner's default ladder, without the rungs whose techniques cannot be built here."""
+def _usable_ladder(ctx: Ctx, rec: Recorder, model: Any) -> list[Any]:
+    """The planner's default ladder for ``model``, without the rungs whose techniques cannot be
+    built here."""
     from lightning_efficient.planner import default_ladder
+    from lightning_efficient.techniques.chunked_loss import worth_chunking
 
     rungs = []
-    for rung in default_ladder(ctx.cap_bytes):
+    for rung in default_ladder(ctx.cap_bytes, chunked_loss=worth_chunking(model)):
         try:
             rung.build()
         except ImportError as err:
@@ -943,11 +945,12 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
         # the planner and the stack's estimate run here while the plain probes run
         t0 = time.perf_counter()
         target = p["planner_batch"]
+        model = build_model(kind, dims, "meta")
         result = plan_stack(
-            build_model(kind, dims, "meta"),
+            model,
             meta_batch(target, dims["seq"]),
             cap,
-            ladder=_usable_ladder(ctx, rec),
+            ladder=_usable_ladder(ctx, rec, model),
             device=ctx.device,  # the dry run plans for its CPU, as its estimates do
         )
         rung = result.chosen
@@ -978,6 +981,22 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
                     "search": LargestSearch("stack", b_stack, top, cap, estimate=seen),
                 }
             )
+            other = _chunked_loss_counterpart(rung.name, specs, model)
+            if other is not None:  # issue 28: the same stack with / without the chunked loss
+                name, other_specs = other
+                b_other, est_other, seen = largest(
+                    rung.precision, other_specs + ([strat] if strat else [])
+                )
+                probes.add(
+                    {
+                        "stack": name,
+                        "precision": rung.precision,
+                        "specs": other_specs,
+                        "strategy": strat,
+                        "estimate_bytes": est_other,
+                        "search": LargestSearch("other", b_other, top, cap, estimate=seen),
+                    }
+                )
         probes.run()
     finally:
         pool.close()
@@ -991,16 +1010,35 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
         return f"{real} (the estimate picked {r['estimate_pick']})"
 
     if len(rows) > 1 and rows[0]["largest_real"]:
-        a, b = rows
+        a, b = rows[:2]
         ratio = f", {b['largest_real'] / a['largest_real']:.1f}x" if b["largest_real"] else ""
         rec.finish(
             f"largest micro-batch by real steps: plain {said(a)} -> "
             f"{b['stack'].removeprefix('planner: ')} {said(b)}{ratio}"
+            + "".join(f"; {r['stack']} {said(r)}" for r in rows[2:])
         )
     elif rows:
         rec.finish(f"largest micro-batch by real steps: plain {said(rows[0])}")
     else:
         rec.finish("nothing measured")
+
+
+CHUNKED = {"class_path": "ChunkedCrossEntropy", "init_args": {}}
+
+
+def _chunked_loss_counterpart(
+    name: str, specs: list[dict[str, Any]], model: Any
+) -> tuple[str, list[dict[str, Any]]] | None:
+    """The planner's stack without ``ChunkedCrossEntropy`` when it has it, with it when it has
+    not and the model's logits are wide; ``None`` otherwise (issue 28's row)."""
+    from lightning_efficient.techniques.chunked_loss import worth_chunking
+
+    without = [s for s in specs if s["class_path"] != "ChunkedCrossEntropy"]
+    if len(without) < len(specs):
+        return f"{name.replace(' + chunked loss', '')} (without the chunked loss)", without
+    if worth_chunking(model):
+        return f"{name} + chunked loss", [CHUNKED, *specs]
+    return None
 
 
 # -- part 4: largest model at batch 1 --------------------------------------------------------------

@@ -24,6 +24,7 @@ from lightning_efficient.techniques.activation_checkpointing import (
 )
 from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch
 from lightning_efficient.techniques.batch_size.split import micro_batch_step
+from lightning_efficient.techniques.chunked_loss import apply_chunked_cross_entropy
 from lightning_efficient.techniques.compile import apply_compile, compiled_modules
 from lightning_efficient.techniques.curriculum.difficulty import difficulty_scores
 from lightning_efficient.techniques.curriculum.sampler import CurriculumSampler, apply_sampler
@@ -47,6 +48,7 @@ __all__ = [
     # what changes a module, an optimizer, a loader or the flags: a Change with its undo
     "Change",
     "apply_activation_checkpointing",
+    "apply_chunked_cross_entropy",
     "apply_compile",
     "apply_float8",
     "apply_matmul_precision",

@@ -1,8 +1,8 @@
 """Pick the cheapest stack of techniques whose estimated peak fits a memory budget.
 
 The planner walks a ladder of stacks ordered by what they cost in speed (precision first, then
-8-bit optimizer states, then the fewest checkpointed blocks, then all blocks, then ZeRO offload
-to host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
+the chunked loss where the logits are wide, 8-bit optimizer states, the fewest checkpointed
+blocks, then all blocks, then ZeRO offload to host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
 no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried.
 
 On several ranks (``world_size > 1``) every rung is one rank's peak (``batch`` is one rank's
@@ -222,6 +222,7 @@ ZERO3_OFFLOAD = Part(
 )
 FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
 FSDP_FULL = Part("FullyShardedStrategy")
+CHUNKED_LOSS = Part("ChunkedCrossEntropy")
 
 
 def checkpoint_fewest(budget_bytes: int) -> Part:
@@ -238,6 +239,7 @@ def default_ladder(
     configured: Sequence[Any] = (),
     world_size: int = 1,
     configured_sharding: str | None = None,
+    chunked_loss: bool = False,
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
     and strategy) the config already has; the first rung, "as configured", estimates them.
@@ -253,50 +255,59 @@ def default_ladder(
     the optimizer state by the rank count where 8-bit states divide it by 4.
     ``configured_sharding``: how the configured strategy divides the state (a sharding rung
     that divides no more than it is left out).
+
+    ``chunked_loss``: the model's logits are wide (``chunked_loss.worth_chunking``):
+    ``ChunkedCrossEntropy`` gets a rung right after the precision (the same maths, about as
+    fast: cheaper than any rung after it) and stays in every later rung but ZeRO-3's (which
+    cannot serve it).
     """
     check_int("world_size", world_size, minimum=1)
     low = "bf16-mixed" if bf16 and precision == "32-true" else precision
     fewest = checkpoint_fewest(budget_bytes)
+    loss = (CHUNKED_LOSS,) if chunked_loss else ()
+    name = f"{low} + chunked loss" if chunked_loss else low  # what every later rung starts with
     rungs = [Rung("as configured", precision, cost="none", configured=tuple(configured))]
     if low != precision:
         rungs.append(Rung(low, low, cost="none on bf16 hardware; loss within ~2% of fp32"))
+    if chunked_loss:
+        rungs.append(Rung(name, low, loss, cost="none: the same maths without the full logits"))
     if world_size > 1:
-        rungs += _sharding_rungs(low, fewest, configured_sharding)
+        rungs += _sharding_rungs(name, low, fewest, configured_sharding, loss)
     else:
         rungs += [
             Rung(
-                f"{low} + adamw8bit",
+                f"{name} + adamw8bit",
                 low,
-                (ADAMW8BIT,),
+                (*loss, ADAMW8BIT),
                 cost="8-bit optimizer states (lossy, small)",
             ),
             Rung(
-                f"{low} + adamw8bit + checkpoint fewest blocks",
+                f"{name} + adamw8bit + checkpoint fewest blocks",
                 low,
-                (ADAMW8BIT, fewest),
+                (*loss, ADAMW8BIT, fewest),
                 cost="recompute some blocks' forward",
             ),
             Rung(
-                f"{low} + adamw8bit + checkpoint all blocks",
+                f"{name} + adamw8bit + checkpoint all blocks",
                 low,
-                (ADAMW8BIT, CHECKPOINT_ALL),
+                (*loss, ADAMW8BIT, CHECKPOINT_ALL),
                 cost="recompute every block's forward (~+30% step time)",
             ),
         ]
     if accumulate_grad_batches == 1 and world_size == 1:
         rungs.append(
             Rung(
-                f"{low} + adamw8bit in backward + checkpoint all blocks",
+                f"{name} + adamw8bit in backward + checkpoint all blocks",
                 low,
-                (ADAMW8BIT_IN_BACKWARD, CHECKPOINT_ALL),
+                (*loss, ADAMW8BIT_IN_BACKWARD, CHECKPOINT_ALL),
                 cost="no gradient clipping or accumulation",
             )
         )
     rungs += [
         Rung(
-            f"{low} + checkpoint all blocks + ZeRO-2 optimizer offload",
+            f"{name} + checkpoint all blocks + ZeRO-2 optimizer offload",
             low,
-            (CHECKPOINT_ALL,),
+            (*loss, CHECKPOINT_ALL),
             ZERO2_OFFLOAD,
             cost="optimizer step on the host (PCIe traffic every step)",
         ),
@@ -317,14 +328,17 @@ _AT_LEAST_GRAD_OP = ("zero2", "zero3", "grad_op", "full")
 _AT_LEAST_FULL = ("zero3", "full")
 
 
-def _sharding_rungs(low: str, fewest: Part, configured_sharding: str | None) -> list[Rung]:
+def _sharding_rungs(
+    name: str, low: str, fewest: Part, configured_sharding: str | None, loss: tuple[Part, ...]
+) -> list[Rung]:
     """The multi-rank rungs between bf16 and host offload (see :func:`default_ladder`)."""
     rungs = []
     if configured_sharding not in _AT_LEAST_GRAD_OP:
         rungs.append(
             Rung(
-                f"{low} + FSDP grad_op",
+                f"{name} + FSDP grad_op",
                 low,
+                loss,
                 strategy=FSDP_GRAD_OP,
                 cost="state sharded; communication as DDP (all-gather + reduce-scatter)",
             )
@@ -332,24 +346,25 @@ def _sharding_rungs(low: str, fewest: Part, configured_sharding: str | None) -> 
     if configured_sharding not in _AT_LEAST_FULL:
         rungs.append(
             Rung(
-                f"{low} + FSDP full",
+                f"{name} + FSDP full",
                 low,
+                loss,
                 strategy=FSDP_FULL,
                 cost="parameters gathered again in backward (+50% communication over DDP)",
             )
         )
     rungs += [
         Rung(
-            f"{low} + FSDP full + checkpoint fewest blocks",
+            f"{name} + FSDP full + checkpoint fewest blocks",
             low,
-            (fewest,),
+            (*loss, fewest),
             FSDP_FULL,
             cost="+ recompute some blocks' forward",
         ),
         Rung(
-            f"{low} + FSDP full + checkpoint all blocks",
+            f"{name} + FSDP full + checkpoint all blocks",
             low,
-            (CHECKPOINT_ALL,),
+            (*loss, CHECKPOINT_ALL),
             FSDP_FULL,
             cost="+ recompute every block's forward (~+30% step time)",
         ),
@@ -385,8 +400,11 @@ def plan_stack(
     ``world_size``: ranks of the run (``batch`` is one rank's batch; every peak and the budget
     are one rank's). ``sharding``: how the configured strategy divides the state (``None``:
     ``"ddp"`` on several ranks); a rung with a strategy is estimated with that strategy's
-    sharding (its ``estimate_sharding``), a rung without one with ``sharding``.
+    sharding (its ``estimate_sharding``), a rung without one with ``sharding``. The default
+    ladder offers ``ChunkedCrossEntropy`` where the model's logits are wide (``worth_chunking``).
     """
+    from lightning_efficient.techniques.chunked_loss import worth_chunking
+
     budget_bytes = parse_bytes("budget", budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
@@ -404,6 +422,7 @@ def plan_stack(
             configured=configured,
             world_size=world_size,
             configured_sharding=sharding,
+            chunked_loss=worth_chunking(model),
         )
     )
     target = resolve_target(device)

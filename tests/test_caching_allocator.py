@@ -76,3 +76,22 @@ def test_a_cap_releases_the_cache_before_running_out_of_memory() -> None:
     # 12 MiB still allocated: nothing to release, so 14 more pass the cap
     held = replay(_log(("a", 1, 12 * MiB), ("b", 1, 14 * MiB)), cap=20 * MiB)
     assert held.out_of_memory and held.reserved_peak == 12 * MiB
+
+
+def test_a_segment_made_after_a_release_is_a_segment_of_its_own() -> None:
+    """Segments released at the cap must not hand their number to a new one: a segment opened
+    after a release once took the number of one still in use, and releasing both later raised
+    KeyError (found by the planner's ladder with ChunkedCrossEntropy on GPT-2 at 8 GiB)."""
+    log = _log(
+        ("a", 1, 100 * MiB),
+        ("b", 1, 100 * MiB),
+        ("c", 1, 100 * MiB),
+        ("b", -1, 0),  # cached: its segment is released when d would pass the cap
+        ("d", 1, 150 * MiB),
+        ("c", -1, 0),
+        ("d", -1, 0),
+        ("e", 1, 300 * MiB),  # releases c's and d's segments, then fits under the cap
+    )
+    capped = replay(log, cap=400 * MiB)
+    assert not capped.out_of_memory and capped.reserved_peak == 400 * MiB
+    assert capped.segments == 5

@@ -215,6 +215,30 @@ CASES += [
     ),
 ]
 
+# -- chunked cross-entropy (issue 28): the same maths, so losses equal the plain run's
+from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy  # noqa: E402
+
+CASES.append(
+    Case(
+        ChunkedCrossEntropy,
+        init_args={"chunk_bytes": "64KiB"},
+        bad_args=[
+            ({"backend": "triton"}, "backend"),
+            ({"chunk_bytes": "lots"}, "chunk_bytes"),
+            ({"chunk_bytes": 1024}, "chunk_bytes"),
+            ({"head": ""}, "head"),
+            ({"head": 3}, "head"),
+        ],
+        fuzz={
+            "backend": st.text(max_size=8).filter(
+                lambda s: s not in ("auto", "chunked", "liger", "cce")
+            ),
+            "chunk_bytes": st.integers(max_value=2**16 - 1) | st.sampled_from(["lots", "-1MiB"]),
+            "head": st.integers() | st.just(""),
+        },
+    )
+)
+
 # -- curriculum (issue 15): another order / shorter sequences, so not the plain run's maths; at
 # initialisation every batch's loss is close to ln(256), so the first losses stay within 10%
 from lightning_efficient.techniques.curriculum import (  # noqa: E402

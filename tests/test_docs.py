@@ -13,6 +13,7 @@ CARDS = sorted(DOCS.glob("*.md"))
 #: Cards whose Python blocks are complete, quick programs (run here, on CPU).
 RUNNABLE = [
     "memory",
+    "chunked_loss",
     "activation_checkpointing",
     "compile",
     "precision",

@@ -17,7 +17,7 @@ def test_a_short_list_in_one_verb_style() -> None:
     names = F.__all__
     assert 20 <= len(names) <= 30 and len(set(names)) == len(names)
     applies = [n for n in names if n.startswith("apply_")]
-    assert len(applies) == 9
+    assert len(applies) == 10
     for name in applies:  # a change comes back, whatever the object changed
         assert inspect.signature(getattr(F, name)).return_annotation in ("Change", Change), name
     # general helpers live in their modules only
@@ -28,9 +28,14 @@ def test_a_short_list_in_one_verb_style() -> None:
 def test_module_changes_undo_to_what_was_given() -> None:
     model = tiny_model()
     forwards = {n: vars(m).get("forward") for n, m in model.named_modules()}
-    with F.apply_activation_checkpointing(model) as ac, F.apply_compile(model, backend="eager"):
+    with (
+        F.apply_activation_checkpointing(model) as ac,
+        F.apply_compile(model, backend="eager"),
+        F.apply_chunked_cross_entropy(model) as chunks,
+    ):
         assert ac.value == ["blocks.0", "blocks.1"]
         assert F.checkpointed_blocks(model) and F.compiled_modules(model) == ac.value
+        assert chunks.figures["head"] == "head" and "forward" in vars(model.head)
     assert F.checkpointed_blocks(model) == {} and F.compiled_modules(model) == []
     assert {n: vars(m).get("forward") for n, m in model.named_modules()} == forwards
 

@@ -74,7 +74,10 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
     for r in estimate:  # on the CPU the estimate is exact (same storages, tracked both ways)
         assert r["estimate_bytes"] > 0 and abs(r["ratio"] - 1) < 0.05, r
     batch = by["batch"]["rows"]
-    assert len(batch) == 2 and all(r["status"] == "ok" and r["resolved"] for r in batch), batch
+    # plain, the planner's stack (its chunked loss: the dry run's vocabulary is 8x its width),
+    # and the same stack without the chunked loss (issue 28)
+    assert len(batch) == 3 and all(r["status"] == "ok" and r["resolved"] for r in batch), batch
+    assert "chunked loss" in batch[1]["stack"] and "without the chunked loss" in batch[2]["stack"]
     for r in batch:  # settled by real runs: n trained, n + 1 ran out of the (emulated) cap
         probes = {x["batch"]: x["status"] for x in r["probes"]}
         n = r["largest_real"]

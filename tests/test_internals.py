@@ -291,3 +291,22 @@ def test_dispatcher_accessors_override_and_put_back_kernels() -> None:
         assert torch.mm(x, x.T).dtype == torch.bfloat16
         with without_cpu_autocast():
             assert torch.mm(x, x.T).dtype == torch.float32
+
+
+def test_make_wrapper_tensor_has_metadata_and_no_data() -> None:
+    from lightning_efficient.core._internals import make_wrapper_tensor
+
+    class Shell(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise LookupError(f"no data for {func}")
+
+    t = make_wrapper_tensor(Shell, (2, 3, 5), torch.bfloat16, "cpu", requires_grad=True)
+    assert isinstance(t, Shell) and t.shape == (2, 3, 5) and t.dtype == torch.bfloat16
+    assert t.device == torch.device("cpu") and t.requires_grad and t.dim() == 3
+    with pytest.raises(LookupError, match="no data"):  # an operator reaches the dispatcher
+        t + 1

@@ -166,3 +166,29 @@ def test_every_rung_writes_back_what_it_builds(world_size) -> None:
 def _state(obj) -> dict:
     simple = (int, float, str, bool, type(None))
     return {k: v for k, v in vars(obj).items() if isinstance(v, simple) and not k.startswith("_")}
+
+
+def test_wide_logits_get_the_chunked_loss_rung_before_anything_lossy() -> None:
+    """A model whose logits are wide (vocabulary 8192, width 64): the chunked loss comes right
+    after bf16 and stays in every later rung but ZeRO-3's; on a budget between the two it is the
+    plan (exact, where the old ladder went on to 8-bit states). A narrow one has no such rung."""
+    with torch.device("meta"):
+        wide = TinyGPT(vocab_size=8192, n_layer=2, n_embd=64, n_head=2, seq_len=256, dropout=0.0)
+    x = torch.zeros(8, 256, dtype=torch.long, device="meta")
+    full = plan_stack(wide, (x, x), "1TiB", try_all=True, device="cpu")
+    names = [r.name for r, _, _ in full.tried]
+    assert names[1:4] == [
+        "bf16-mixed",
+        "bf16-mixed + chunked loss",
+        "bf16-mixed + chunked loss + adamw8bit",
+    ]
+    for rung, _, _ in full.tried[2:]:
+        has = any(p.class_path == "ChunkedCrossEntropy" for p in rung.callbacks)
+        assert has == ("ZeRO-3" not in rung.name), rung.name
+    bf16, chunked = (full.estimate_of(r).peak_bytes for r, _, _ in full.tried[1:3])
+    assert chunked < bf16
+    plan = plan_stack(wide, (x, x), (bf16 + chunked) // 2, device="cpu")
+    assert plan.chosen.name == "bf16-mixed + chunked loss"
+    assert "class_path: ChunkedCrossEntropy" in plan.to_yaml()
+    narrow = default_ladder(2**30)
+    assert not any("chunked" in r.name for r in narrow)

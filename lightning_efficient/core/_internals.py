@@ -40,6 +40,8 @@ __all__ = [
     "inductor_modes",
     "is_dynamo_error",
     "kept_iterator",
+    "make_wrapper_tensor",
+    "TENSOR_BASE_GETTER",
     "module_tensor_slots",
     "set_compiled_call",
     "set_option_type",
@@ -152,6 +154,23 @@ def without_cpu_autocast() -> Any:
     (the ``AutocastCPU`` dispatch key excluded), so casts made before it stay as made."""
     C = torch._C
     return C._ExcludeDispatchKeyGuard(C.DispatchKeySet(C.DispatchKey.AutocastCPU))
+
+
+#: The getter of ``Tensor._base`` (the tensor a view was made from): what a ``__torch_function__``
+#: subclass sees when code asks whether a tensor is a view (FSDP2 asks it of a module's outputs).
+TENSOR_BASE_GETTER = torch.Tensor._base.__get__  # type: ignore[attr-defined]
+
+
+def make_wrapper_tensor(
+    cls: type, shape: tuple[int, ...], dtype: torch.dtype, device: Any, *, requires_grad: bool
+) -> Any:
+    """An instance of the tensor subclass ``cls`` with this shape, dtype and device and no data
+    (``torch.Tensor._make_wrapper_subclass``): what a subclass that computes its values only on
+    demand (``__torch_function__``) is made of."""
+    make = getattr(torch.Tensor, "_make_wrapper_subclass", None)
+    if make is None:  # pragma: no cover - depends on torch
+        raise _moved("torch", "torch.Tensor._make_wrapper_subclass")
+    return make(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 # --- torch: Dynamo and Inductor ----------------------------------------------------------------

@@ -271,3 +271,23 @@ def _sharded_parameters(trainer: Any, techniques: Sequence[Any]) -> str | None:
         if getattr(t, "sharding_conflict", None)
     ]
     return "; ".join(problems) or None
+
+
+@rule
+def _parameters_after_call(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """A strategy whose modules hold their parameters only during their own call
+    (``gathers_parameters_per_call``: ZeRO stage 3) cannot serve a technique that uses a
+    module's parameters after that call returned (``uses_parameters_after_call``)."""
+    strategy = getattr(trainer, "strategy", None)
+    if not getattr(strategy, "gathers_parameters_per_call", False):
+        return None
+    late = [t for t in techniques if getattr(t, "uses_parameters_after_call", False)]
+    if not late:
+        return None
+    return (
+        f"{_names(late)} under {type(strategy).__name__} with stage 3: ZeRO-3 gathers a "
+        "module's parameters only while the module runs, and the output projection's weight is "
+        "used after its call, in the loss (a ZeRO-3 run computed the full logits every step and "
+        f"its losses parted from the plain run's). Use stage 2 (or FullyShardedStrategy) with "
+        f"{_names(late)}, or remove it."
+    )

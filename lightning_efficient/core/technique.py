@@ -64,6 +64,10 @@ class Technique(Callback):
     #: Why the technique cannot run when a strategy shards the parameters (DTensors under FSDP2,
     #: ``strategy.shards_parameters``) and what to use instead; ``None``: it works sharded.
     sharding_conflict: str | None = None
+    #: Uses a module's parameters after that module's call returned (the output projection's
+    #: weight in a loss computed later, from lazy logits): a strategy that holds a module's
+    #: parameters only during its call (ZeRO-3, ``gathers_parameters_per_call``) cannot serve it.
+    uses_parameters_after_call: bool = False
     #: Report figures that are decisions every rank must take alike (e.g. ``stopped_step``):
     #: under several ranks the report says "same on N ranks", or warns that the ranks differ.
     decision_figures: tuple[str, ...] = ()

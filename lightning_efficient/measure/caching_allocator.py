@@ -112,9 +112,11 @@ class _Allocator:
             return None
         self.reserved += seg
         self.result.reserved_peak = max(self.result.reserved_peak, self.reserved)
-        self.result.segments += 1
-        block = _Block(self.next_address, seg, len(self.segments), small)
+        # numbered by how many were opened (not how many are held: a released segment's number
+        # is never handed out again)
+        block = _Block(self.next_address, seg, self.result.segments, small)
         self.segments[block.segment] = seg
+        self.result.segments += 1
         self.next_address += seg
         return block
 

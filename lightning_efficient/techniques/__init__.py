@@ -9,6 +9,7 @@ from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.profiler import StepProfiler
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
+from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
 from lightning_efficient.techniques.compile import TorchCompile
 from lightning_efficient.techniques.curriculum import (
     Curriculum,
@@ -31,6 +32,7 @@ TECHNIQUES: list[type] = [
     MemoryBreakdown,
     StepProfiler,
     ActivationCheckpointing,
+    ChunkedCrossEntropy,
     OptimizerSwap,
     MatmulPrecision,
     Float8Training,

@@ -111,6 +111,12 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         self._env_before = launcher_environ()
 
     @property
+    def gathers_parameters_per_call(self) -> bool:
+        """Read by ``core.compat``: under stage 3 a module's parameters are gathered for its
+        call and released after it."""
+        return self.stage == 3
+
+    @property
     def estimate_sharding(self) -> str:
         """Read by ``measure.settings``: the per-rank estimate's ``sharding`` (``"zero2"``,
         ``"zero3"``)."""

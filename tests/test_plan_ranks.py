@@ -87,9 +87,17 @@ def test_multi_rank_ladder_shards_before_offload() -> None:
 def test_sharding_rung_meets_a_budget_ddp_cannot(workload, full_sharded, tmp_path) -> None:
     model, batch = workload
     world, full = 8, full_sharded
-    # the CPU's kernels with CUDA's rounding: the sharding logic, without CUDA's fixed workspaces
+    # the CPU's kernels with CUDA's rounding: the sharding logic, without CUDA's fixed workspaces;
+    # the ladder without the chunked-loss rung (TinyGPT's logits are wide enough for it), so that
+    # the sharding rungs alone meet the budget of bf16-mixed + FSDP full
     result = plan_stack(
-        model, batch, full.peak_bytes, world_size=world, device="cpu", cuda_rounding=True
+        model,
+        batch,
+        full.peak_bytes,
+        world_size=world,
+        device="cpu",
+        cuda_rounding=True,
+        ladder=default_ladder(full.peak_bytes, world_size=world),
     )
     chosen = result.chosen
     assert chosen is not None and chosen.name == "bf16-mixed + FSDP full", result.to_markdown()

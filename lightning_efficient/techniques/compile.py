@@ -526,6 +526,20 @@ class TorchCompile(Technique):
                 "such layers, or regional=False."
             )
 
+    def compile_state(self) -> dict[str, Any]:
+        """What this fit compiled, for the profiler's advice: ``scope`` (``"regional"``,
+        ``"whole"``, or None when nothing runs compiled), ``mode``, and what ``scope="auto"``
+        measured (``regional_step_s``, ``whole_step_s``)."""
+        scope = None
+        if self._names and not self._fell_back and not self._no_graphs():
+            scope = "whole" if self._names == [""] else "regional"
+        out: dict[str, Any] = {"scope": scope, "mode": self.mode}
+        if self.choice is not None:
+            out.update(
+                regional_step_s=self.choice.regional_step_s, whole_step_s=self.choice.whole_step_s
+            )
+        return out
+
     @property
     def recompiles(self) -> int | None:  # read by the profiler's advice
         return self._watch.recompiles if self._watch is not None else None

@@ -349,8 +349,9 @@ def whole_compile(f: Findings) -> list[Advice]:
 
 @_rule
 def small_kernels(f: Findings) -> list[Advice]:
-    """Low MFU with many short operations: launch overhead dominates; compile fuses them."""
-    if f.mfu is None or f.seconds_per_op is None:
+    """Low MFU with many short operations: launch overhead dominates; compile fuses them (when
+    nothing is compiled yet; else ``cuda_graphs``)."""
+    if f.mfu is None or f.seconds_per_op is None or f.compile_scope is not None:
         return []
     if f.mfu >= THRESHOLDS["low_mfu"] or f.seconds_per_op >= THRESHOLDS["small_op_s"]:
         return []

@@ -73,12 +73,15 @@ class Clock(Callback):
 
     def __init__(self) -> None:
         self.starts: list[float] = []
+        self.cpu: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
-    def periods(self, warmup: int) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:])][warmup:]
+    def periods(self, warmup: int, cpu: bool = False) -> list[float]:
+        t = self.cpu if cpu else self.starts
+        return [b - a for a, b in zip(t, t[1:])][warmup:]
 
 
 def _trainer(steps: int, callbacks: list, **kw) -> pl.Trainer:
@@ -109,7 +112,11 @@ def fit_start_to_start(variant: str, steps: int, batch: int = DEMO_BATCH) -> dic
     with _quiet():
         trainer.fit(TinyGPT(**DEMO), datamodule=TextDataModule(batch_size=batch, seq_len=128))
     periods = clock.periods(warmup=WARMUP)
-    out = {"median_s": statistics.median(periods), "fastest_s": min(periods)}
+    out = {
+        "median_s": statistics.median(periods),
+        "fastest_s": min(periods),
+        "cpu_median_s": statistics.median(clock.periods(warmup=WARMUP, cpu=True)),
+    }
     if isinstance(extra[0] if extra else None, StepProfiler):
         out["summary"] = extra[0].summary
     return out
@@ -118,12 +125,14 @@ def fit_start_to_start(variant: str, steps: int, batch: int = DEMO_BATCH) -> dic
 def start_to_start(rounds: int, steps: int) -> dict:
     """Interleaved rounds of the three variants (order rotated per round); ratios to plain."""
     fits: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     summary = None
     for r in range(rounds):
         order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
         for variant in order:
             res = fit_start_to_start(variant, steps)
             fits[variant].append(res["median_s"])
+            cpu[variant].append(res["cpu_median_s"])
             summary = res.get("summary", summary)
         print(
             f"round {r + 1}/{rounds}: "
@@ -131,6 +140,9 @@ def start_to_start(rounds: int, steps: int) -> dict:
             flush=True,
         )
     ratios = {v: [a / b for a, b in zip(fits[v], fits["plain"])] for v in VARIANTS if v != "plain"}
+    cpu_ratios = {
+        v: [a / b for a, b in zip(cpu[v], cpu["plain"])] for v in VARIANTS if v != "plain"
+    }
     return {
         "rounds": rounds,
         "steps": steps,
@@ -140,6 +152,9 @@ def start_to_start(rounds: int, steps: int) -> dict:
         "plain_step_s": statistics.median(fits["plain"]),
         "ratios": ratios,
         "ratio": {v: statistics.median(x) for v, x in ratios.items()},
+        "cpu_step_s": cpu,
+        "cpu_ratios": cpu_ratios,
+        "cpu_ratio": {v: statistics.median(x) for v, x in cpu_ratios.items()},
         "summary": summary,
     }
 
@@ -397,11 +412,23 @@ def render(env: dict, overhead: dict, flops: list[dict] | None, verdict: list[di
     own = overhead["own_work"]
     plain_s = overhead["plain_step_s"]
     d = overhead["demo_profile"]
+    cpu_ratio, cpu_ratios = overhead.get("cpu_ratio", {}), overhead.get("cpu_ratios", {})
+    cpu_s = overhead.get("cpu_step_s", {})
+
+    def cpu_cells(v: str) -> str:
+        if not cpu_s:
+            return "- | - |"
+        head = f"{statistics.median(cpu_s[v]) * 1e3:.1f} ms | "
+        if v == "plain":
+            return head + "1.000x (-) |"
+        rs = cpu_ratios[v]
+        return head + f"**{cpu_ratio[v]:.3f}x** ({min(rs):.3f}-{max(rs):.3f}) |"
+
     rows = [
         f"| {v} | {statistics.median(step_s[v]) * 1e3:.1f} ms | "
         + ("1.000x | - |" if v == "plain" else f"**{ratio[v]:.3f}x** | ")
         + ("" if v == "plain" else f"{min(ratios[v]):.3f}-{max(ratios[v]):.3f} |")
-        + " "
+        + f" {cpu_cells(v)} "
         + ", ".join(f"{x * 1e3:.1f}" for x in step_s[v])
         + " |"
         for v in VARIANTS
@@ -423,9 +450,9 @@ def render(env: dict, overhead: dict, flops: list[dict] | None, verdict: list[di
         f"`on_train_batch_start`, every hook of the step included) after {overhead['warmup']} "
         "warm-up periods; ratio to the plain fit of the same round, median over rounds.",
         "",
-        "| Run | Step (median of fits) | vs plain (median of rounds) | range over rounds | "
-        "per fit (ms) |",
-        "|---|---:|---:|---:|---|",
+        "| Run | Step, wall (median of fits) | vs plain, wall (median of rounds) | range over "
+        "rounds | Step, process CPU time | vs plain, CPU time (range) | per fit, wall (ms) |",
+        "|---|---:|---:|---:|---:|---:|---|",
         *rows,
         "",
         "The profiler's own work, timed inside a profiled fit (each hook's median call x its "

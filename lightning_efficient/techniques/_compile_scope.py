@@ -37,6 +37,7 @@ __all__ = [
     "SCOPES",
     "WHOLE_FASTER",
     "ScopeChoice",
+    "choose_by_trial",
     "choose_scope",
     "default_scope",
     "describe_error",
@@ -256,3 +257,38 @@ def describe_error(err: BaseException) -> str:
     if cause is not None and cause is not err and line(cause) not in out:
         out += f" {line(cause)}"
     return out
+
+
+def choose_by_trial(
+    compile_as: Callable[[str, Callable[[BaseException], None]], Any],
+    module: nn.Module,
+    batch: Any,
+    strategy: Any,
+    compile_seconds: Callable[[], float],
+    *,
+    strict: bool = False,
+) -> tuple[ScopeChoice, dict[str, dict[str, Any]], dict[str, str]]:
+    """``trial_scopes`` on the strategy's device under its precision, then ``choose_scope``
+    (falling back to the whole model on CUDA, regional elsewhere, when neither could be
+    measured), rank zero's choice broadcast to every rank. Returns the choice, the compiled
+    calls per scope and why a scope failed on this rank."""
+    device = strategy.root_device
+    timings, calls, errors = trial_scopes(
+        compile_as,
+        module,
+        batch,
+        device,
+        strategy.precision_plugin.forward_context,
+        compile_seconds,
+        strict=strict,
+    )
+    regional, whole = timings.get("regional", {}), timings.get("whole", {})
+    choice = choose_scope(
+        regional.get("steady_step_s"),
+        whole.get("steady_step_s"),
+        regional_compile_s=regional.get("compile_s"),
+        whole_compile_s=whole.get("compile_s"),
+        fallback="whole" if device.type == "cuda" else "regional",
+        errors=errors,
+    )
+    return strategy.broadcast(choice, src=0), calls, errors

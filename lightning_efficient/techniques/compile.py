@@ -56,11 +56,10 @@ from lightning_efficient.techniques._blocks import (
 )
 from lightning_efficient.techniques._compile_scope import (
     ScopeChoice,
-    choose_scope,
+    choose_by_trial,
     default_scope,
     describe_error,
     resolve_scope,
-    trial_scopes,
 )
 
 __all__ = [
@@ -93,6 +92,18 @@ def _check_backend(backend: Any) -> Any:
             f"`backend` must be a backend name or a callable backend; got {backend!r} ({type(backend).__name__})."
         )
     return check_choice("backend", backend, valid_backends())
+
+
+def _check_mode(mode: Any, backend: Any) -> str | None:
+    if mode is None:
+        return None
+    mode = check_choice("mode", mode, valid_modes())
+    if backend != "inductor":
+        raise ValueError(
+            f"`mode`={mode!r} applies to the 'inductor' backend only; got backend={backend!r}. "
+            "Use backend='inductor' or mode=None."
+        )
+    return mode
 
 
 class _FallbackCall:
@@ -172,14 +183,16 @@ def apply_compile(
         for name, module in targets:
             set_compiled_call(module, previous[name])
 
+    what = _describe(names, backend, mode)
+    return Change(what, undo, figures={"compiled_modules": len(names)}, value=names)
+
+
+def _describe(names: list[str], backend: Any, mode: str | None) -> str:
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
     how = f"{name}, mode={mode}" if mode else name
-    what = (
-        f"compiled the whole model ({how})"
-        if names == [""]
-        else f"compiled {len(names)} blocks in place ({how}); the rest of the model runs eagerly"
-    )
-    return Change(what, undo, figures={"compiled_modules": len(names)}, value=names)
+    if names == [""]:
+        return f"compiled the whole model ({how})"
+    return f"compiled {len(names)} blocks in place ({how}); the rest of the model runs eagerly"
 
 
 class CompileWatch:
@@ -269,6 +282,7 @@ _TIMED_STEPS = 64  # steps timed one by one; the steady state is their median wi
 def _reinstall(
     model: nn.Module, calls: dict[str, Any], on_error: Callable[[BaseException], None], what: str
 ) -> Change:
+    # ``what``: ``_describe`` of the compile these calls came from
     """Put back compiled calls taken from an earlier ``apply_compile`` (the same compiled
     functions, so Dynamo's cache serves them: no second compile), failing over to ``on_error``."""
     targets = [(name, model.get_submodule(name) if name else model) for name in calls]
@@ -296,17 +310,12 @@ class TorchCompile(Technique):
         fullgraph: Fail on graph breaks instead of splitting the graph.
         dynamic: ``True`` compiles shape-generic graphs up front, ``False`` never, ``None`` (the
             default) after the first shape change.
-        scope: What is compiled: ``"regional"`` (each repeated block, e.g. transformer layer:
-            identical blocks share one graph, much shorter compile time), ``"whole"`` (the
-            module's forward), or ``"auto"``: at the first training batch both are compiled
-            and timed on the device (a few forward + backward steps each, after warm-up;
-            compile time measured apart), and the whole model is kept when its steady step is
-            more than 3% faster, else regional; the report gives both figures. ``None`` (the
-            default): ``"auto"`` on a CUDA device (on an H200 regional ran at 0.69 of the whole
-            model's speed), ``"regional"`` elsewhere (0.95-0.99 of it on a CPU, at a third of
-            the compile time).
-        regional: The older form of ``scope``: ``True`` is ``scope="regional"``, ``False``
-            ``scope="whole"``; ``None``: given by ``scope``.
+        scope: ``"regional"`` (each repeated block: one shared graph, short compile),
+            ``"whole"`` (the module's forward) or ``"auto"`` (both compiled and timed on the
+            device at the first batch; the whole model kept when more than 3% faster, both
+            figures reported: ``techniques._compile_scope``). ``None``: ``"auto"`` on CUDA,
+            ``"regional"`` elsewhere.
+        regional: The older form of ``scope`` (``True``: ``"regional"``, ``False``: ``"whole"``).
         backend: A Dynamo backend name (``valid_backends()``) or a backend callable.
         strict: Re-raise compile errors instead of falling back to eager.
         blocks: Which blocks a regional compile compiles: ``"auto"`` (repeated blocks), a class
@@ -330,15 +339,7 @@ class TorchCompile(Technique):
     ) -> None:
         super().__init__()
         self.backend = _check_backend(backend)
-        if mode is not None:
-            self.mode = check_choice("mode", mode, valid_modes())
-            if self.backend != "inductor":
-                raise ValueError(
-                    f"`mode`={mode!r} applies to the 'inductor' backend only; got backend={self.backend!r}. "
-                    "Use backend='inductor' or mode=None."
-                )
-        else:
-            self.mode = None
+        self.mode = _check_mode(mode, self.backend)
         self.fullgraph = check_bool("fullgraph", fullgraph)
         if dynamic is not None:
             check_bool("dynamic", dynamic)
@@ -377,26 +378,17 @@ class TorchCompile(Technique):
         self._step_compiles = []
         self._report(trainer)
 
+    def _compile_as(self, pl_module: Any, scope: str, on_error: Any) -> Change:
+        how = dict(mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic)
+        how.update(backend=self.backend, blocks=self.blocks, on_error=on_error)
+        return apply_compile(pl_module, regional=scope == "regional", **how)
+
     def _compile(self, trainer: Any, pl_module: Any, scope: str) -> None:
-        self._compiled = self.record(
-            trainer,
-            apply_compile(
-                pl_module,
-                mode=self.mode,
-                fullgraph=self.fullgraph,
-                dynamic=self.dynamic,
-                regional=scope == "regional",
-                backend=self.backend,
-                blocks=self.blocks,
-                on_error=self._fall_back,
-            ),
-        )
+        self._compiled = self.record(trainer, self._compile_as(pl_module, scope, self._fall_back))
         self._compiled_as(pl_module, scope)
 
     def _compiled_as(self, pl_module: Any, scope: str) -> None:
-        self._names = self._compiled.value
-        # torch.nn's own layers: Dynamo skips their frames. (Zero compile events alone are not
-        # proof: a second fit of an identical model reuses Dynamo's process-wide cache.)
+        self._names = self._compiled.value  # torch.nn's own layers: Dynamo skips their frames
         self._torch_nn_only = bool(self._names) and all(
             type(pl_module.get_submodule(n)).__module__.startswith("torch.nn.") for n in self._names
         )
@@ -406,63 +398,28 @@ class TorchCompile(Technique):
     def _choose(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """``scope="auto"``: compile and time each scope on ``batch``, keep the faster by the
         rule (``choose_scope``), the same choice on every rank (rank zero's)."""
-        device = trainer.strategy.root_device
         watch = self._watch
-
-        def compile_as(scope: str, on_error: Callable[[BaseException], None]) -> Change:
-            return apply_compile(
-                pl_module,
-                mode=self.mode,
-                fullgraph=self.fullgraph,
-                dynamic=self.dynamic,
-                regional=scope == "regional",
-                backend=self.backend,
-                blocks=self.blocks,
-                on_error=on_error,
-            )
-
-        timings, calls, errors = trial_scopes(
-            compile_as,
+        choice, calls, errors = choose_by_trial(
+            lambda scope, on_error: self._compile_as(pl_module, scope, on_error),
             pl_module,
             batch,
-            device,
-            trainer.strategy.precision_plugin.forward_context,
+            trainer.strategy,
             lambda: watch.seconds if watch else 0.0,
             strict=self.strict,
         )
-        regional, whole = timings.get("regional", {}), timings.get("whole", {})
-        choice = choose_scope(
-            regional.get("steady_step_s"),
-            whole.get("steady_step_s"),
-            regional_compile_s=regional.get("compile_s"),
-            whole_compile_s=whole.get("compile_s"),
-            fallback="whole" if device.type == "cuda" else "regional",
-            errors=errors,
-        )
-        choice = trainer.strategy.broadcast(choice, src=0)
         self.choice = choice
         if choice.scope in calls:
-            what = self._what(calls[choice.scope])
-            self._compiled = self.record(
-                trainer, _reinstall(pl_module, calls[choice.scope], self._fall_back, what)
-            )
+            what = _describe(list(calls[choice.scope]), self.backend, self.mode)
+            change = _reinstall(pl_module, calls[choice.scope], self._fall_back, what)
+            self._compiled = self.record(trainer, change)
             self._compiled_as(pl_module, choice.scope)
         elif not errors.get(choice.scope):  # measured elsewhere (another rank): compile here
             self._compile(trainer, pl_module, choice.scope)
         if errors:
-            self.warn(
-                "scope auto: "
-                + "; ".join(f"{s} failed ({e})" for s, e in errors.items())
-                + (f"; using {choice.scope}." if choice.scope in calls else "; running eagerly.")
-            )
+            failed = "; ".join(f"{s} failed ({e})" for s, e in errors.items())
+            using = f"using {choice.scope}" if choice.scope in calls else "running eagerly"
+            self.warn(f"scope auto: {failed}; {using}.")
         self.note(choice.describe())
-
-    def _what(self, calls: dict[str, Any]) -> str:
-        name = self.backend if isinstance(self.backend, str) else "custom"
-        how = f"{name}, mode={self.mode}" if self.mode else name
-        if list(calls) == [""]:
-            return f"compiled the whole model ({how})"
-        return f"compiled {len(calls)} blocks in place ({how}); the rest of the model runs eagerly"
 
     def _fall_back(self, err: BaseException) -> None:
         if self.strict:
@@ -527,18 +484,17 @@ class TorchCompile(Technique):
             )
 
     def compile_state(self) -> dict[str, Any]:
-        """What this fit compiled, for the profiler's advice: ``scope`` (``"regional"``,
-        ``"whole"``, or None when nothing runs compiled), ``mode``, and what ``scope="auto"``
-        measured (``regional_step_s``, ``whole_step_s``)."""
+        """For the profiler's advice: ``scope`` compiled (None: nothing runs compiled), ``mode``
+        and the steady steps ``scope="auto"`` measured."""
         scope = None
         if self._names and not self._fell_back and not self._no_graphs():
             scope = "whole" if self._names == [""] else "regional"
-        out: dict[str, Any] = {"scope": scope, "mode": self.mode}
-        if self.choice is not None:
-            out.update(
-                regional_step_s=self.choice.regional_step_s, whole_step_s=self.choice.whole_step_s
-            )
-        return out
+        steps = self.choice.figures() if self.choice is not None else {}
+        return {
+            "mode": self.mode,
+            **{k: v for k, v in steps.items() if k.endswith("step_s")},
+            "scope": scope,
+        }
 
     @property
     def recompiles(self) -> int | None:  # read by the profiler's advice

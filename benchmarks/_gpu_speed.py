@@ -128,16 +128,15 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
             if name == "+ CUDA graphs" and not ctx.cuda:
                 rec.row(variant=name, status="skipped: CUDA graphs need a CUDA device")
                 continue
-            final = spec
             res, last_wall = _timed_row(ctx, rec, pool, name, spec, last_wall, fpt, peak)
+            if res is not None and res.get("ok") and res.get("tokens_per_s"):
+                final = spec  # the overhead pair runs the last stack that trained
             chosen = ((res or {}).get("figures") or {}).get("TorchCompile", {}).get("scope")
             if chosen in ("regional", "whole"):  # later rows compile what auto chose here
                 for _, later in specs:
                     for c in later["callbacks"]:
                         if c.get("class_path") == "TorchCompile":
                             c["init_args"]["scope"] = chosen
-            if name == "+ CUDA graphs" and res is not None and not res.get("ok"):
-                final = specs[-2][1]  # the overhead pair runs the last stack that trained
         if final is not None:
             bare = {**final, "callbacks": [c for c in final["callbacks"] if c is not PROFILER]}
             _timed_row(
@@ -209,7 +208,11 @@ def _finish_speed(rec: Recorder) -> None:
     for r in rows:
         if plain and r.get("tokens_per_s"):
             r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
-    timed = [r for r in rows if r.get("tokens_per_s") and not r["variant"].startswith("last")]
+    timed = [
+        r
+        for r in rows
+        if r.get("tokens_per_s") and r["status"] == "ok" and not r["variant"].startswith("last")
+    ]
     bare = next((r for r in rows if r["variant"].startswith("last") and r.get("step_s")), None)
     if bare and timed and timed[-1].get("step_s"):
         overhead = timed[-1]["step_s"] / bare["step_s"]

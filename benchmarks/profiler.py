@@ -352,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", choices=("overhead",), default=None, help="run only the overhead rounds"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (1: a step does not wait on a descheduled thread of a shared core)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--render", action="store_true", help="only redo the Markdown from the saved JSON"
@@ -369,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         save_results(out, text, saved)
         return 0
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     overhead = start_to_start(rounds, steps)
@@ -389,7 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         verdict = verdicts()
 
     command = "python benchmarks/profiler.py" + " ".join(
-        [""] + (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else [])
+        [""]
+        + (["--quick"] if args.quick else [])
+        + ([f"--only {args.only}"] if args.only else [])
+        + ([f"--rounds {args.rounds}"] if args.rounds else [])
+        + ([f"--threads {args.threads}"] if args.threads != 2 else [])
     )
     env = {
         **environment(("torch", "lightning")),

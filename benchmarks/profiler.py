@@ -136,7 +136,9 @@ def start_to_start(rounds: int, steps: int) -> dict:
             summary = res.get("summary", summary)
         print(
             f"round {r + 1}/{rounds}: "
-            + ", ".join(f"{v} {fits[v][-1] * 1e3:.1f} ms" for v in VARIANTS),
+            + ", ".join(
+                f"{v} {fits[v][-1] * 1e3:.1f} ms (CPU {cpu[v][-1] * 1e3:.1f} ms)" for v in VARIANTS
+            ),
             flush=True,
         )
     ratios = {v: [a / b for a, b in zip(fits[v], fits["plain"])] for v in VARIANTS if v != "plain"}

@@ -377,6 +377,19 @@ def test_gpu_lever_rules_one_by_one() -> None:
     assert "multiple of 64" not in {a.technique for a in advise(padded)}
 
 
+def test_output_head_is_a_language_models_vocabulary_only() -> None:
+    from lightning_efficient.measure.profile_summary import output_head
+
+    lm = TinyGPT(vocab_size=300, n_layer=1, n_embd=32, n_head=2, seq_len=8)
+    assert output_head(lm) == (300, 32)
+    # a classifier over a text encoder: 2 outputs are no vocabulary (token types have 2 rows)
+    classifier = nn.ModuleDict(
+        {"tok": nn.Embedding(1000, 16), "types": nn.Embedding(2, 16), "cls": nn.Linear(16, 2)}
+    )
+    assert output_head(classifier) == (None, None)
+    assert output_head(nn.Linear(4, 4)) == (None, None)
+
+
 def test_the_demo_on_the_cpu_names_a_lever_when_one_applies(tmp_path, capsys) -> None:
     """A TinyGPT whose vocabulary is wide (8192 x 64): the head is most of the step's FLOPs, so
     the chunked loss applies on any device; the table shows the lever, its gain and yaml, and

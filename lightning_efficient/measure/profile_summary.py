@@ -91,15 +91,19 @@ def optimizer_of(trainer: Any) -> tuple[str | None, bool | None]:
 
 def output_head(module: Any) -> tuple[int | None, int | None]:
     """A language model's ``(vocabulary, hidden size)``: the ``Linear`` whose outputs are as
-    many as an ``Embedding``'s rows (the token embedding); ``(None, None)`` otherwise."""
+    many as the largest ``Embedding``'s rows (the token embedding; a classifier's few outputs
+    are not a vocabulary); ``(None, None)`` otherwise."""
     from torch import nn
 
-    rows = {m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)}
-    heads = [m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features in rows]
-    if not heads:
+    rows = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not rows:
         return None, None
-    head = max(heads, key=lambda m: m.out_features)
-    return head.out_features, head.in_features
+    vocab = max(rows)
+    head = next(
+        (m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == vocab),
+        None,
+    )
+    return (vocab, head.in_features) if head is not None else (None, None)
 
 
 def active_techniques(trainer: Any, precision: str) -> frozenset[str]:

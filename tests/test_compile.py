@@ -355,3 +355,39 @@ def test_scope_from_yaml(tmp_path) -> None:
     cli = EfficientCLI(args=["--config", str(cfg)], run=False)
     built = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TorchCompile))
     assert built.scope == "auto" and built.backend == "aot_eager"
+
+
+def test_trial_puts_the_module_back_and_survives_a_failing_scope() -> None:
+    """The auto trial: each scope compiled, warmed and timed (interleaved), every trial compile
+    undone, the weights, gradients and RNG as before; a scope whose backend fails is reported,
+    not chosen."""
+    import contextlib
+
+    from lightning_efficient.techniques._compile_scope import choose_scope, trial_scopes
+
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+
+    def broken(gm, inputs):
+        raise RuntimeError("backend broke")
+
+    def compile_as(scope, on_error):
+        backend = "aot_eager" if scope == "regional" else broken
+        return apply_compile(
+            model, regional=scope == "regional", backend=backend, on_error=on_error
+        )
+
+    timings, calls, errors = trial_scopes(
+        compile_as, model, (ids, ids), torch.device("cpu"), contextlib.nullcontext, lambda: 0.0
+    )
+    assert set(timings) == set(calls) == {"regional"} and "broke" in errors["whole"]
+    assert timings["regional"]["steady_step_s"] > 0
+    assert list(calls["regional"]) == ["blocks.0", "blocks.1"]
+    assert compiled_modules(model) == []  # every trial compile undone
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    choice = choose_scope(None, timings["regional"]["steady_step_s"], errors=errors)
+    assert choice.scope == "whole" and choice.errors == errors  # (figures as given)

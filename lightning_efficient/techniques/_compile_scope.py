@@ -13,25 +13,27 @@ at about 0.3 of its compile time (``benchmarks/compile.py``). So:
   (3%) faster than regional's, else regional (the smaller compile time);
 - ``default_scope``: ``"auto"`` on a CUDA device (measure both there), ``"regional"`` elsewhere
   (measured on the CPU);
-- ``time_scope``: compile time (Dynamo compile events) and steady step time (median after
-  warm-up) of forward + backward of the module's training step on one batch, the module put
-  back exactly afterwards (weights, gradients, RNG: the fit's losses are the plain run's).
+- ``trial_scopes``: compile time (Dynamo compile events) and steady step time of forward +
+  backward of the module's training step on one batch for each scope, the steps of the two
+  scopes interleaved, the module put back exactly afterwards (weights, gradients, RNG: the
+  fit's losses are the plain run's); ``choose_by_trial`` chooses from them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_efficient.core._internals import compiled_call
+from lightning_efficient.core._internals import compiled_call, set_compiled_call
 from lightning_efficient.core.validate import check_choice
 from lightning_efficient.measure.step import loss_of
-from lightning_efficient.measure.timing import time_fn
 
 __all__ = [
     "SCOPES",
@@ -42,7 +44,8 @@ __all__ = [
     "default_scope",
     "describe_error",
     "resolve_scope",
-    "time_scope",
+    "installed",
+    "put_back",
     "trial_scopes",
 ]
 
@@ -153,56 +156,48 @@ def resolve_scope(scope: str | None, regional: bool | None) -> str | None:
     return implied
 
 
-def time_scope(
-    module: nn.Module,
-    batch: Any,
-    device: torch.device,
-    forward_context: Callable[[], Any],
-    compile_seconds: Callable[[], float],
-    *,
-    warmup: int = AUTO_WARMUP,
-    steps: int = AUTO_STEPS,
-) -> dict[str, float]:
-    """Compile time and steady step time of forward + backward of ``module``'s training step on
-    ``batch``, with the module as compiled now. The module is put back exactly: its weights and
-    buffers (a copy on the same device), gradients and the RNG state (dropout draws the same
-    numbers in the fit), train mode.
-
-    ``forward_context``: the trainer's precision context (autocast); ``compile_seconds``: the
-    compile seconds so far (a ``CompileWatch``). Returns ``compile_s`` (compile time during the
-    trial), ``first_step_s`` and ``steady_step_s`` (median of ``steps`` after ``warmup``)."""
+@contextlib.contextmanager
+def put_back(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run trial steps on ``module`` and put it back exactly: weights and buffers (a copy on
+    their device), gradients, the RNG state (dropout draws the same numbers in the fit), and
+    ``self.log`` muted meanwhile."""
     from lightning_efficient.measure.step import silenced_logging
 
     saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
     grads = {n: p.grad for n, p in module.named_parameters()}
     devices = [device.index or 0] if device.type == "cuda" else []
-    before = compile_seconds()
-
-    def step() -> None:
-        with forward_context():
-            loss = loss_of(module.training_step(batch, 0))
-        loss.backward()
-        for p in module.parameters():
-            p.grad = None
-
     try:
         with torch.random.fork_rng(devices=devices), silenced_logging(module):
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            first = time.perf_counter() - t0
-            steady = time_fn(step, warmup=max(0, warmup - 1), repeats=steps, device=device)
+            yield
     finally:
         with torch.no_grad():
             module.load_state_dict(saved)
         for n, p in module.named_parameters():
             p.grad = grads[n]
-    return {
-        "compile_s": compile_seconds() - before,
-        "first_step_s": first,
-        "steady_step_s": steady,
-    }
+
+
+@contextlib.contextmanager
+def installed(module: nn.Module, calls: dict[str, Any]) -> Iterator[None]:
+    """``calls`` (submodule name -> compiled call) in place while inside, then what was there."""
+    targets = [(n, module.get_submodule(n) if n else module) for n in calls]
+    previous = [compiled_call(m) for _, m in targets]
+    for name, m in targets:
+        set_compiled_call(m, calls[name])
+    try:
+        yield
+    finally:
+        for (_, m), call in zip(targets, previous):
+            set_compiled_call(m, call)
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def trial_scopes(
@@ -214,34 +209,73 @@ def trial_scopes(
     compile_seconds: Callable[[], float],
     *,
     strict: bool = False,
+    warmup: int = AUTO_WARMUP,
+    steps: int = AUTO_STEPS,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]], dict[str, str]]:
     """Compile ``module`` each way (``compile_as(scope, on_error)``: an ``apply_compile`` change)
-    and time it (``time_scope``), undoing each compile after its trial. Returns the timings per
-    scope, the compiled calls per scope (name -> the module's compiled call, to put back the
-    chosen one without compiling again) and why a scope failed (with ``strict``, it raises)."""
+    and run ``warmup`` forward + backward steps of its training step on ``batch`` (the first
+    compiles: ``compile_s`` is Dynamo's compile time meanwhile, ``first_step_s`` that step's
+    time), undoing each compile after it; then time ``steps`` rounds, each one step of every
+    scope that compiled, the order alternating (load that comes and goes hits both alike), with
+    the compiled calls put back in turn (no new compile). The module is put back exactly
+    (``put_back``). Returns the timings per scope (``steady_step_s``: the median), the compiled
+    calls per scope (to install the chosen one without compiling again) and why a scope failed
+    (with ``strict``, it raises)."""
     timings: dict[str, dict[str, float]] = {}
     calls: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
-    for scope in ("regional", "whole"):
-        failed: list[BaseException] = []
-        change = compile_as(scope, failed.append)
-        try:
+
+    def step() -> None:
+        with forward_context():
+            loss = loss_of(module.training_step(batch, 0))
+        loss.backward()
+        for p in module.parameters():
+            p.grad = None
+
+    def failed(scope: str, err: BaseException) -> None:
+        errors[scope] = describe_error(err)
+        timings.pop(scope, None)
+        calls.pop(scope, None)
+        if strict:
+            raise err
+
+    with put_back(module, device):
+        for scope in ("regional", "whole"):
+            caught: list[BaseException] = []
+            change = compile_as(scope, caught.append)
             try:
-                timings[scope] = time_scope(module, batch, device, forward_context, compile_seconds)
+                before = compile_seconds()
+                first = _timed(step, device)
+                for _ in range(max(0, warmup - 1)):
+                    step()
+                if not caught:
+                    timings[scope] = {
+                        "compile_s": compile_seconds() - before,
+                        "first_step_s": first,
+                    }
+                    calls[scope] = {
+                        n: compiled_call(module.get_submodule(n) if n else module)
+                        for n in change.value
+                    }
             except Exception as err:  # e.g. out of memory in one scope: the other may fit
-                failed.append(err)
-            if failed:
-                timings.pop(scope, None)
-                errors[scope] = describe_error(failed[0])
-                if strict:
-                    raise failed[0]
-            else:
-                calls[scope] = {
-                    name: compiled_call(module.get_submodule(name) if name else module)
-                    for name in change.value
-                }
-        finally:
-            change.undo()
+                caught.append(err)
+            finally:
+                change.undo()
+            if caught:
+                failed(scope, caught[0])
+        measured: dict[str, list[float]] = {scope: [] for scope in calls}
+        for r in range(steps):
+            for scope in list(measured)[:: 1 if r % 2 == 0 else -1]:
+                if scope not in calls:
+                    continue
+                try:
+                    with installed(module, calls[scope]):
+                        measured[scope].append(_timed(step, device))
+                except Exception as err:
+                    failed(scope, err)
+        for scope, times in measured.items():
+            if scope in timings and times:
+                timings[scope]["steady_step_s"] = statistics.median(times)
     return timings, calls, errors
 
 

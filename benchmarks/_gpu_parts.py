@@ -1,4 +1,5 @@
-"""The measuring half of ``benchmarks/gpu_suite.py``: parts 2-6 and the real training runs.
+"""The measuring half of ``benchmarks/gpu_suite.py``: parts 2-4 and the real training runs
+(parts 5 and 6, the timed ones: ``_gpu_speed.py``).
 
 Imported only by the suite's child processes (it imports torch, Lightning and the package).
 Each part takes a ``Ctx`` (device, profile of shapes, deadline) and a ``Recorder`` that saves
@@ -36,18 +37,15 @@ for _path in (ROOT, ROOT / "benchmarks"):
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from _gpu_search import LargestSearch, Probe  # noqa: E402
 from _results import QUIET_TRAINER  # noqa: E402
 
 import lightning_efficient as le  # noqa: E402
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.functional import apply_compile, largest_fitting_batch  # noqa: E402
+from lightning_efficient.functional import largest_fitting_batch  # noqa: E402
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.track import StorageTracker  # noqa: E402
-from lightning_efficient.techniques.compile import CompileWatch  # noqa: E402
 from lightning_efficient.techniques.precision import resolve_precision  # noqa: E402
 
 SUITE = Path(__file__).resolve().parent / "gpu_suite.py"
@@ -407,7 +405,7 @@ def make_loader(spec: dict[str, Any]) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(spec.get("seed", 0))
-    n = spec["batch"] * (spec["steps"] + 1)
+    n = spec["batch"] * spec.get("accumulate", 1) * (spec["steps"] + 1)
     ids = torch.randint(0, spec["dims"]["vocab"], (n, spec["dims"]["seq"] + 1), generator=g)
     data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
     return DataLoader(data, batch_size=spec["batch"], shuffle=False, drop_last=True)
@@ -419,7 +417,8 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     spec keys: ``model`` (kind), ``dims``, ``batch``, ``steps``, ``precision`` (``"auto"``:
     the package's ``best_precision``), ``callbacks`` and ``strategy`` (technique specs),
     ``device``, ``cap_bytes`` (CUDA: ``set_per_process_memory_fraction``), ``measure_memory``,
-    ``timing`` (``{"warmup", "window_s"}``), ``seed``.
+    ``timing`` (``{"warmup", "window_s"}``), ``seed``, ``accumulate`` (micro-batches per
+    optimizer step, default 1).
     """
     cuda = spec["device"] == "cuda"
     out: dict[str, Any] = {"ok": False, "oom": False, "error": None}
@@ -457,6 +456,7 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         strategy=strategy,
         precision=precision,
         max_steps=spec["steps"],
+        accumulate_grad_batches=spec.get("accumulate", 1),
         callbacks=[*callbacks, clock],
         **QUIET_TRAINER,
         num_sanity_val_steps=0,
@@ -482,7 +482,7 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         out["error"] = f"emulated out of memory: peak {format_bytes(meter.peak)} over the cap"
     out["first_step_s"] = clock.first_step_s
     if clock.seconds and clock.steps:
-        tokens = clock.steps * spec["batch"] * spec["dims"]["seq"]
+        tokens = clock.steps * spec["batch"] * spec.get("accumulate", 1) * spec["dims"]["seq"]
         out.update(
             timed_steps=clock.steps,
             step_s=clock.seconds / clock.steps,
@@ -490,6 +490,17 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
             loss=clock.loss,
         )
     out["report"] = _report_rows(trainer)
+    out["figures"] = _report_figures(trainer)
+    profiler = next((c for c in callbacks if isinstance(getattr(c, "summary", None), dict)), None)
+    if profiler is not None:  # StepProfiler: its verdict (the levers, first things first)
+        s = profiler.summary
+        out["profile"] = {
+            "step_s": s.get("step_s"),
+            "mfu": s.get("mfu"),
+            "advice": [
+                {k: a.get(k) for k in ("lever", "gain", "yaml")} for a in s.get("advice", [])
+            ],
+        }
     out["wall_s"] = time.perf_counter() - t_start
     del trainer, model, callbacks, strategy
     gc.collect()
@@ -503,6 +514,17 @@ def _report_rows(trainer: Any) -> list[str]:
     from lightning_efficient.core.report import report_for
 
     return [f"{e.technique}: {e.change}" for e in report_for(trainer).entries][:8]
+
+
+def _report_figures(trainer: Any) -> dict[str, dict[str, Any]]:
+    """The efficiency report's figures by technique (numbers and short strings only)."""
+    from lightning_efficient.core.report import report_for
+
+    simple = (int, float, str, bool, type(None))
+    return {
+        e.technique: {k: v for k, v in e.figures.items() if isinstance(v, simple)}
+        for e in report_for(trainer).entries
+    }
 
 
 def _run_here(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1258,192 +1280,23 @@ def _ladder(ctx: Ctx, rec: Recorder, pool: RunPool, ladder: list, cap: int, limi
     rec.finish("largest trained at batch 1: " + ", ".join(parts))
 
 
-# -- part 5: speed -------------------------------------------------------------------------------
-SPEED_STACK = [
-    {"class_path": "MatmulPrecision", "init_args": {"level": "high"}},
-    {"class_path": "TorchCompile", "init_args": {}},
-    {"class_path": "OptimizerSwap", "init_args": {"name": "adamw_fused"}},
-    {"class_path": "DataLoaderTuning", "init_args": {}},
-]
+def _timed_part(name: str) -> Any:
+    """Parts 5 and 6 live in ``_gpu_speed.py`` (which imports this module): loaded when run."""
 
+    def run(ctx: Ctx, rec: Recorder) -> None:
+        import _gpu_speed
 
-def part_speed(ctx: Ctx, rec: Recorder) -> None:
-    p = ctx.profile
-    dims = gpt2_dims(ctx)
-    batch, seq = p["speed_batch"], dims["seq"]
-    compile_spec = {
-        "class_path": "TorchCompile",
-        "init_args": {"backend": p["compile_backend"]},
-    }
-    stack = [compile_spec if s["class_path"] == "TorchCompile" else s for s in SPEED_STACK]
-    variants = [
-        ("plain Lightning, fp32", "32-true", []),
-        (
-            "speed stack: precision auto + TF32 + regional compile + fused AdamW + loader tuning",
-            "auto",
-            stack,
-        ),
-    ]
-    rec.note(
-        f"TinyGPT {describe(dims)}, batch {batch} x {seq}, random tokens. Tokens/s "
-        f"over the steps after {p['speed_warmup']} warm-up steps (compile happens there), "
-        f"synchronised wall time, at most {p['speed_window_s']:.0f} s or {p['speed_steps']} steps. "
-        "The speed stack is assembled here from the package's techniques (the planner picks for "
-        "memory only)."
-    )
-    peak = peak_bf16(ctx.device_name) if ctx.cuda else None
-    if ctx.cuda and peak is None:
-        rec.note(f"no bf16 peak known for {ctx.device_name!r}: MFU not computed")
-    model = build_model("tinygpt", dims, "meta")
-    fpt = flops_per_token(
-        unique_params(model), pos_params(model), dims["n_layer"], dims["n_embd"], seq
-    )
-    rec.figure(flops_per_token=fpt, peak_bf16_flops=peak)
-    last_wall = None
-    for name, precision, techniques in variants:
-        need = 1.5 * last_wall if last_wall else 20.0
-        if ctx.left() < need:
-            basis = f"the last variant took {last_wall:.0f} s" if last_wall else "a first guess"
-            rec.row(variant=name, precision=precision, **time_skip(ctx.left(), need, basis))
-            continue
-        spec = {
-            "model": "tinygpt",
-            "dims": dims,
-            "batch": batch,
-            "steps": p["speed_steps"],
-            "precision": precision,
-            "callbacks": techniques,
-            "device": ctx.device,
-            "measure_memory": False,
-            "timing": {"warmup": p["speed_warmup"], "window_s": p["speed_window_s"]},
-        }
-        res = run_real(spec, ctx, isolate=ctx.cuda, timeout=ctx.left() - 2)
-        last_wall = res.get("wall_s")
-        row = {
-            "variant": name,
-            "precision": res.get("precision", precision),
-            "status": _status(res),
-            "tokens_per_s": res.get("tokens_per_s"),
-            "step_s": res.get("step_s"),
-            "timed_steps": res.get("timed_steps"),
-            "first_step_s": res.get("first_step_s"),
-            "loss": res.get("loss"),
-            "report": res.get("report"),
-        }
-        if peak and res.get("tokens_per_s"):
-            row["mfu"] = res["tokens_per_s"] * fpt / peak
-        rec.row(**row)
-    rows = rec.data["rows"]
-    if len(rows) == 2 and all(r.get("tokens_per_s") for r in rows):
-        a, b = rows
-        speedup = b["tokens_per_s"] / a["tokens_per_s"]
-        rec.figure(speedup=speedup)
-        mfu = f", MFU {a['mfu']:.1%} -> {b['mfu']:.1%}" if a.get("mfu") and b.get("mfu") else ""
-        rec.finish(
-            f"tokens/s {a['tokens_per_s']:,.0f} -> {b['tokens_per_s']:,.0f} ({speedup:.2f}x){mfu}"
-        )
-    else:
-        rec.finish("speed not measured for both variants")
+        getattr(_gpu_speed, name)(ctx, rec)
 
-
-# -- part 6: compile -----------------------------------------------------------------------------
-def _compile_variant(
-    variant: str, ctx: Ctx, dims: dict[str, Any], batch: Any, backend: str, bf16: bool
-) -> dict[str, Any]:
-    """One cold compile (or eager) of TinyGPT's training step: compile time, first and steady
-    step time."""
-    import torch._dynamo
-
-    device = torch.device(ctx.device)
-    x, y = batch
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = build_model("tinygpt", dims, ctx.device)
-    names = []
-    if variant != "eager":
-        names = apply_compile(model, regional=variant == "regional", backend=backend).value
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    with CompileWatch() as watch:
-        t0 = time.perf_counter()
-        step()
-        if ctx.cuda:
-            torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        steady = time_fn(step, warmup=2, repeats=ctx.profile["compile_repeats"], device=device)
-    return {
-        "variant": variant,
-        "status": "ok",
-        "modules_compiled": len(names),
-        "compile_s": watch.seconds,
-        "graphs": watch.compiles,
-        "recompiles": watch.recompiles,
-        "first_step_s": first,
-        "steady_step_s": steady,
-    }
-
-
-def part_compile(ctx: Ctx, rec: Recorder) -> None:
-    import torch._inductor.config
-
-    p = ctx.profile
-    dims = gpt2_dims(ctx)
-    batch, seq, backend = p["compile_batch"], dims["seq"], p["compile_backend"]
-    torch._inductor.config.force_disable_caches = True  # every compile is a cold one
-    bf16 = p["compile_precision"] == "bf16-mixed"
-    rec.note(
-        f"TinyGPT {describe(dims)}, batch {batch} x {seq}, "
-        f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW; one training step = forward + "
-        f"cross-entropy + backward + step. Backend {backend}, caches disabled (cold compiles); "
-        f"compile time = Dynamo compile events (CompileWatch); steady step = median of "
-        f"{p['compile_repeats']} (measure.timing.time_fn). One process, variants in this order."
-    )
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, dims["vocab"], (batch, seq + 1), generator=g).to(ctx.device)
-    data = (tokens[:, :-1], tokens[:, 1:])
-    per_variant = None
-    for variant in ("regional", "whole", "eager"):
-        need = per_variant * 1.5 if per_variant and variant != "eager" else 10.0
-        if ctx.left() < need:
-            basis = f"the last variant took {per_variant:.0f} s" if per_variant else "a guess"
-            rec.row(variant=variant, **time_skip(ctx.left(), need, basis))
-            continue
-        t0 = time.perf_counter()
-        rec.row(**_compile_variant(variant, ctx, dims, data, backend, bf16))
-        per_variant = time.perf_counter() - t0
-        gc.collect()
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    by = {r["variant"]: r for r in rec.data["rows"] if r.get("status") == "ok"}
-    if "eager" in by:
-        for r in by.values():
-            r["speed_vs_eager"] = by["eager"]["steady_step_s"] / r["steady_step_s"]
-    if "regional" in by and "whole" in by and by["whole"]["compile_s"] > 0:
-        t = by["regional"]["compile_s"] / by["whole"]["compile_s"]
-        s = by["whole"]["steady_step_s"] / by["regional"]["steady_step_s"]
-        rec.figure(regional_compile_over_whole=t, regional_speed_over_whole=s)
-        rec.finish(
-            f"regional compile takes {t:.2f}x the whole model's compile time and runs at "
-            f"{s:.2f}x its steady speed"
-        )
-    else:
-        rec.finish("regional and whole-model compile not both measured")
+    return run
 
 
 PARTS = {
     "estimate": part_estimate,
     "batch": part_batch,
     "ladder": part_ladder,
-    "speed": part_speed,
-    "compile": part_compile,
+    "speed": _timed_part("part_speed"),
+    "compile": _timed_part("part_compile"),
 }
 
 

@@ -18,16 +18,20 @@ that time something (5, 6) run alone afterwards:
    under ``torch.cuda.set_per_process_memory_fraction``, several side by side).
 4. Largest GPT-2-shaped model at batch 1 x 1024 within the cap: plain vs ZeRO-2 and ZeRO-3
    with CPU offload (``ZeROOffload``), real steps at the estimate's choice.
-5. Speed: tokens/s and MFU of GPT-2 124M, plain fp32 Lightning vs precision auto + TF32 +
-   regional ``TorchCompile`` + fused AdamW + ``DataLoaderTuning``.
-6. Compile: regional vs whole-model compile time and steady step time.
+5. Speed, one lever at a time (issue 29): tokens/s, step time and MFU of TinyGPT at GPT-2
+   124M shape from plain fp32 Lightning through bf16-mixed, TF32, fused AdamW, compile
+   (``TorchCompile(scope="auto")``: both scopes measured, its choice kept), a larger
+   micro-batch (the effective batch kept), the chunked loss and CUDA graphs; each row's
+   ``StepProfiler`` verdict, and the profiler's own cost on the last stack.
+6. Compile: regional vs whole-model compile time and steady step time, and the auto choice.
 
 Writes ``gpu_<device>.md``, ``.json`` and ``.log`` to ``--out`` (default
 ``benchmarks/results``; a dry run writes to a temporary folder unless ``--out`` is given). The
 output format and the caps are described in ``benchmarks/README.md``.
 
 This parent process imports no torch for the parts: it starts them, enforces their caps and
-writes the results. The measuring code is ``benchmarks/_gpu_parts.py``.
+writes the results. The measuring code is ``benchmarks/_gpu_parts.py`` (parts 5 and 6:
+``benchmarks/_gpu_speed.py``).
 """
 
 from __future__ import annotations
@@ -112,11 +116,12 @@ PARTS = [
     Part(
         5,
         "speed",
-        "Speed: tokens/s and MFU",
-        120,
+        "Speed: one lever at a time",
+        150,
         40,
         "timed",
-        "finished within 140 s (doubled cap) with a 12 s window, now 8 s",
+        "2 rows finished within 140 s with a 12 s window; 9 rows with 3 s windows estimated "
+        "at about 130 s (not yet run on a GPU)",
     ),
     Part(6, "compile", "Compile: regional vs whole model", 75, 30, "timed", "finished within 75 s"),
 ]
@@ -152,9 +157,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "ladder_seq": 1024,
         "ladder_vocab": 50257,
         "speed_batch": 8,
+        "speed_accumulate": 2,
         "speed_steps": 300,
-        "speed_warmup": 10,
-        "speed_window_s": 8.0,
+        "speed_warmup": 5,
+        "speed_window_s": 3.0,
         "compile_batch": 8,
         "compile_repeats": 10,
         "compile_backend": "inductor",
@@ -172,9 +178,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "ladder_seq": 64,
         "ladder_vocab": 512,
         "speed_batch": 4,
-        "speed_steps": 12,
-        "speed_warmup": 3,
-        "speed_window_s": 5.0,
+        "speed_accumulate": 2,
+        "speed_steps": 6,
+        "speed_warmup": 2,
+        "speed_window_s": 3.0,
         "compile_batch": 4,
         "compile_repeats": 3,
         "compile_backend": "aot_eager",
@@ -697,35 +704,64 @@ def _render_ladder(p: dict) -> str:
 
 
 def _render_speed(p: dict) -> str:
+    def compiled(r: dict) -> str:
+        c = r.get("compile") or {}
+        if not c.get("scope"):
+            return "-"
+        both = ""
+        if c.get("regional_step_s") and c.get("whole_step_s"):
+            both = (
+                f" (regional {_ms(c['regional_step_s'])} / {_num(c.get('regional_compile_s'), '{:.1f} s')}"
+                f", whole {_ms(c['whole_step_s'])} / {_num(c.get('whole_compile_s'), '{:.1f} s')})"
+            )
+        return f"{c['scope']}{both}"
+
+    def verdict(r: dict) -> str:
+        v = r.get("verdict")
+        if not v:
+            return "none" if "levers" in r else "-"
+        return f"{v.get('lever')}: {v.get('gain')}"
+
     rows = [
         (
             r["variant"],
             r.get("precision", "-"),
+            f"{r['micro_batch']} x {r['accumulate']}" if r.get("micro_batch") else "-",
             _num(r.get("tokens_per_s"), "{:,.0f}"),
             _ms(r.get("step_s")),
             _pct(r.get("mfu")),
+            _num(r.get("vs_plain"), "{:.2f}x"),
+            compiled(r),
             _num(r.get("first_step_s"), "{:.1f} s"),
-            r.get("timed_steps") or "-",
-            _num(r.get("loss"), "{:.3f}"),
+            verdict(r),
             r["status"],
         )
         for r in p["rows"]
     ]
-    return table(
+    text = table(
         [
-            "Variant",
+            "Row",
             "Precision",
+            "Micro-batch x accumulation",
             "Tokens/s",
             "Step",
             "MFU",
+            "vs plain",
+            "Compile (auto: steady step / compile time)",
             "First step",
-            "Timed steps",
-            "Last loss",
+            "StepProfiler's next lever: expected gain",
             "Status",
         ],
         rows,
-        "llrrrrrrl",
+        "lllrrrrlrll",
     )
+    over = (p.get("figures") or {}).get("profiler_overhead")
+    if over:
+        text += (
+            f"\n\nStepProfiler's cost: step time with it over without, on "
+            f"{p['figures'].get('profiler_overhead_row')}: **{over:.3f}x**."
+        )
+    return text
 
 
 def _render_compile(p: dict) -> str:

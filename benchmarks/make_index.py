@@ -216,8 +216,10 @@ def _profiler() -> tuple[str, str]:
     return (
         f"where a step's time goes and the verdict; {len(data['verdicts'])} verdict cases "
         "in the benchmark",
-        f"step time x{data['overhead']['step_ratio']:.2f} with it (median of "
-        f"{data['overhead']['rounds']} rounds, noisy shared CPU)",
+        f"step {data['overhead']['ratio']['StepProfiler()']:.3f}x with it start-to-start, an "
+        f"empty Callback {data['overhead']['ratio']['empty Callback']:.3f}x (median of "
+        f"{data['overhead']['rounds']} interleaved rounds, shared CPU); its own work "
+        f"{data['overhead']['own_work']['per_step_s'] * 1e6:.0f} us per step",
     )
 
 

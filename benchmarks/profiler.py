@@ -1,15 +1,19 @@
-"""StepProfiler benchmark: its overhead, the accuracy of its FLOP count, and its verdicts.
+"""StepProfiler benchmark: its overhead start-to-start, the accuracy of its FLOP count, and its
+verdicts.
 
 In one run:
 
-1. **Overhead.** TinyGPT (the demo's size: 4 layers, width 128, sequence 128, batch 16) fits on
-   the CPU with and without ``StepProfiler()`` (default settings), in interleaved rounds. An
-   independent clock (``perf_counter`` at each ``on_train_batch_start``) gives the steady step
-   time of each run; the ratio with/without is taken per round (the load of other processes moves
-   both runs of a round alike), and the median over rounds is reported. Because that ratio is
-   noisy at the 1% level on a shared machine, the profiler's own per-step work is also timed
-   directly: its phase switches and batch counting, plus the profiler-hook forwarding for as many
-   calls as Lightning makes per step, as a share of the step time.
+1. **Overhead, start-to-start.** TinyGPT (the demo's size: 4 layers, width 128, sequence 128,
+   batch 16) fits on the CPU three ways, in interleaved rounds (the order rotates each round):
+   plain; with an empty ``Callback`` (the floor of any callback: Lightning's hook dispatch); with
+   ``StepProfiler()`` (default settings). A tiny clock callback, first in the list, reads
+   ``time.perf_counter()`` at every ``on_train_batch_start``: the time between consecutive
+   starts is one whole step with every hook of it (the profiler's work at the step's edges
+   included). Per fit the median period after the warm-up steps; per round the ratio to the
+   plain fit of that round (load from other processes moves a round's fits alike); reported:
+   the median over rounds, and every round. The profiler's own work is also timed directly
+   inside a profiled fit: each of its hooks and its profiler-hook forwarding, median per call,
+   summed per step.
 2. **FLOPs.** ``count_flops`` (fake tensors, 3 x forward) against the analytic count: an MLP
    against 6 x parameters x samples; TinyGPT and a GPT-2-shaped ``transformers`` model against
    6 x (matrix-product parameters) x tokens + attention (2 x 2 x seq^2 x width per layer and
@@ -18,8 +22,9 @@ In one run:
    dominates memory (with a memory budget just above its peak), and a balanced run; the advice
    each one gets.
 
-    python benchmarks/profiler.py            # default (about 3 minutes on 2 idle CPU cores)
-    python benchmarks/profiler.py --quick    # a smoke run
+    python benchmarks/profiler.py                    # default (about 5 minutes on 2 CPU cores)
+    python benchmarks/profiler.py --only overhead    # the start-to-start overhead alone
+    python benchmarks/profiler.py --quick            # a smoke run
 
 Prints the tables and saves ``benchmarks/results/profiler.{md,json}``.
 """
@@ -27,6 +32,7 @@ Prints the tables and saves ``benchmarks/results/profiler.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import io
 import json
@@ -40,7 +46,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.profilers import PassThroughProfiler
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -54,33 +59,29 @@ from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
 from lightning_efficient.measure.flops import count_flops  # noqa: E402
 from lightning_efficient.measure.step_phases import FetchWatch  # noqa: E402
-from lightning_efficient.measure.timing import StepTimer  # noqa: E402
-from lightning_efficient.measure.tokens import batch_counts  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = dict(seq_len=128, n_layer=4, n_embd=128, n_head=4, dropout=0.1)
+DEMO_BATCH = 16
+WARMUP = 5  # periods left out at the start of each fit (first steps, the FLOP count)
+VARIANTS = ("plain", "empty Callback", "StepProfiler()")
 
 
 class Clock(Callback):
-    """perf_counter at every train batch start: the step periods, independent of StepProfiler."""
+    """perf_counter at every train batch start: start-to-start step periods, every hook of the
+    step included, independent of StepProfiler."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
+        self.cpu: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
-    def periods(self, warmup: int) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:])][warmup:]
-
-
-class CountingProfiler(PassThroughProfiler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def start(self, action_name: str) -> None:
-        self.calls += 1
+    def periods(self, warmup: int, cpu: bool = False) -> list[float]:
+        t = self.cpu if cpu else self.starts
+        return [b - a for a, b in zip(t, t[1:])][warmup:]
 
 
 def _trainer(steps: int, callbacks: list, **kw) -> pl.Trainer:
@@ -100,63 +101,116 @@ def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
-def fit_demo(steps: int, profiled: bool) -> dict:
+def fit_start_to_start(variant: str, steps: int, batch: int = DEMO_BATCH) -> dict:
+    """One demo fit with ``variant``'s callbacks after the clock; its start-to-start periods."""
     pl.seed_everything(0, verbose=False)
     clock = Clock()
-    callbacks: list = [clock]
-    if profiled:
-        callbacks.append(StepProfiler(print_table=False))
-    trainer = _trainer(steps, callbacks)
-    t0 = time.perf_counter()
+    extra = {"plain": [], "empty Callback": [Callback()]}.get(variant)
+    if extra is None:
+        extra = [StepProfiler(print_table=False)]
+    trainer = _trainer(steps, [clock, *extra])
     with _quiet():
-        trainer.fit(TinyGPT(**DEMO), datamodule=TextDataModule(batch_size=16, seq_len=128))
-    periods = clock.periods(warmup=3)
+        trainer.fit(TinyGPT(**DEMO), datamodule=TextDataModule(batch_size=batch, seq_len=128))
+    periods = clock.periods(warmup=WARMUP)
     out = {
-        "steady_step_s": statistics.median(periods),
-        # the fastest step is the one least disturbed by other processes on a shared machine
-        "fastest_step_s": min(periods),
-        "fit_s": time.perf_counter() - t0,
+        "median_s": statistics.median(periods),
+        "fastest_s": min(periods),
+        "cpu_median_s": statistics.median(clock.periods(warmup=WARMUP, cpu=True)),
     }
-    if profiled:
-        out["summary"] = callbacks[1].summary
+    if isinstance(extra[0] if extra else None, StepProfiler):
+        out["summary"] = extra[0].summary
     return out
 
 
-def hook_cost(step_s: float) -> dict:
-    """Seconds of StepProfiler's own work per step, timed directly."""
-    # profiler calls Lightning makes per training step (callback hooks, loops, fetch)
-    counter = CountingProfiler()
-    trainer = _trainer(6, [], profiler=counter)
-    with _quiet():
-        trainer.fit(TinyGPT(**DEMO), datamodule=TextDataModule(batch_size=16, seq_len=128))
-    calls_per_step = counter.calls / 6
-    n = 2000
-    profiler = StepProfiler()
-    profiler._timer, profiler._measuring = StepTimer("cpu"), True
-    x = torch.zeros(16, 128, dtype=torch.long)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        for phase in ("data", "forward", "optimizer", "backward", "optimizer", "rest"):
-            profiler._switch(phase)
-        batch_counts((x, x))
-    switches = (time.perf_counter() - t0) / n
-    plain, watch = PassThroughProfiler(), FetchWatch(PassThroughProfiler(), lambda: None)
-    timings = {}
-    for name, prof in (("plain", plain), ("watch", watch)):
-        t0 = time.perf_counter()
-        for _ in range(n * 10):
-            prof.start("[Callback]x.on_train_batch_start")
-            prof.stop("[Callback]x.on_train_batch_start")
-        timings[name] = (time.perf_counter() - t0) / (n * 10)
-    forwarding = max(0.0, timings["watch"] - timings["plain"]) * calls_per_step
-    per_step = switches + forwarding
-    return {
-        "profiler_calls_per_step": calls_per_step,
-        "switches_s": switches,
-        "forwarding_s": forwarding,
-        "per_step_s": per_step,
-        "share_of_step": per_step / step_s,
+def start_to_start(rounds: int, steps: int) -> dict:
+    """Interleaved rounds of the three variants (order rotated per round); ratios to plain."""
+    fits: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    summary = None
+    for r in range(rounds):
+        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+        for variant in order:
+            res = fit_start_to_start(variant, steps)
+            fits[variant].append(res["median_s"])
+            cpu[variant].append(res["cpu_median_s"])
+            summary = res.get("summary", summary)
+        print(
+            f"round {r + 1}/{rounds}: "
+            + ", ".join(
+                f"{v} {fits[v][-1] * 1e3:.1f} ms (CPU {cpu[v][-1] * 1e3:.1f} ms)" for v in VARIANTS
+            ),
+            flush=True,
+        )
+    ratios = {v: [a / b for a, b in zip(fits[v], fits["plain"])] for v in VARIANTS if v != "plain"}
+    cpu_ratios = {
+        v: [a / b for a, b in zip(cpu[v], cpu["plain"])] for v in VARIANTS if v != "plain"
     }
+    return {
+        "rounds": rounds,
+        "steps": steps,
+        "warmup": WARMUP,
+        "batch": DEMO_BATCH,
+        "step_s": {v: fits[v] for v in VARIANTS},
+        "plain_step_s": statistics.median(fits["plain"]),
+        "ratios": ratios,
+        "ratio": {v: statistics.median(x) for v, x in ratios.items()},
+        "cpu_step_s": cpu,
+        "cpu_ratios": cpu_ratios,
+        "cpu_ratio": {v: statistics.median(x) for v, x in cpu_ratios.items()},
+        "summary": summary,
+    }
+
+
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "_after_optimizer_step",
+    "on_train_batch_end",
+    "_on_fetch",
+)
+
+
+def own_work(steps: int) -> dict:
+    """The profiler's own work per step, timed inside a profiled fit: each hook's median call
+    (after the first steps: the one-off FLOP count is no per-step cost) times its calls per
+    step, and the profiler-hook forwarding (``FetchWatch.start``/``stop``) likewise."""
+    calls: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(obj, name):
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls[name].append(time.perf_counter() - t0)
+
+        setattr(obj, name, wrapper)
+        return fn
+
+    profiler = StepProfiler(print_table=False)
+    for hook in HOOKS:
+        timed(profiler, hook)
+    saved = {name: getattr(FetchWatch, name) for name in ("start", "stop")}
+    try:
+        for name in saved:
+            timed(FetchWatch, name)
+        pl.seed_everything(0, verbose=False)
+        with _quiet():
+            _trainer(steps, [profiler]).fit(
+                TinyGPT(**DEMO), datamodule=TextDataModule(batch_size=DEMO_BATCH, seq_len=128)
+            )
+    finally:
+        for name, fn in saved.items():
+            setattr(FetchWatch, name, fn)
+    per_hook = {}
+    for name, times in calls.items():
+        steady = times[len(times) * WARMUP // steps :] or times
+        per_hook[name] = statistics.median(steady) * len(times) / steps
+    return {"per_hook_s": per_hook, "per_step_s": sum(per_hook.values())}
 
 
 # -- FLOPs -----------------------------------------------------------------------------------------
@@ -297,96 +351,129 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--steps", type=int, default=None, help="steps per overhead fit")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument(
+        "--only", choices=("overhead",), default=None, help="run only the overhead rounds"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (1: a step does not wait on a descheduled thread of a shared core)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--render", action="store_true", help="only redo the Markdown from the saved JSON"
     )
     args = parser.parse_args(argv)
-    steps = args.steps or (8 if args.quick else 30)
-    rounds = args.rounds or (1 if args.quick else 5)
-    out = Path(args.out or RESULTS / ("profiler_quick" if args.quick else "profiler"))
+    steps = args.steps or (10 if args.quick else 30)
+    rounds = args.rounds or (1 if args.quick else 7)
+    stem = "profiler_quick" if args.quick else "profiler"
+    if args.only:
+        stem += f"_{args.only}"
+    out = Path(args.out or RESULTS / stem)
     if args.render:
         saved = json.loads(out.with_name(out.name + ".json").read_text())
-        text = render(saved["env"], saved["overhead"], saved["flops"], saved["verdicts"])
+        text = render(saved["env"], saved["overhead"], saved.get("flops"), saved.get("verdicts"))
         save_results(out, text, saved)
         return 0
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    ratios, fastest, fit_ratios, plain_steps, summary = [], [], [], [], None
-    for _ in range(rounds):
-        plain = fit_demo(steps, profiled=False)
-        prof = fit_demo(steps, profiled=True)
-        ratios.append(prof["steady_step_s"] / plain["steady_step_s"])
-        fastest.append(prof["fastest_step_s"] / plain["fastest_step_s"])
-        fit_ratios.append(prof["fit_s"] / plain["fit_s"])
-        plain_steps.append(plain["steady_step_s"])
-        summary = prof["summary"]
-    step_s = statistics.median(plain_steps)
-    hooks = hook_cost(step_s)
-    overhead = {
-        "steps": steps,
-        "rounds": rounds,
-        "plain_step_s": step_s,
-        "step_ratio": statistics.median(ratios),
-        "step_ratios": ratios,
-        "fastest_step_ratio": statistics.median(fastest),
-        "fastest_step_ratios": fastest,
-        "fit_ratio": statistics.median(fit_ratios),
-        "hooks": hooks,
-        "demo_profile": {
-            k: summary[k]
-            for k in ("phases", "step_s", "samples_per_s", "tokens_per_s", "flops_per_step", "mfu")
-        }
-        | {"peak_flops": summary["peak_flops"], "peak_source": summary["peak_source"]},
+    overhead = start_to_start(rounds, steps)
+    overhead["own_work"] = own_work(steps)
+    summary = overhead.pop("summary")
+    overhead["demo_profile"] = {
+        k: summary[k]
+        for k in ("phases", "step_s", "samples_per_s", "tokens_per_s", "flops_per_step", "mfu")
+    } | {
+        "peak_flops": summary["peak_flops"],
+        "peak_source": summary["peak_source"],
+        "advice": summary["advice"],
     }
-    flops = flops_rows(args.quick)
-    verdict = verdicts()
+    flops = verdict = None
+    if args.only is None:
+        flops = flops_rows(args.quick)
+        verdict = verdicts()
 
+    command = "python benchmarks/profiler.py" + " ".join(
+        [""]
+        + (["--quick"] if args.quick else [])
+        + ([f"--only {args.only}"] if args.only else [])
+        + ([f"--rounds {args.rounds}"] if args.rounds else [])
+        + ([f"--threads {args.threads}"] if args.threads != 2 else [])
+    )
     env = {
         **environment(("torch", "lightning")),
         "device": "cpu (no GPU)",
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": load,
-        "command": "python benchmarks/profiler.py" + (" --quick" if args.quick else ""),
+        "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"),
+        "command": command,
     }
     text = render(env, overhead, flops, verdict)
     save_results(out, text, {"env": env, "overhead": overhead, "flops": flops, "verdicts": verdict})
     return 0
 
 
-def render(env: dict, overhead: dict, flops: list[dict], verdict: list[dict]) -> str:
+def render(env: dict, overhead: dict, flops: list[dict] | None, verdict: list[dict] | None) -> str:
     """The Markdown tables of one run (``--render`` redoes them from the saved JSON)."""
-    load, rounds, steps = env["load_average_at_start"], overhead["rounds"], overhead["steps"]
-    ratios, fastest = overhead["step_ratios"], overhead["fastest_step_ratios"]
-    step_s, hooks = overhead["plain_step_s"], overhead["hooks"]
+    rounds, steps = overhead["rounds"], overhead["steps"]
+    ratio, ratios, step_s = overhead["ratio"], overhead["ratios"], overhead["step_s"]
+    own = overhead["own_work"]
+    plain_s = overhead["plain_step_s"]
     d = overhead["demo_profile"]
+    cpu_ratio, cpu_ratios = overhead.get("cpu_ratio", {}), overhead.get("cpu_ratios", {})
+    cpu_s = overhead.get("cpu_step_s", {})
+
+    def cpu_cells(v: str) -> str:
+        if not cpu_s:
+            return "- | - |"
+        head = f"{statistics.median(cpu_s[v]) * 1e3:.1f} ms | "
+        if v == "plain":
+            return head + "1.000x (-) |"
+        rs = cpu_ratios[v]
+        return head + f"**{cpu_ratio[v]:.3f}x** ({min(rs):.3f}-{max(rs):.3f}) |"
+
+    rows = [
+        f"| {v} | {statistics.median(step_s[v]) * 1e3:.1f} ms | "
+        + ("1.000x | - |" if v == "plain" else f"**{ratio[v]:.3f}x** | ")
+        + ("" if v == "plain" else f"{min(ratios[v]):.3f}-{max(ratios[v]):.3f} |")
+        + f" {cpu_cells(v)} "
+        + ", ".join(f"{x * 1e3:.1f}" for x in step_s[v])
+        + " |"
+        for v in VARIANTS
+    ]
     lines = [
         "# StepProfiler benchmark",
         "",
         f"`{env['command']}` on cpu (no GPU), {env['cores']} CPU cores, {env['torch_threads']} "
         f"torch threads, torch {env['torch']}, lightning {env['lightning']}, Python "
-        f"{env['python']}; load average {load:.1f} at the start.",
+        f"{env['python']}; load average {env['load_average_at_start']:.1f} at the start, "
+        f"{env.get('load_average_at_end', float('nan')):.1f} at the end (the 2 cores are shared "
+        "with other jobs: the rounds are interleaved and the figures are medians).",
         "",
-        "## Overhead (TinyGPT 4x128, seq 128, batch 16, fp32, CPU)",
+        f"## Overhead, start-to-start (TinyGPT 4x128, seq 128, batch {overhead['batch']}, fp32, "
+        "CPU)",
         "",
-        f"Steady step time with `StepProfiler()` over without, median of {rounds} interleaved "
-        f"rounds of {steps} steps: **{overhead['step_ratio']:.3f}x** (per round: "
-        + ", ".join(f"{r:.3f}" for r in ratios)
-        + "); fastest step with over without (the step least disturbed by other processes): "
-        f"**{overhead['fastest_step_ratio']:.3f}x** (per round: "
-        + ", ".join(f"{r:.3f}" for r in fastest)
-        + f"); whole fit, including the one-off FLOP count and CPU peak measurement: "
-        f"{overhead['fit_ratio']:.3f}x. Plain step (median): {step_s * 1e3:.1f} ms.",
+        f"{rounds} interleaved rounds (order rotated each round) of three fits of {steps} steps; "
+        "per fit the median start-to-start period (`perf_counter` at consecutive "
+        f"`on_train_batch_start`, every hook of the step included) after {overhead['warmup']} "
+        "warm-up periods; ratio to the plain fit of the same round, median over rounds.",
         "",
-        f"The profiler's own work per step, timed directly: {hooks['switches_s'] * 1e6:.1f} us of "
-        f"phase switches and batch counting + {hooks['forwarding_s'] * 1e6:.1f} us of hook "
-        f"forwarding ({hooks['profiler_calls_per_step']:.0f} profiler calls per step) = "
-        f"{hooks['per_step_s'] * 1e6:.1f} us, **{hooks['share_of_step']:.3%} of the step**.",
+        "| Run | Step, wall (median of fits) | vs plain, wall (median of rounds) | range over "
+        "rounds | Step, process CPU time | vs plain, CPU time (range) | per fit, wall (ms) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        *rows,
         "",
-        "The demo model's profile (one profiled run):",
+        "The profiler's own work, timed inside a profiled fit (each hook's median call x its "
+        "calls per step): "
+        + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in own["per_hook_s"].items())
+        + f"; in all **{own['per_step_s'] * 1e6:.0f} us per step = "
+        f"{own['per_step_s'] / plain_s:.2%} of the plain step** ({plain_s * 1e3:.1f} ms).",
+        "",
+        "The demo model's profile (the last profiled fit):",
         "",
         "| data | forward | backward | optimizer | rest | step | samples/s | FLOPs/step | MFU |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -398,32 +485,40 @@ def render(env: dict, overhead: dict, flops: list[dict], verdict: list[dict]) ->
         + f" | {d['step_s'] * 1e3:.1f} ms | {d['samples_per_s']:.1f} | {d['flops_per_step'] / 1e9:.2f} G"
         f" | {d['mfu']:.1%} |",
         "",
-        f"MFU peak: {d['peak_flops'] / 1e9:.1f} GFLOP/s ({d['peak_source']}).",
-        "",
-        "## FLOPs: counted (fake tensors, 3 x forward) vs analytic",
-        "",
-        "| Model | counted | analytic | formula | ratio |",
-        "|---|---:|---:|---|---:|",
-        *[
-            f"| {r['model']} | {r['counted']:.4e} | {r['analytic']:.4e} | {r['formula']} | {r['ratio']:.4f} |"
-            for r in flops
-        ],
-        "",
-        "## Verdicts",
-        "",
-        "| Run | data wait | memory used | advice (in order) |",
-        "|---|---:|---:|---|",
-        *[
-            f"| {v['run']} | {v['data_wait_fraction']:.1%} | "
-            + (f"{v['memory_used']:.0%}" if v["memory_used"] is not None else "n/a")
-            + f" | {', '.join(v['advice']) or 'none'} |"
-            for v in verdict
-        ],
-        "",
-        *[f"- {v['run']}: {v['first_reason']}" for v in verdict if v["first_reason"]],
-        "",
-        "MFU on a GPU: not measured on a GPU.",
+        f"MFU peak: {d['peak_flops'] / 1e9:.1f} GFLOP/s ({d['peak_source']}; warm, the fastest "
+        "of 7 products). Verdict: "
+        + ("; ".join(f"{a['technique']} ({a['reason']})" for a in d["advice"]) or "none")
+        + ".",
     ]
+    if flops:
+        lines += [
+            "",
+            "## FLOPs: counted (fake tensors, 3 x forward) vs analytic",
+            "",
+            "| Model | counted | analytic | formula | ratio |",
+            "|---|---:|---:|---|---:|",
+            *[
+                f"| {r['model']} | {r['counted']:.4e} | {r['analytic']:.4e} | {r['formula']} | {r['ratio']:.4f} |"
+                for r in flops
+            ],
+        ]
+    if verdict:
+        lines += [
+            "",
+            "## Verdicts",
+            "",
+            "| Run | data wait | memory used | advice (in order) |",
+            "|---|---:|---:|---|",
+            *[
+                f"| {v['run']} | {v['data_wait_fraction']:.1%} | "
+                + (f"{v['memory_used']:.0%}" if v["memory_used"] is not None else "n/a")
+                + f" | {', '.join(v['advice']) or 'none'} |"
+                for v in verdict
+            ],
+            "",
+            *[f"- {v['run']}: {v['first_reason']}" for v in verdict if v["first_reason"]],
+        ]
+    lines += ["", "MFU on a GPU: not measured here (`benchmarks/gpu_suite.py` part 5 does)."]
     return "\n".join(lines)
 
 

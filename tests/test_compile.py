@@ -279,3 +279,115 @@ def test_auto_never_compiles_leaf_layers(tmp_path) -> None:
         assert apply_compile(model, backend="aot_eager").value == [""]
         model(torch.randn(2, 8)).sum().backward()
     assert watch.compiles >= 1
+
+
+# -- scope: regional, whole, or chosen by measurement (issue 29) ---------------------------------
+def test_choose_scope_rule_on_given_timings() -> None:
+    from lightning_efficient.techniques._compile_scope import WHOLE_FASTER, choose_scope
+
+    # issue 29's H200 record: regional 39.6 ms (8.2 s compile), whole 27.1 ms (16.6 s)
+    h200 = choose_scope(39.6e-3, 27.1e-3, regional_compile_s=8.2, whole_compile_s=16.6)
+    assert h200.scope == "whole" and "1.46x" in h200.reason
+    line = h200.describe()
+    for text in ("whole", "regional 39.6 ms", "whole 27.1 ms", "regional 8.2 s", "whole 16.6 s"):
+        assert text in line
+    assert h200.figures() == {
+        "scope": "whole",
+        "regional_step_s": 39.6e-3,
+        "whole_step_s": 27.1e-3,
+        "regional_compile_s": 8.2,
+        "whole_compile_s": 16.6,
+    }
+    # within 3%: regional (the smaller compile); just past it: whole
+    assert choose_scope(0.102, 0.100).scope == "regional"
+    assert choose_scope(0.100 * WHOLE_FASTER, 0.100).scope == "regional"
+    assert choose_scope(0.100 * WHOLE_FASTER * 1.001, 0.100).scope == "whole"
+    assert choose_scope(0.095, 0.100).scope == "regional"  # regional faster
+    # a scope that could not be measured is not chosen
+    assert choose_scope(None, 0.1).scope == "whole"
+    assert choose_scope(0.1, None).scope == "regional"
+    assert choose_scope(None, None, fallback="whole").scope == "whole"
+    assert "neither" in choose_scope(None, None).reason
+
+
+def test_scope_argument_default_and_the_older_regional() -> None:
+    from lightning_efficient.techniques._compile_scope import default_scope
+
+    assert default_scope("cuda") == "auto" and default_scope("cpu") == "regional"
+    assert TorchCompile().scope is None  # the device's default, at fit start
+    assert TorchCompile(regional=True).scope == "regional"
+    assert TorchCompile(regional=False).scope == "whole"
+    assert TorchCompile(scope="whole", regional=False).scope == "whole"
+    assert TorchCompile(scope="auto").scope == "auto"
+    with pytest.raises(ValueError, match="scope"):
+        TorchCompile(scope="fastest")
+    with pytest.raises(ValueError, match="scope"):
+        TorchCompile(scope=True)
+    with pytest.raises(ValueError, match="regional"):
+        TorchCompile(scope="whole", regional=True)
+    with pytest.raises(TypeError, match="regional"):
+        TorchCompile(regional="yes")
+
+
+def test_scope_auto_measures_both_reports_them_and_keeps_the_losses(tmp_path, eager_losses) -> None:
+    tc, probe = TorchCompile(backend="aot_eager", scope="auto"), _Probe()
+    trainer, model, rec = fit(tmp_path, [tc, probe], max_steps=4)
+    _close(rec.losses, eager_losses)  # the trial steps change nothing of the fit
+    choice = tc.choice
+    assert choice is not None and choice.scope in ("regional", "whole")
+    assert probe.seen[1] == (["blocks.0", "blocks.1"] if choice.scope == "regional" else [""])
+    assert compiled_modules(model) == []  # restored after fit
+    entry = report_for(trainer)["TorchCompile"]
+    for key in ("regional_step_s", "whole_step_s", "regional_compile_s", "whole_compile_s"):
+        assert entry.figures[key] > 0, key
+    assert entry.figures["scope"] == choice.scope
+    assert any(m.startswith("scope auto chose") for m in tc._said)  # said once, with both
+
+
+def test_scope_from_yaml(tmp_path) -> None:
+    import yaml
+
+    from lightning_efficient.cli import EfficientCLI
+
+    spec = {"class_path": "TorchCompile", "init_args": {"scope": "auto", "backend": "aot_eager"}}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "callbacks": [spec]}}))
+    cli = EfficientCLI(args=["--config", str(cfg)], run=False)
+    built = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TorchCompile))
+    assert built.scope == "auto" and built.backend == "aot_eager"
+
+
+def test_trial_puts_the_module_back_and_survives_a_failing_scope() -> None:
+    """The auto trial: each scope compiled, warmed and timed (interleaved), every trial compile
+    undone, the weights, gradients and RNG as before; a scope whose backend fails is reported,
+    not chosen."""
+    import contextlib
+
+    from lightning_efficient.techniques._compile_scope import choose_scope, trial_scopes
+
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+
+    def broken(gm, inputs):
+        raise RuntimeError("backend broke")
+
+    def compile_as(scope, on_error):
+        backend = "aot_eager" if scope == "regional" else broken
+        return apply_compile(
+            model, regional=scope == "regional", backend=backend, on_error=on_error
+        )
+
+    timings, calls, errors = trial_scopes(
+        compile_as, model, (ids, ids), torch.device("cpu"), contextlib.nullcontext, lambda: 0.0
+    )
+    assert set(timings) == set(calls) == {"regional"} and "broke" in errors["whole"]
+    assert timings["regional"]["steady_step_s"] > 0
+    assert list(calls["regional"]) == ["blocks.0", "blocks.1"]
+    assert compiled_modules(model) == []  # every trial compile undone
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    choice = choose_scope(None, timings["regional"]["steady_step_s"], errors=errors)
+    assert choice.scope == "whole" and choice.errors == errors  # (figures as given)

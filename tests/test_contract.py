@@ -460,6 +460,7 @@ CASES.append(
             ({"dynamic": 1}, "dynamic"),
             ({"recompile_warning": 0}, "recompile_warning"),
             ({"blocks": 3}, "blocks"),
+            ({"scope": "fastest"}, "scope"),
         ],
         fuzz={
             "mode": st.text(max_size=8).filter(lambda s: s not in valid_modes()) | st.integers(),
@@ -467,6 +468,8 @@ CASES.append(
             | st.integers(),
             "recompile_warning": st.integers(max_value=0) | st.floats() | st.text(max_size=3),
             "regional": st.integers() | st.text(max_size=3),
+            "scope": st.text(max_size=8).filter(lambda s: s not in ("auto", "regional", "whole"))
+            | st.integers(),
         },
         id="TorchCompile",
     )

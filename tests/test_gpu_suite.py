@@ -88,9 +88,20 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
     assert "Every real run" in md.read_text()
     ladder = {r["setting"].split(",")[0]: r for r in by["ladder"]["rows"]}
     assert ladder["plain Lightning"]["largest_trained"]
-    speed = by["speed"]["rows"]
-    assert len(speed) == 2 and all(r["tokens_per_s"] > 0 for r in speed)
+    # part 5: the ablation, one lever per row (issue 29); CUDA graphs need CUDA
+    speed = {r["variant"]: r for r in by["speed"]["rows"]}
+    ran = [r for r in by["speed"]["rows"] if r["status"] == "ok"]
+    assert len(ran) == 8 and all(r["tokens_per_s"] > 0 and r["vs_plain"] > 0 for r in ran)
+    assert speed["+ CUDA graphs"]["status"].startswith("skipped: CUDA graphs")
+    compiled = speed["+ compile (scope auto)"]["compile"]
+    assert compiled["scope"] in ("regional", "whole"), compiled
+    assert compiled["regional_step_s"] > 0 and compiled["whole_step_s"] > 0
+    assert "verdict" in speed["plain Lightning, fp32"]  # the profiler's next lever (or None)
+    assert all("levers" in r for r in ran if not r["variant"].startswith("last"))
+    assert by["speed"]["figures"]["profiler_overhead"] > 0
+    assert "StepProfiler's cost" in md.read_text()
     assert {r["variant"] for r in by["compile"]["rows"]} == {"regional", "whole", "eager"}
+    assert by["compile"]["figures"]["auto_choice"] in ("regional", "whole")
     assert "**Dry run**" in md.read_text()
 
 

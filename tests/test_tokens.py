@@ -10,7 +10,12 @@ from helpers import tiny_trainer
 from torch.utils.data import DataLoader
 
 from lightning_efficient.measure.profiler import StepProfiler
-from lightning_efficient.measure.tokens import batch_counts, count_loss_tokens, count_tokens
+from lightning_efficient.measure.tokens import (
+    BatchCounter,
+    batch_counts,
+    count_loss_tokens,
+    count_tokens,
+)
 from lightning_efficient.techniques.early_stopping import EarlyStopper
 
 ROWS, SEQ, PAD_FROM = 4, 32, 20  # every row padded after 20 tokens
@@ -39,6 +44,60 @@ def test_what_a_token_is() -> None:
     # a padded batch whose labels mark the padding is the same count
     assert count_loss_tokens(padded) == count_tokens(padded) == ROWS * PAD_FROM
     assert count_loss_tokens((ids, ids)) == 128
+
+
+def _summed(batches) -> tuple[int, int | None]:
+    samples, tokens = 0, 0
+    for b in batches:
+        s, t = batch_counts(b)
+        samples += s
+        tokens = None if tokens is None or t is None else tokens + t
+    return samples, tokens
+
+
+def test_batch_counter_counts_as_batch_counts_at_o1() -> None:
+    """The profiler's per-step count: the same sums as ``batch_counts``, whatever the batches
+    (the structure changing between batches, nested ones, images), and a mask's ones summed on
+    its device and read once."""
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    images, classes = torch.zeros(8, 3, 4, 4), torch.arange(8)
+    padded = [_padded(i) for i in range(3)]
+    short = {**_padded(5), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    short["input_ids"] = torch.zeros(2, 7, dtype=torch.long)
+    cases = [
+        [(ids, ids)] * 5,
+        padded * 70,  # more than 64 mask sums: folded on the way
+        [(ids, ids), padded[0], (ids, ids, ids), [ids], {"x": ids}, padded[1]],
+        [padded[0], short, padded[1]],  # same keys, other shapes
+        [{"a": {"b": ids}}, (ids, [ids, ids]), (ids, ids)],  # nested: the general rule
+        [(images, classes)] * 3,  # no tokens: None, samples from the first tensor
+        [(ids, ids), (images, classes), (ids, ids)],  # None once a batch had no tokens
+        [(torch.tensor(1.0), ids)],  # a 0-d tensor first
+    ]
+    for batches in cases:
+        counter = BatchCounter()
+        for b in batches:
+            counter.add(b)
+        assert (counter.samples, counter.tokens) == _summed(batches), batches[:2]
+        assert counter.batches == len(batches)
+        assert counter.tokens == counter.tokens  # reading twice reads the same
+
+
+def test_batch_counter_costs_less_than_batch_counts() -> None:
+    import time
+
+    ids = torch.zeros(8, 128, dtype=torch.long)
+    counter, n = BatchCounter(), 2000
+
+    def per_call(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    fast = min(per_call(lambda: counter.add((ids, ids))) for _ in range(3))
+    slow = min(per_call(lambda: batch_counts((ids, ids))) for _ in range(3))
+    assert fast < slow / 2, (fast, slow)
 
 
 class _Padded(pl.LightningModule):

@@ -45,7 +45,11 @@ def report_line(s: dict[str, Any]) -> str:
     if s["mfu"] is not None:
         text += f"; MFU {s['mfu']:.1%}"
     advice = s["advice"]
-    text += f"; advice: {', '.join(a['technique'] for a in advice)}" if advice else "; no advice"
+    text += (
+        f"; advice: {', '.join(a.get('lever') or a['technique'] for a in advice)}"
+        if advice
+        else "; no advice"
+    )
     return text
 
 
@@ -123,12 +127,18 @@ def profile_table(s: dict[str, Any]):  # -> rich.table.Table
         table.add_row("  capacity", format_bytes(mem["capacity_bytes"]), "")
     if s["advice"]:
         for i, a in enumerate(s["advice"], 1):
+            gain = f"\nexpected: {a['gain']}" if a.get("gain") else ""
             table.add_row(
-                f"{i}. {a['technique']}", "", f"{a['reason']}\n[dim]{_escape(a['yaml'])}[/dim]"
+                f"{i}. {a.get('lever') or a['technique']}",
+                "",
+                f"{a['reason']}{gain}\n[dim]{_escape(a['yaml'])}[/dim]",
             )
     else:
         table.add_row(
-            "verdict", "", "no rule fired: no input stall, memory or precision issue found"
+            "verdict",
+            "",
+            "no lever applies: no input stall, memory pressure, slow precision, compile, "
+            "optimizer, batch-size or wide-vocabulary lever found by the rules",
         )
     return table
 

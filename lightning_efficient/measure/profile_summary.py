@@ -21,7 +21,16 @@ from lightning_efficient.measure.flops import (
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.step_phases import StepPhases
 
-__all__ = ["count_step_flops", "plain_peak", "memory_figures", "summarize", "example_batch"]
+__all__ = [
+    "compile_state",
+    "count_step_flops",
+    "example_batch",
+    "memory_figures",
+    "optimizer_of",
+    "output_head",
+    "plain_peak",
+    "summarize",
+]
 
 
 # -- readings of the trainer -------------------------------------------------------------------
@@ -57,6 +66,44 @@ def recompiles_of(trainer: Any) -> int | None:
         if isinstance(getattr(cb, "recompiles", None), int) and not isinstance(cb.recompiles, bool)
     ]
     return sum(counts) if counts else None
+
+
+def compile_state(trainer: Any) -> dict[str, Any]:
+    """What the trainer's compile technique compiled (``compile_state()`` of a callback that has
+    it, e.g. ``TorchCompile``): ``scope`` (``"regional"``, ``"whole"`` or None), ``mode``, and
+    the steady step of each scope where ``scope="auto"`` measured them; ``{}`` without one."""
+    for cb in trainer.callbacks:
+        state = getattr(cb, "compile_state", None)
+        if callable(state):
+            return dict(state())
+    return {}
+
+
+def optimizer_of(trainer: Any) -> tuple[str | None, bool | None]:
+    """The first optimizer's class name and whether its step is fused (``None``: not told)."""
+    optimizers = getattr(trainer, "optimizers", None) or []
+    if not optimizers:
+        return None, None
+    opt = getattr(optimizers[0], "optimizer", optimizers[0])
+    defaults = getattr(opt, "defaults", {}) or {}
+    return type(opt).__name__, bool(defaults.get("fused")) if "fused" in defaults else None
+
+
+def output_head(module: Any) -> tuple[int | None, int | None]:
+    """A language model's ``(vocabulary, hidden size)``: the ``Linear`` whose outputs are as
+    many as the largest ``Embedding``'s rows (the token embedding; a classifier's few outputs
+    are not a vocabulary); ``(None, None)`` otherwise."""
+    from torch import nn
+
+    rows = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not rows:
+        return None, None
+    vocab = max(rows)
+    head = next(
+        (m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == vocab),
+        None,
+    )
+    return (vocab, head.in_features) if head is not None else (None, None)
 
 
 def active_techniques(trainer: Any, precision: str) -> frozenset[str]:
@@ -184,6 +231,18 @@ def summarize(
     micro = phases.batches / steps
     ops = count.ops * 3 * micro if count is not None and count.ops else None
     memory = memory_figures(trainer, device, memory_budget)
+    compiled = compile_state(trainer)
+    optimizer, fused = optimizer_of(trainer)
+    vocab, hidden = output_head(pl_module)
+    tokens_per_step = phases.tokens / steps if phases.tokens else None
+    logits_share = (
+        6 * vocab * hidden * tokens_per_step / flops_per_step
+        if vocab and hidden and tokens_per_step and flops_per_step
+        else None
+    )
+    steps_by_scope = {
+        k: compiled[k] for k in ("regional_step_s", "whole_step_s") if compiled.get(k)
+    }
     findings = Findings(
         data_wait_fraction=per_step["data"] / step_s if step_s > 0 else None,
         precision=precision,
@@ -195,6 +254,19 @@ def summarize(
         by_category=memory["by_category"],
         recompiles=recompiles_of(trainer),
         active=active_techniques(trainer, precision),
+        device_type=device.type,
+        tf32=torch.get_float32_matmul_precision() != "highest" if device.type == "cuda" else None,
+        compile_scope=compiled.get("scope"),
+        compile_mode=compiled.get("mode"),
+        compile_steps=steps_by_scope or None,
+        optimizer=optimizer,
+        fused_optimizer=fused,
+        optimizer_fraction=per_step["optimizer"] / step_s if step_s > 0 else None,
+        micro_batch=round(phases.samples / phases.batches) if phases.batches else None,
+        accumulate=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        logits_flops_fraction=logits_share,
     )
     tokens = phases.tokens
     return {

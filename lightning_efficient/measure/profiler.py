@@ -124,6 +124,7 @@ class StepProfiler(Technique):
         self._count: Any = None  # FlopCount of the first batch
         self._count_samples = 0
         self._hooked: set[int] = set()
+        self._hooked_list: tuple[int, ...] | None = None  # ids of the optimizers last hooked
         self._plain: int | None = None
 
     @property
@@ -267,7 +268,12 @@ class StepProfiler(Technique):
                 self.note(why_not)
 
     def _hook_optimizers(self, trainer: Any) -> None:
-        for opt in trainer.optimizers:
+        optimizers = trainer.optimizers
+        key = tuple(map(id, optimizers))
+        if key == self._hooked_list:  # the same optimizers as last step: nothing new to hook
+            return
+        self._hooked_list = key
+        for opt in optimizers:
             opt = getattr(opt, "optimizer", opt)
             if id(opt) not in self._hooked and hasattr(opt, "register_step_post_hook"):
                 self._hooked.add(id(opt))

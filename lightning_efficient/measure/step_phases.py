@@ -4,7 +4,12 @@ held (batches, samples, tokens).
 
 - ``StepPhases``: the phase machine. ``switch(phase)`` stops the running phase and starts the
   next; ``begin``/``end`` open and close the measured window; ``count(batch)`` adds a batch's
-  samples and tokens (``measure.tokens``); ``phases()`` are the seconds per step of each phase.
+  samples and tokens (``measure.tokens.BatchCounter``); ``phases()`` are the seconds per step of
+  each phase.
+
+Its cost per step is what ``StepProfiler`` costs (it is meant to stay on): a clock read (a CUDA
+event recorded on a GPU) per phase switch and an O(1) batch count; no device synchronisation
+(CUDA events are read when they have completed, ``StepTimer.poll``, and once at the end).
 - ``FetchWatch``: the trainer's profiler, wrapped, to see when the train loader's ``next``
   starts (the ``data`` phase); every call is forwarded to the profiler it wraps.
 """
@@ -19,7 +24,7 @@ from lightning.pytorch.profilers import Profiler
 
 from lightning_efficient.measure.profile_report import phase_summary
 from lightning_efficient.measure.timing import StepTimer
-from lightning_efficient.measure.tokens import batch_counts
+from lightning_efficient.measure.tokens import BatchCounter
 
 __all__ = ["FetchWatch", "StepPhases"]
 
@@ -39,8 +44,7 @@ class StepPhases:
         self.phase: str | None = None
         self.measuring = False
         self.start_step = self.end_step = 0
-        self.batches = self.samples = 0
-        self.tokens: int | None = 0  # None once a batch had no tokens
+        self.counter = BatchCounter()
 
     def switch(self, phase: str | None) -> None:
         """Stop the running phase (if any) and start ``phase`` (``None``: none)."""
@@ -74,13 +78,25 @@ class StepPhases:
 
     def count(self, batch: Any) -> None:
         """Add a measured batch's samples and tokens."""
-        samples, tokens = batch_counts(batch)
-        self.batches += 1
-        self.samples += samples
-        if self.tokens is not None:
-            self.tokens = None if tokens is None else self.tokens + tokens
-        if self.batches % 256 == 0:
-            self.timer.totals()  # read pending CUDA events now and then
+        counter = self.counter
+        counter.add(batch)
+        if counter.batches % 256 == 0:
+            self.timer.poll()  # fold the CUDA events that have completed (no synchronisation)
+
+    @property
+    def batches(self) -> int:
+        """Batches in the measured window."""
+        return self.counter.batches
+
+    @property
+    def samples(self) -> int:
+        """Samples in the measured window."""
+        return self.counter.samples
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens in the measured window; ``None`` once a batch had none."""
+        return self.counter.tokens
 
     @property
     def steps(self) -> int:

@@ -1,4 +1,5 @@
-"""Step timing: CUDA events on a GPU, ``time.perf_counter`` on a CPU; synchronises only when read.
+"""Step timing: CUDA events on a GPU, ``time.perf_counter`` on a CPU; synchronises only when read
+(``totals``; ``poll`` folds the completed events without waiting).
 
 ``StepTimer`` times named regions (``"data"``, ``"forward"``, ...) and accumulates their totals.
 On CUDA it records events and reads them only in ``totals()`` (one synchronisation), so timing a
@@ -87,6 +88,18 @@ class StepTimer:
             yield
         finally:
             self.stop(name)
+
+    def poll(self) -> None:
+        """Fold the CUDA regions whose events have completed into the totals, without waiting
+        (``Event.query``); a long run keeps few events pending, and nothing synchronises."""
+        done = 0
+        for _, _, end in self._pending:
+            if not end.query():
+                break
+            done += 1
+        for region, begin, end in self._pending[:done]:
+            self._totals[region] = self._totals.get(region, 0.0) + begin.elapsed_time(end) / 1000.0
+        del self._pending[:done]
 
     def totals(self) -> dict[str, float]:
         """Seconds per region since the last reset (synchronises CUDA once, if events are pending)."""

@@ -13,6 +13,8 @@
 
 ``StepProfiler`` (tokens/s), ``EarlyStopper(max_tokens=)`` and the FLOP count per sample read
 ``batch_counts``; the OOM split weights micro-batch losses by ``count_loss_tokens``.
+``BatchCounter`` sums the same counts over many batches at O(1) per batch and without a device
+synchronisation (what ``StepProfiler`` does on every step).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from lightning_efficient.core._internals import tree_flatten
 
-__all__ = ["batch_counts", "count_tokens", "count_loss_tokens", "MASK_KEY"]
+__all__ = ["BatchCounter", "batch_counts", "count_tokens", "count_loss_tokens", "MASK_KEY"]
 
 #: The dict key of a batch's attention mask.
 MASK_KEY = "attention_mask"
@@ -61,6 +63,104 @@ def batch_counts(batch: Any) -> tuple[int, int | None]:
         tensors = _tensors(batch)
         return (int(tensors[0].shape[0]) if tensors else 0), None
     return int(tensor.shape[0]), count_tokens(batch)
+
+
+class BatchCounter:
+    """Samples and tokens of many batches, as ``batch_counts`` counts them, at O(1) per batch.
+
+    Where the token tensor sits (an attention mask under ``MASK_KEY``, or the first integer
+    tensor of two or more dimensions) is found on the first batch and reused while the batches
+    keep that structure (same type, keys or length, and tensors of the same dtypes and ranks at
+    the top level); any other batch is counted by ``batch_counts``. An attention mask's ones are summed on the mask's
+    device and read only by ``tokens``: no device synchronisation per batch.
+    """
+
+    def __init__(self) -> None:
+        self.batches = self.samples = 0
+        self._tokens = 0
+        self._mask_ones: list[torch.Tensor] = []  # per-batch sums, folded every 64 batches
+        self._no_tokens = False  # a batch had no tokens: ``tokens`` is None from then on
+        self._shape: Any = None  # the structure the locator was found for
+        self._where: tuple[Any, str] | None = None  # (index or key, "mask"/"ids"/"samples")
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens of every batch counted; ``None`` once a batch had none."""
+        if self._no_tokens:
+            return None
+        if self._mask_ones:
+            self._tokens += int(torch.stack([t.to("cpu") for t in self._mask_ones]).sum())
+            self._mask_ones.clear()
+        return self._tokens
+
+    def add(self, batch: Any) -> None:
+        """Count one batch."""
+        self.batches += 1
+        shape = _structure(batch)
+        if shape is None or shape != self._shape:
+            self._shape, self._where = shape, _locate(batch) if shape is not None else None
+            if shape is None:
+                self._add_slow(batch)
+                return
+        where = self._where
+        if where is None:  # no tensor with a batch dimension at the top level: the general rule
+            self._add_slow(batch)
+            return
+        key, kind = where
+        tensor = batch[key]
+        self.samples += int(tensor.shape[0])
+        if kind == "samples":  # no token ids in this batch
+            self._no_tokens = True
+        elif self._no_tokens:
+            return
+        elif kind == "mask":
+            self._mask_ones.append(tensor.count_nonzero())
+            if len(self._mask_ones) >= 64:
+                self._mask_ones = [torch.stack(self._mask_ones).sum()]
+        else:
+            self._tokens += tensor.numel()
+
+    def _add_slow(self, batch: Any) -> None:
+        samples, tokens = batch_counts(batch)
+        self.samples += samples
+        if tokens is None:
+            self._no_tokens = True
+        elif not self._no_tokens:
+            self._tokens += tokens
+
+
+def _structure(batch: Any) -> Any:
+    """A cheap key of what ``batch_counts``' rule reads of a flat batch (its type, keys or
+    length, and each tensor's dtype and whether it has 0, 1 or 2+ dimensions), or None where the
+    fast path does not apply (nested containers, other types)."""
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+        head: Any = (type(batch), tuple(batch))
+    elif isinstance(batch, (list, tuple)):
+        values, head = batch, type(batch)
+    else:
+        return None
+    try:
+        return head, tuple((v.dtype, min(v.dim(), 2)) for v in values)
+    except AttributeError:  # not a tensor
+        return None
+
+
+def _locate(batch: Any) -> tuple[Any, str] | None:
+    """Where ``batch_counts`` reads a flat batch: ``(key, "mask")`` (an attention mask),
+    ``(key, "ids")`` (token ids) or ``(key, "samples")`` (no token ids: the first tensor with a
+    batch dimension gives the samples); None when no tensor has a dimension."""
+    if isinstance(batch, Mapping):
+        if isinstance(batch.get(MASK_KEY), torch.Tensor) and batch[MASK_KEY].dim() > 0:
+            return MASK_KEY, "mask"
+        items = list(batch.items())
+    else:
+        items = list(enumerate(batch))
+    items = [(key, t) for key, t in items if t.dim() > 0]
+    for key, t in items:
+        if _is_token_ids(t):
+            return key, "ids"
+    return (items[0][0], "samples") if items else None
 
 
 def count_loss_tokens(batch: Any, ignore_index: int = -100, key: str = "labels") -> int:

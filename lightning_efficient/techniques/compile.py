@@ -18,6 +18,9 @@
   one warning, unless ``strict=True``.
 - ``CompileWatch`` counts Dynamo compilations and recompilations and sums their wall time through
   Dynamo's compile callbacks (``on_compile_start``/``on_compile_end``).
+- What is compiled (``scope``): the repeated blocks, the whole model, or (``"auto"``, the default
+  on CUDA) the one that measures faster on the device at fit start, with both figures reported
+  (``techniques._compile_scope``: the rule, a pure function, and the trial steps).
 - ``TorchCompile`` (callback) compiles at fit start, reports compile time, first-step time and
   steady-state step time apart, and warns once when recompilations pass a threshold, naming the
   cause (usually changing shapes) and the fix (pad or bucket lengths); after fit (and when it
@@ -51,6 +54,13 @@ from lightning_efficient.techniques._blocks import (
     find_repeated_blocks,
     select_modules,
 )
+from lightning_efficient.techniques._compile_scope import (
+    ScopeChoice,
+    choose_by_trial,
+    default_scope,
+    describe_error,
+    resolve_scope,
+)
 
 __all__ = [
     "apply_compile",
@@ -82,6 +92,18 @@ def _check_backend(backend: Any) -> Any:
             f"`backend` must be a backend name or a callable backend; got {backend!r} ({type(backend).__name__})."
         )
     return check_choice("backend", backend, valid_backends())
+
+
+def _check_mode(mode: Any, backend: Any) -> str | None:
+    if mode is None:
+        return None
+    mode = check_choice("mode", mode, valid_modes())
+    if backend != "inductor":
+        raise ValueError(
+            f"`mode`={mode!r} applies to the 'inductor' backend only; got backend={backend!r}. "
+            "Use backend='inductor' or mode=None."
+        )
+    return mode
 
 
 class _FallbackCall:
@@ -161,14 +183,16 @@ def apply_compile(
         for name, module in targets:
             set_compiled_call(module, previous[name])
 
+    what = _describe(names, backend, mode)
+    return Change(what, undo, figures={"compiled_modules": len(names)}, value=names)
+
+
+def _describe(names: list[str], backend: Any, mode: str | None) -> str:
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
     how = f"{name}, mode={mode}" if mode else name
-    what = (
-        f"compiled the whole model ({how})"
-        if names == [""]
-        else f"compiled {len(names)} blocks in place ({how}); the rest of the model runs eagerly"
-    )
-    return Change(what, undo, figures={"compiled_modules": len(names)}, value=names)
+    if names == [""]:
+        return f"compiled the whole model ({how})"
+    return f"compiled {len(names)} blocks in place ({how}); the rest of the model runs eagerly"
 
 
 class CompileWatch:
@@ -237,20 +261,6 @@ def recompile_reasons(limit: int = 3) -> list[str]:
     return guard_failure_reasons(limit)
 
 
-def _describe_error(err: BaseException) -> str:
-    """``Type: first line`` of a compile error, followed by its root cause's."""
-
-    def line(e: BaseException) -> str:
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-    out = line(err)
-    cause = getattr(err, "inner_exception", None) or err.__cause__
-    if cause is not None and cause is not err and line(cause) not in out:
-        out += f" {line(cause)}"
-    return out
-
-
 def _cause_and_fix(reasons: list[str]) -> str:
     text = " ".join(reasons).lower()
     if "size" in text or "stride" in text or "shape" in text or not reasons:
@@ -269,6 +279,24 @@ def _cause_and_fix(reasons: list[str]) -> str:
 _TIMED_STEPS = 64  # steps timed one by one; the steady state is their median without compiles
 
 
+def _reinstall(
+    model: nn.Module, calls: dict[str, Any], on_error: Callable[[BaseException], None], what: str
+) -> Change:
+    # ``what``: ``_describe`` of the compile these calls came from
+    """Put back compiled calls taken from an earlier ``apply_compile`` (the same compiled
+    functions, so Dynamo's cache serves them: no second compile), failing over to ``on_error``."""
+    targets = [(name, model.get_submodule(name) if name else model) for name in calls]
+    previous = {name: compiled_call(module) for name, module in targets}
+    for name, module in targets:
+        set_compiled_call(module, _FallbackCall(module, calls[name].compiled, on_error))
+
+    def undo() -> None:
+        for name, module in targets:
+            set_compiled_call(module, previous[name])
+
+    return Change(what, undo, figures={"compiled_modules": len(targets)}, value=list(calls))
+
+
 class TorchCompile(Technique):
     """Compile the model with ``torch.compile`` at fit start, in place and (by default) per block.
 
@@ -282,8 +310,12 @@ class TorchCompile(Technique):
         fullgraph: Fail on graph breaks instead of splitting the graph.
         dynamic: ``True`` compiles shape-generic graphs up front, ``False`` never, ``None`` (the
             default) after the first shape change.
-        regional: Compile each repeated block (transformer layer) instead of the whole model:
-            much shorter compile time for nearly the same speed.
+        scope: ``"regional"`` (each repeated block: one shared graph, short compile),
+            ``"whole"`` (the module's forward) or ``"auto"`` (both compiled and timed on the
+            device at the first batch; the whole model kept when more than 3% faster, both
+            figures reported: ``techniques._compile_scope``). ``None``: ``"auto"`` on CUDA,
+            ``"regional"`` elsewhere.
+        regional: The older form of ``scope`` (``True``: ``"regional"``, ``False``: ``"whole"``).
         backend: A Dynamo backend name (``valid_backends()``) or a backend callable.
         strict: Re-raise compile errors instead of falling back to eager.
         blocks: Which blocks a regional compile compiles: ``"auto"`` (repeated blocks), a class
@@ -298,28 +330,22 @@ class TorchCompile(Technique):
         mode: str | None = None,
         fullgraph: bool = False,
         dynamic: bool | None = None,
-        regional: bool = True,
+        regional: bool | None = None,
         backend: str | Callable[..., Any] = "inductor",
         strict: bool = False,
         blocks: str | list[str] = "auto",
         recompile_warning: int = 4,
+        scope: str | None = None,
     ) -> None:
         super().__init__()
         self.backend = _check_backend(backend)
-        if mode is not None:
-            self.mode = check_choice("mode", mode, valid_modes())
-            if self.backend != "inductor":
-                raise ValueError(
-                    f"`mode`={mode!r} applies to the 'inductor' backend only; got backend={self.backend!r}. "
-                    "Use backend='inductor' or mode=None."
-                )
-        else:
-            self.mode = None
+        self.mode = _check_mode(mode, self.backend)
         self.fullgraph = check_bool("fullgraph", fullgraph)
         if dynamic is not None:
             check_bool("dynamic", dynamic)
         self.dynamic = dynamic
-        self.regional = check_bool("regional", regional)
+        self.regional = None if regional is None else check_bool("regional", regional)
+        self.scope = resolve_scope(scope, self.regional)
         self.strict = check_bool("strict", strict)
         self.blocks = check_policy(blocks, argument="blocks")
         self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)
@@ -333,6 +359,8 @@ class TorchCompile(Technique):
         self._compiles_before = 0
         self._warned_recompiles = False
         self._torch_nn_only = False
+        self._scope: str | None = None  # the scope of this fit ("auto" until chosen)
+        self.choice: ScopeChoice | None = None  # what scope="auto" measured and chose
 
     # -- compile and fall back ---------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -340,37 +368,64 @@ class TorchCompile(Technique):
         self.record(trainer, self._watch.apply())
         self._fell_back = None
         self._warned_recompiles = False
-        self._compiled = self.record(
-            trainer,
-            apply_compile(
-                pl_module,
-                mode=self.mode,
-                fullgraph=self.fullgraph,
-                dynamic=self.dynamic,
-                regional=self.regional,
-                backend=self.backend,
-                blocks=self.blocks,
-                on_error=self._fall_back,
-            ),
-        )
-        self._names = self._compiled.value
-        # torch.nn's own layers: Dynamo skips their frames. (Zero compile events alone are not
-        # proof: a second fit of an identical model reuses Dynamo's process-wide cache.)
-        self._torch_nn_only = bool(self._names) and all(
-            type(pl_module.get_submodule(n)).__module__.startswith("torch.nn.") for n in self._names
-        )
-        if self.regional and self._names == [""]:
-            self.note("no repeated blocks found; compiling the whole model instead.")
+        self._names, self._compiled = [], Change("nothing compiled")
+        self._scope = self.scope or default_scope(trainer.strategy.root_device)
+        self.choice = None
+        if self._scope != "auto":  # else at the first batch, which the trial steps need
+            self._compile(trainer, pl_module, self._scope)
         self._timer = StepTimer(trainer.strategy.root_device)
         self._step = 0
         self._step_compiles = []
         self._report(trainer)
 
+    def _compile_as(self, pl_module: Any, scope: str, on_error: Any) -> Change:
+        how = dict(mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic)
+        how.update(backend=self.backend, blocks=self.blocks, on_error=on_error)
+        return apply_compile(pl_module, regional=scope == "regional", **how)
+
+    def _compile(self, trainer: Any, pl_module: Any, scope: str) -> None:
+        self._compiled = self.record(trainer, self._compile_as(pl_module, scope, self._fall_back))
+        self._compiled_as(pl_module, scope)
+
+    def _compiled_as(self, pl_module: Any, scope: str) -> None:
+        self._names = self._compiled.value  # torch.nn's own layers: Dynamo skips their frames
+        self._torch_nn_only = bool(self._names) and all(
+            type(pl_module.get_submodule(n)).__module__.startswith("torch.nn.") for n in self._names
+        )
+        if scope == "regional" and self._names == [""]:
+            self.note("no repeated blocks found; compiling the whole model instead.")
+
+    def _choose(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        """``scope="auto"``: compile and time each scope on ``batch``, keep the faster by the
+        rule (``choose_scope``), the same choice on every rank (rank zero's)."""
+        watch = self._watch
+        choice, calls, errors = choose_by_trial(
+            lambda scope, on_error: self._compile_as(pl_module, scope, on_error),
+            pl_module,
+            batch,
+            trainer.strategy,
+            lambda: watch.seconds if watch else 0.0,
+            strict=self.strict,
+        )
+        self.choice = choice
+        if choice.scope in calls:
+            what = _describe(list(calls[choice.scope]), self.backend, self.mode)
+            change = _reinstall(pl_module, calls[choice.scope], self._fall_back, what)
+            self._compiled = self.record(trainer, change)
+            self._compiled_as(pl_module, choice.scope)
+        elif not errors.get(choice.scope):  # measured elsewhere (another rank): compile here
+            self._compile(trainer, pl_module, choice.scope)
+        if errors:
+            failed = "; ".join(f"{s} failed ({e})" for s, e in errors.items())
+            using = f"using {choice.scope}" if choice.scope in calls else "running eagerly"
+            self.warn(f"scope auto: {failed}; {using}.")
+        self.note(choice.describe())
+
     def _fall_back(self, err: BaseException) -> None:
         if self.strict:
             raise err
         self._compiled.undo()  # the modules this callback compiled run as before
-        self._fell_back = _describe_error(err)
+        self._fell_back = describe_error(err)
         self.warn(
             f"torch.compile failed ({self._fell_back}); training continues in eager mode. "
             "Pass strict=True to raise instead."
@@ -388,6 +443,8 @@ class TorchCompile(Technique):
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._scope == "auto" and self.choice is None:
+            self._choose(trainer, pl_module, batch)
         if self._timer is not None and self._step < _TIMED_STEPS:
             self._compiles_before = self._watch.events if self._watch else 0
             self._timer.start(f"step{self._step}")
@@ -426,6 +483,19 @@ class TorchCompile(Technique):
                 "such layers, or regional=False."
             )
 
+    def compile_state(self) -> dict[str, Any]:
+        """For the profiler's advice: ``scope`` compiled (None: nothing runs compiled), ``mode``
+        and the steady steps ``scope="auto"`` measured."""
+        scope = None
+        if self._names and not self._fell_back and not self._no_graphs():
+            scope = "whole" if self._names == [""] else "regional"
+        steps = self.choice.figures() if self.choice is not None else {}
+        return {
+            "mode": self.mode,
+            **{k: v for k, v in steps.items() if k.endswith("step_s")},
+            "scope": scope,
+        }
+
     @property
     def recompiles(self) -> int | None:  # read by the profiler's advice
         return self._watch.recompiles if self._watch is not None else None
@@ -456,6 +526,10 @@ class TorchCompile(Technique):
         else:
             change = self._compiled.what + self._graphs()
         figures = {**self._compiled.figures, **self.timings()}
+        if self.choice is not None:
+            figures.update(self.choice.figures())
+        elif self._scope is not None:
+            figures["scope"] = self._scope
         if self._fell_back or self._no_graphs():
             figures["compiled_modules"] = 0
         self.report(trainer, change, **figures)

@@ -18,16 +18,14 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.techniques.auto import fit as on_fit
 from lightning_efficient.techniques.auto.decide import (
     GOALS,
     Decision,
-    decide,
     divisors,
     rung_from_state,
 )
-from lightning_efficient.techniques.batch_size.choice import read_batch_size, worst_case_sampler
+from lightning_efficient.techniques.batch_size.choice import read_batch_size
 
 __all__ = ["AutoEfficient"]
 
@@ -152,7 +150,8 @@ class AutoEfficient(Technique):
             self.report(trainer, self.decision.summary(), **figures)
 
     # -- the decision -----------------------------------------------------------------------------
-    def _budget(self, trainer: Any) -> int:
+    def budget_for(self, trainer: Any) -> int:
+        """``budget`` in bytes; ``None``: the CUDA device's total memory (said once)."""
         if self._budget_bytes is not None:
             return self._budget_bytes
         device = trainer.strategy.root_device
@@ -166,44 +165,21 @@ class AutoEfficient(Technique):
         return total
 
     def _decide(self, trainer: Any, pl_module: Any, effective: int) -> Decision:
-        budget = self._budget(trainer)
-        source = trainer.datamodule if trainer.datamodule is not None else pl_module
-        make_batch, _ = worst_case_sampler(source.train_dataloader(), 10_000)
-        settings = estimate_settings(trainer, exclude=[self])
-        precision = str(trainer.precision)
-        rungs = on_fit.ladder_for(
+        decision = on_fit.decide_for(
+            trainer,
             pl_module,
-            budget,
-            precision=precision,
-            bf16=False,  # the precision plugin is fixed: the ladder keeps the trainer's
-            world_size=trainer.world_size,
-            sharding=settings.get("sharding"),
-        )
-        measure = on_fit.estimate_measure(pl_module, make_batch, budget, effective, settings)
-        device = trainer.strategy.root_device
-        trial = (
-            on_fit.trial_runner(
-                pl_module, make_batch, budget, effective, device, settings["callbacks"]
-            )
-            if self.trial
-            else None
-        )
-        decision = decide(
-            rungs,
-            measure,
-            budget,
+            trainer.datamodule if trainer.datamodule is not None else pl_module,
+            self.budget_for(trainer),
             effective,
             goal=self.goal,
-            world_size=trainer.world_size,
-            unusable=lambda rung: on_fit.fixed_by_trainer(rung, precision),
-            trial=trial,
-            target=getattr(settings.get("device"), "label", device.type),
+            trial=self.trial,
+            exclude=[self],
         )
         for note in decision.notes:
             self.note(note)
-        if precision == "32-true":
+        if str(trainer.precision) == "32-true":
             self.note(
-                "the bf16-mixed stacks of the ladder need the trainer's precision "
+                "the ladder's bf16-mixed stacks need the trainer's precision "
                 "(`trainer.precision: bf16-mixed`, or `lightning-efficient fit --auto`)"
             )
         return decision

@@ -251,7 +251,7 @@ def decide(
     *,
     goal: str = "speed",
     world_size: int = 1,
-    unusable: Callable[[Rung], str] = lambda rung: "",
+    unusable: Callable[[Rung], str] | None = None,
     trial: Trial | None = None,
     target: str = "",
 ) -> Decision:
@@ -283,7 +283,7 @@ def decide(
         found: list[Option] = []
         best = 0
         for rung in rungs:
-            why = unusable(rung) or (
+            why = (unusable(rung) if unusable is not None else "") or (
                 "ran out of memory in real steps" if rung.name in excluded else ""
             )
             if why:

@@ -20,13 +20,20 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.estimate import EstimateError, estimate_memory
-from lightning_efficient.measure.settings import configured_optimizer, strategy_sharding
+from lightning_efficient.measure.settings import (
+    configured_optimizer,
+    estimate_settings,
+    strategy_sharding,
+)
 from lightning_efficient.measure.trial import trial_within
+from lightning_efficient.techniques.auto.decide import Decision, decide
+from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
 from lightning_efficient.techniques.ladder import Rung, default_ladder
 
 __all__ = [
     "add_callbacks",
     "apply_batch",
+    "decide_for",
     "estimate_measure",
     "fixed_by_trainer",
     "ladder_for",
@@ -169,3 +176,55 @@ def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:
 
     names = ", ".join(type(cb).__name__ for cb in added) or "none"
     return Change(f"callbacks added: {names}", undo if added else None, value=added)
+
+
+def decide_for(
+    trainer: Any,
+    module: Any,
+    source: Any,
+    budget_bytes: int,
+    effective: int,
+    *,
+    goal: str,
+    trial: bool,
+    bf16: bool = False,
+    trainer_fixed: bool = True,
+    exclude: Sequence[Any] = (),
+) -> Decision:
+    """The decision for a fit of ``module`` by ``trainer`` (before the fit or in its ``setup``):
+    the worst-case batch from ``source``'s train DataLoader (the datamodule, else the module),
+    the estimate for the trainer's device with the techniques it already has (but ``exclude``),
+    real trial steps on its device when ``trial``. ``trainer_fixed``: the Trainer stays as built
+    (a callback), so rungs that need another precision or a strategy are not usable and the
+    ladder keeps the trainer's precision (``bf16`` is ignored); otherwise (``fit --auto``) every
+    rung is usable, and ``bf16`` adds the bf16-mixed rungs."""
+    make_batch, _ = worst_case_sampler(source.train_dataloader(), 10_000)
+    settings = estimate_settings(trainer, exclude=list(exclude))
+    precision = str(trainer.precision)
+    rungs = ladder_for(
+        module,
+        budget_bytes,
+        precision=precision,
+        bf16=bf16 and not trainer_fixed,
+        world_size=trainer.world_size,
+        sharding=settings.get("sharding"),
+    )
+    measure = estimate_measure(module, make_batch, budget_bytes, effective, settings)
+    device = trainer.strategy.root_device
+    existing = settings["callbacks"]
+    runner = (
+        trial_runner(module, make_batch, budget_bytes, effective, device, existing)
+        if trial
+        else None
+    )
+    return decide(
+        rungs,
+        measure,
+        budget_bytes,
+        effective,
+        goal=goal,
+        world_size=trainer.world_size,
+        unusable=(lambda rung: fixed_by_trainer(rung, precision)) if trainer_fixed else None,
+        trial=runner,
+        target=getattr(settings.get("device"), "label", device.type),
+    )

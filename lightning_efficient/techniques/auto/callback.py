@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_efficient.core.change import Change
+from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     SettingsError,
@@ -82,6 +82,8 @@ class AutoEfficient(Technique):
         self._preset: Decision | None = None  # decided before the Trainer was built (fit --auto)
         self._added: Change | None = None
         self._trainer: weakref.ref | None = None
+        self._module: weakref.ref | None = None
+        self._effective = 0
 
     @property
     def state_key(self) -> str:
@@ -92,15 +94,21 @@ class AutoEfficient(Technique):
         return {"decision": self.decision.state() if self.decision is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("decision")
-        if saved and self.decision is not None and not self.decision.restored:
-            if self.decision.state()["rung"] != saved.get(
-                "rung"
-            ) or self.decision.micro != saved.get("micro_batch"):
+        # restored after every `setup`, before the strategy's setup (optimizers, loaders): the
+        # checkpoint's decision is used, and its stack is put in place now, so that Lightning
+        # restores the state of the stack's callbacks next
+        trainer = self._trainer() if self._trainer is not None else None
+        saved = self._from_state(state_dict.get("decision"), trainer)
+        if saved is None or trainer is None or self._module is None:
+            return
+        if self.decision is not None:  # a strategy that restores after its setup (rare)
+            if (self.decision.rung.name, self.decision.micro) != (saved.rung.name, saved.micro):
                 self.warn(
-                    "the checkpoint's decision differs from the one made at setup (the checkpoint "
-                    "could not be read then); training goes on with the one made at setup."
+                    f"the checkpoint's decision ({saved.describe()}) was restored after the "
+                    f"strategy's setup; training goes on with {self.decision.describe()}."
                 )
+            return
+        self._settle(trainer, self._module(), saved)
 
     # -- hooks ------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -109,20 +117,36 @@ class AutoEfficient(Technique):
             return
         if self._added is not None:  # a previous fit's stack on this trainer
             self._added.undo()
-        self._trainer = weakref.ref(trainer)
+        self.decision, self._added = None, None
+        self._trainer, self._module = weakref.ref(trainer), weakref.ref(pl_module)
         if trainer.train_dataloader is not None:
             self.no_effect("the train DataLoader was built before AutoEfficient.setup; nothing set")
             return
         initial = read_batch_size(trainer, pl_module, self.batch_arg_name, who=self.name)
         world = trainer.world_size
-        effective = self.target_batch or initial * trainer.accumulate_grad_batches * world
-        if effective % world:
+        self._effective = self.target_batch or initial * trainer.accumulate_grad_batches * world
+        if self._effective % world:
             raise SettingsError(
-                f"{self.name}: target_batch={effective} is not a multiple of the {world} ranks."
+                f"{self.name}: target_batch={self._effective} is not a multiple of {world} ranks."
             )
-        decision = self._restored(trainer) or self._preset
+        # decide after a checkpoint's state is restored (a resume keeps its decision) and before
+        # the strategy moves the module and builds the optimizers and the LR schedule
+        strategy = trainer.strategy
+        original = strategy.setup
+
+        def setup_after_deciding(*args: Any, **kwargs: Any) -> Any:
+            if self.decision is None:
+                self._settle(trainer, pl_module, self._preset)
+            return original(*args, **kwargs)
+
+        self.record(trainer, patch_attribute(strategy, "setup", setup_after_deciding))
+
+    def _settle(self, trainer: Any, pl_module: Any, decision: Decision | None) -> None:
+        """Decide (unless ``decision`` is given), then apply: the micro-batch and accumulation,
+        and the stack's callbacks next to this one (their ``setup`` run here: Lightning's has
+        passed)."""
         if decision is None:
-            decision = self._decide(trainer, pl_module, effective // world)
+            decision = self._decide(trainer, pl_module, self._effective // trainer.world_size)
             decision = self._same_on_every_rank(trainer, decision)
         self.decision = decision
         why = on_fit.fixed_by_trainer(decision.rung, str(trainer.precision))
@@ -136,6 +160,8 @@ class AutoEfficient(Technique):
             ),
         )
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
+        for callback in callbacks:
+            callback.setup(trainer, pl_module, "fit")
         self.note(decision.summary())
         if trainer.is_global_zero and not decision.restored:
             holder = "data" if trainer.datamodule is not None else "model"
@@ -184,21 +210,8 @@ class AutoEfficient(Technique):
             )
         return decision
 
-    def _restored(self, trainer: Any) -> Decision | None:
-        """The decision kept in the checkpoint the fit resumes from (read in ``setup``: the
-        callbacks' state is restored only after it)."""
-        path = getattr(trainer, "ckpt_path", None)
-        if not path:
-            return None
-        try:
-            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        except (OSError, RuntimeError, ValueError):
-            return None
-        state = (checkpoint.get("callbacks") or {}).get(self.state_key) or {}
-        return self._from_state(state.get("decision"), trainer)
-
     def _from_state(self, saved: dict[str, Any] | None, trainer: Any) -> Decision | None:
-        if not saved:
+        if not saved or trainer is None:
             return None
         world = trainer.world_size
         micro = int(saved["micro_batch"])

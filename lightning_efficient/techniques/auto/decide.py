@@ -8,11 +8,17 @@ and confirm the best with real trial steps, stepping down a size and then a stac
 out-of-memory.
 
 - ``goal="speed"``: the largest micro-batch wins (fewer, larger steps keep a GPU busy); among
-  stacks that reach the same micro-batch the cheapest (the earliest rung) wins. The search stops
-  at the first rung that reaches the whole effective batch, and a later rung is estimated at
-  more than the best micro-batch so far only (one estimate when it cannot do better).
+  stacks that reach the same micro-batch the cheapest (the earliest rung) wins. The walk stops
+  at the first rung that can reach the whole effective batch.
 - ``goal="memory"``: the cheapest rung that fits at all (the planner's rule), at the largest
   micro-batch it fits: the fewest techniques, with accumulation making up the batch.
+
+How few estimates: each rung is estimated at the two smallest divisors (cheap: a chunked loss
+or a checkpointed model at micro-batch 64 costs many more fake operations than at 1), and a
+line through them (memory is close to linear in the micro-batch) predicts the largest divisor
+that fits. Only the best predictions are estimated at their size, stepping down a size while
+the estimate does not fit and up while the next size fits too; a confirmed micro-batch that no
+other prediction beats ends the search.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ __all__ = [
     "Option",
     "decide",
     "divisors",
-    "largest_fitting",
     "measured_as",
     "rung_from_state",
 ]
@@ -49,50 +54,6 @@ def divisors(n: int, cap: int | None = None) -> list[int]:
     """The exact divisors of ``n`` (ascending), at most ``cap``."""
     found = {d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)}
     return sorted(d for d in found if cap is None or d <= cap)
-
-
-def largest_fitting(
-    sizes: Sequence[int], measure: Callable[[int], tuple[bool, float]], budget: float
-) -> tuple[int, dict[int, tuple[bool, float]]]:
-    """The largest of ``sizes`` (ascending; memory grows with the size) for which
-    ``measure(n)`` says it fits; 0 when none does. Tries the largest, then the smallest, then
-    interpolates linearly in the size (memory is close to linear in the micro-batch) and
-    confirms with the next size up, bisecting where that does not settle it: a few calls.
-    Returns ``(size, {size: (fits, bytes)})``."""
-    seen: dict[int, tuple[bool, float]] = {}
-
-    def fits(i: int) -> bool:
-        n = sizes[i]
-        if n not in seen:
-            seen[n] = measure(n)
-        return seen[n][0]
-
-    if not sizes:
-        return 0, seen
-    if fits(len(sizes) - 1):
-        return sizes[-1], seen
-    if not fits(0):
-        return 0, seen
-    lo, hi, interpolate = 0, len(sizes) - 1, True
-    while hi - lo > 1:
-        guess = (lo + hi) // 2
-        b_lo, b_hi = seen[sizes[lo]][1], seen[sizes[hi]][1]
-        if interpolate and math.isfinite(b_hi) and b_hi > b_lo:
-            slope = (b_hi - b_lo) / (sizes[hi] - sizes[lo])
-            n_star = sizes[lo] + (budget - b_lo) / slope
-            below = [i for i in range(lo + 1, hi) if sizes[i] <= n_star]
-            guess = below[-1] if below else lo + 1
-        if fits(guess):
-            lo = guess
-            if interpolate and hi - lo > 1:  # a linear model lands on it: confirm one size up
-                if fits(lo + 1):
-                    lo += 1
-                else:
-                    hi = lo + 1
-        else:
-            hi = guess
-        interpolate = False
-    return sizes[lo], seen
 
 
 def measured_as(rung: Rung) -> Rung:
@@ -279,9 +240,40 @@ def decide(
             cache[key] = measure(stand_in, n)
         return cache[key]
 
+    def predicted(rung: Rung) -> int:
+        """The whole effective batch if it fits; else the largest divisor that a line through
+        the estimates at the smallest and the largest size (memory is close to linear in the
+        micro-batch) keeps within the budget; 0: the smallest does not fit."""
+        low_n, top = sizes[0], sizes[-1]
+        if goal == "speed" and estimate(rung, top)[0]:  # nothing can do better
+            return top
+        ok, low, _ = estimate(rung, low_n)
+        if not ok or top == low_n:
+            return low_n if ok else 0
+        ok, high, _ = estimate(rung, top)
+        if ok:
+            return top
+        if not math.isfinite(high):  # the estimate could not run there: a line through 2 sizes
+            high, top = estimate(rung, sizes[1])[1], sizes[1]
+        slope = max((high - low) / (top - low_n), 1e-9) if math.isfinite(high) else math.inf
+        return max(n for n in sizes if n == low_n or low + slope * (n - low_n) <= budget_bytes)
+
+    def confirmed(rung: Rung, guess: int) -> Option | None:
+        """The estimate at the predicted size: down a size while it does not fit; up a size
+        while the next one fits too."""
+        i = sizes.index(guess)
+        while i >= 0 and not estimate(rung, sizes[i])[0]:
+            i -= 1
+        if i < 0:
+            return None
+        while i + 1 < len(sizes) and sizes[i] == guess and estimate(rung, sizes[i + 1])[0]:
+            i, guess = i + 1, sizes[i + 1]
+        _, used, est = estimate(rung, sizes[i])
+        return Option(rung, sizes[i], used, est)
+
     def evaluate(excluded: set[str]) -> list[Option]:
-        found: list[Option] = []
-        best = 0
+        order = {id(r): i for i, r in enumerate(rungs)}
+        guesses: list[tuple[Rung, int]] = []
         for rung in rungs:
             why = (unusable(rung) if unusable is not None else "") or (
                 "ran out of memory in real steps" if rung.name in excluded else ""
@@ -289,22 +281,39 @@ def decide(
             if why:
                 tried.append((rung.name, why))
                 continue
-            above = [n for n in sizes if n > best] if goal == "speed" else sizes
-            if goal == "speed" and best:  # a later rung matters only if it does better
-                if not above or not estimate(rung, above[0])[0]:
-                    tried.append((rung.name, f"no larger micro-batch than {best}"))
-                    continue
-            micro, _ = largest_fitting(above, lambda n, r=rung: estimate(r, n)[:2], budget_bytes)
-            if micro == 0:
+            guess = predicted(rung)
+            if guess == 0:
                 tried.append((rung.name, "does not fit at micro-batch 1"))
                 continue
-            _, used, est = estimate(rung, micro)
-            found.append(Option(rung, micro, used, est))
-            tried.append((rung.name, f"fits micro-batch {micro} ({format_bytes(int(used))})"))
-            best = max(best, micro)
-            if goal == "memory" or micro == sizes[-1]:
+            guesses.append((rung, guess))
+            tried.append((rung.name, f"about micro-batch {guess} (line through 2 estimates)"))
+            if goal == "memory" or guess == sizes[-1]:
                 break
-        return found
+        # confirm the best guesses with an estimate at their size, until no guess left can beat
+        # the best confirmed micro-batch
+        pending = sorted(guesses, key=lambda g: -g[1]) if goal == "speed" else guesses
+        found: list[Option] = []
+        while pending:
+            rung, guess = pending.pop(0)
+            option = confirmed(rung, guess)
+            if option is not None:
+                found.append(option)
+                tried.append(
+                    (
+                        rung.name,
+                        f"fits micro-batch {option.micro} ({format_bytes(int(option.bytes))})",
+                    )
+                )
+            if not found or not pending:
+                continue
+            best = min(found, key=lambda o: (-o.micro, order[id(o.rung)]))
+            rival = pending[0]  # the next guess: can it beat (or tie, cheaper) the best found?
+            if goal == "memory" or (-best.micro, order[id(best.rung)]) <= (
+                -rival[1],
+                order[id(rival[0])],
+            ):
+                break
+        return sorted(found, key=lambda o: (-o.micro, order[id(o.rung)]))
 
     notes: list[str] = []
     excluded: set[str] = set()
@@ -318,7 +327,7 @@ def decide(
                 + ": "
                 + "; ".join(f"{name}: {why}" for name, why in tried)
             )
-        ranked = sorted(options, key=lambda o: -o.micro) if goal == "speed" else options
+        ranked = options
         for option in ranked:
             steps_down = [n for n in sizes if n <= option.micro][-2:][::-1]
             for micro in steps_down:

@@ -38,7 +38,7 @@ from lightning_efficient.measure.per_rank import SHARDINGS
 from lightning_efficient.measure.settings import estimate_settings, strategy_sharding
 from lightning_efficient.measure.targets import is_local_gpu, resolve_target
 from lightning_efficient.measure.trial import stack_trial
-from lightning_efficient.techniques.ladder import (  # noqa: F401  (re-exported: the ladder's home)
+from lightning_efficient.techniques._ladder import (  # noqa: F401  (re-exported: the ladder's home)
     ADAMW8BIT,
     ADAMW8BIT_IN_BACKWARD,
     CHECKPOINT_ALL,

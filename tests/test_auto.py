@@ -16,11 +16,11 @@ from helpers import TINY_MODEL, SaveAt, fit, tiny_data
 from lightning_efficient import AutoEfficient, MemoryBreakdown
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.planner import CHECKPOINT_ALL, Part, Rung, checkpoint_fewest
 from lightning_efficient.techniques.auto import decide, divisors
 from lightning_efficient.techniques.auto import fit as auto_fit
 from lightning_efficient.techniques.auto.decide import measured_as
 from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
-from lightning_efficient.techniques.ladder import CHECKPOINT_ALL, Part, Rung, checkpoint_fewest
 
 E = 16  # the effective batch of the family tests: divisors 1, 2, 4, 8, 16
 
@@ -159,7 +159,17 @@ def test_family_within_budget_and_not_wasteful(name: str, tmp_path) -> None:
     assert d.micro >= E // 2, d.tried  # at least what the plain stack reaches
     peak = memory.measurement.peak_bytes
     # the real fit's step (after the optimizer state exists) within the budget, and >= 85% of it
-    assert 0.85 * budget <= peak <= budget, (d.describe(), peak / budget)
+    assert peak <= budget, (d.describe(), peak / budget)
+    if d.micro < E:
+        assert peak >= 0.85 * budget, (d.describe(), peak / budget)
+    else:
+        # the whole effective batch in one step (T5: checkpointing reaches it at ~75% of the
+        # budget): no larger micro-batch exists to use the rest for. Not wasteful then means no
+        # more techniques than needed: every cheaper stack was estimated short of the batch
+        # (and the fit's measured peak is the trial steps', within 2%)
+        cheaper = d.tried[: [n for n, _ in d.tried].index(d.rung.name)]
+        assert cheaper and all(f"micro-batch {E} " not in why for _, why in cheaper), d.tried
+        assert abs(peak - d.trial_bytes) <= 0.02 * peak, (peak, d.trial_bytes)
     assert d.trial_bytes is not None and d.trial_bytes <= budget
     # the same stack configured by hand: the same losses
     torch.testing.assert_close(

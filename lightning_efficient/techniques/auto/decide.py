@@ -1,6 +1,6 @@
 """AutoEfficient's decision, as pure functions: no trainer, no Lightning.
 
-Given the planner's ladder (:func:`~lightning_efficient.techniques.ladder.default_ladder`), a
+Given the planner's ladder (:func:`~lightning_efficient.techniques._ladder.default_ladder`), a
 way to estimate one rung at one micro-batch, and the effective batch of one rank, find for each
 usable rung the largest micro-batch that fits the budget among the exact divisors of that batch
 (so micro-batch x accumulation is the effective batch, exactly), rank the options by the goal,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_efficient.core.validate import format_bytes
-from lightning_efficient.techniques.ladder import CHECKPOINT_ALL, Part, Rung
+from lightning_efficient.techniques._ladder import CHECKPOINT_ALL, Part, Rung
 
 __all__ = [
     "GOALS",

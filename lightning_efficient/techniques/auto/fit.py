@@ -26,9 +26,9 @@ from lightning_efficient.measure.settings import (
     strategy_sharding,
 )
 from lightning_efficient.measure.trial import trial_within
+from lightning_efficient.techniques._ladder import Rung, default_ladder
 from lightning_efficient.techniques.auto.decide import Decision, decide
 from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
-from lightning_efficient.techniques.ladder import Rung, default_ladder
 
 __all__ = [
     "add_callbacks",

@@ -13,12 +13,14 @@ out-of-memory.
 - ``goal="memory"``: the cheapest rung that fits at all (the planner's rule), at the largest
   micro-batch it fits: the fewest techniques, with accumulation making up the batch.
 
-How few estimates: each rung is estimated at the two smallest divisors (cheap: a chunked loss
-or a checkpointed model at micro-batch 64 costs many more fake operations than at 1), and a
-line through them (memory is close to linear in the micro-batch) predicts the largest divisor
-that fits. Only the best predictions are estimated at their size, stepping down a size while
-the estimate does not fit and up while the next size fits too; a confirmed micro-batch that no
-other prediction beats ends the search.
+How few estimates (an estimate at a large micro-batch costs more: a chunked loss or
+checkpointed blocks run more fake operations). ``goal="speed"`` with an effective batch of at
+most ``PROBE``: each stack at the whole batch, cheapest first; the first that fits is the
+answer. Otherwise each stack is estimated at the smallest divisor and at the largest up to
+``PROBE``, and a line through the two (memory is close to linear in the micro-batch) predicts
+the largest divisor that fits. Only the best predictions are estimated at their size, a size
+down while the estimate does not fit and a size up while the next one fits too; a confirmed
+micro-batch that no other prediction beats (or ties, cheaper) ends the search.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 GOALS = ("speed", "memory")
+#: The largest size estimated for a rung's line (larger ones only to confirm a prediction).
+PROBE = 64
 
 #: measure(rung, micro) -> (fits, bytes, estimate): the estimate of one rung at one micro-batch
 Measure = Callable[[Rung, int], tuple[bool, float, Any]]
@@ -240,23 +244,29 @@ def decide(
             cache[key] = measure(stand_in, n)
         return cache[key]
 
+    # the second point of each rung's line: the largest divisor up to PROBE (an estimate at a
+    # much larger size costs more: a chunked loss or checkpointed blocks run more fake operations)
+    probe = max(n for n in sizes if n <= max(PROBE, sizes[min(1, len(sizes) - 1)]))
+
     def predicted(rung: Rung) -> int:
-        """The whole effective batch if it fits; else the largest divisor that a line through
-        the estimates at the smallest and the largest size (memory is close to linear in the
-        micro-batch) keeps within the budget; 0: the smallest does not fit."""
-        low_n, top = sizes[0], sizes[-1]
-        if goal == "speed" and estimate(rung, top)[0]:  # nothing can do better
-            return top
-        ok, low, _ = estimate(rung, low_n)
-        if not ok or top == low_n:
-            return low_n if ok else 0
-        ok, high, _ = estimate(rung, top)
-        if ok:
-            return top
+        """The largest divisor that a line through the estimates at the smallest size and at
+        ``probe`` (memory is close to linear in the micro-batch) keeps within the budget; 0:
+        the smallest does not fit."""
+        ok, low, _ = estimate(rung, sizes[0])
+        if not ok or probe == sizes[0]:
+            return sizes[0] if ok else 0
+        high_n = probe
+        ok, high, _ = estimate(rung, high_n)
+        if ok and high_n == sizes[-1]:
+            return high_n
         if not math.isfinite(high):  # the estimate could not run there: a line through 2 sizes
-            high, top = estimate(rung, sizes[1])[1], sizes[1]
-        slope = max((high - low) / (top - low_n), 1e-9) if math.isfinite(high) else math.inf
-        return max(n for n in sizes if n == low_n or low + slope * (n - low_n) <= budget_bytes)
+            high_n = sizes[1]
+            high = estimate(rung, high_n)[1]
+        slope = (high - low) / (high_n - sizes[0]) if math.isfinite(high) else math.inf
+        slope = max(slope, 1e-9)
+        return max(
+            n for n in sizes if n == sizes[0] or low + slope * (n - sizes[0]) <= budget_bytes
+        )
 
     def confirmed(rung: Rung, guess: int) -> Option | None:
         """The estimate at the predicted size: down a size while it does not fit; up a size
@@ -273,14 +283,27 @@ def decide(
 
     def evaluate(excluded: set[str]) -> list[Option]:
         order = {id(r): i for i, r in enumerate(rungs)}
-        guesses: list[tuple[Rung, int]] = []
+        usable = []
         for rung in rungs:
             why = (unusable(rung) if unusable is not None else "") or (
                 "ran out of memory in real steps" if rung.name in excluded else ""
             )
             if why:
                 tried.append((rung.name, why))
-                continue
+            else:
+                usable.append(rung)
+        if goal == "speed" and probe == sizes[-1]:
+            # the cheapest stack that holds the whole effective batch, if one does: nothing does
+            # better (one estimate per stack, at that size)
+            for rung in usable:
+                ok, used, est = estimate(rung, sizes[-1])
+                fit = "fits" if ok else "does not fit"
+                size = format_bytes(int(used)) if math.isfinite(used) else "not estimated"
+                tried.append((rung.name, f"{fit} micro-batch {sizes[-1]} ({size})"))
+                if ok:
+                    return [Option(rung, sizes[-1], used, est)]
+        guesses: list[tuple[Rung, int]] = []
+        for rung in usable:
             guess = predicted(rung)
             if guess == 0:
                 tried.append((rung.name, "does not fit at micro-batch 1"))

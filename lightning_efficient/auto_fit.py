@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cli(args: Sequence[str]) -> Any:
+def _cli(cli_class: Any, args: Sequence[str]) -> Any:
     import warnings
-
-    from lightning_efficient.cli import EfficientCLI
 
     with warnings.catch_warnings():  # the command line is the one given, less `fit --auto ...`
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        return EfficientCLI(args=list(args), run=False)
+        return cli_class(args=list(args), run=False)
 
 
 def _plan_config(decision: Any, folder: Path) -> Path:
@@ -56,10 +54,8 @@ def _plan_config(decision: Any, folder: Path) -> Path:
     return path
 
 
-def _batch_size(model: Any, datamodule: Any, name: str) -> int:
+def _batch_size(model: Any, datamodule: Any, name: str, fail: Callable[[str], Any]) -> int:
     """The batch size where Lightning's BatchSizeFinder looks for it (before the fit)."""
-    from lightning_efficient.cli import _fail
-
     for holder in (
         model,
         getattr(model, "hparams", None),
@@ -71,16 +67,16 @@ def _batch_size(model: Any, datamodule: Any, name: str) -> int:
             value = holder.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
-    _fail(
+    fail(
         f"fit --auto: no `{name}` on the model, the datamodule or their hparams; the micro-batch "
         "is set there (add a `batch_size` attribute that `train_dataloader()` uses)"
     )
-    raise AssertionError  # _fail exits
+    raise AssertionError  # fail exits
 
 
-def auto_fit_command(argv: Sequence[str]) -> int:
-    """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``)."""
-    from lightning_efficient.cli import _fail
+def auto_fit_command(argv: Sequence[str], cli_class: Any, fail: Callable[[str], Any]) -> int:
+    """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``;
+    ``cli_class``: the package's LightningCLI; ``fail(message)`` ends with a short error)."""
     from lightning_efficient.core.validate import parse_bytes
     from lightning_efficient.techniques.auto import AutoEfficient
     from lightning_efficient.techniques.auto.fit import decide_for
@@ -95,18 +91,18 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             trial=not args.no_trial,
         )
     except (TypeError, ValueError) as err:
-        _fail(str(err).replace("`budget`", "--budget").replace("`goal`", "--goal"))
-    first = _cli(rest)
+        fail(str(err).replace("`budget`", "--budget").replace("`goal`", "--goal"))
+    first = _cli(cli_class, rest)
     trainer, model = first.trainer, first.model
     source = first.datamodule if first.datamodule is not None else model
     if first.datamodule is not None:  # as the fit does before the loaders are built
         first.datamodule.prepare_data()
         first.datamodule.setup("fit")
-    micro = _batch_size(model, first.datamodule, auto.batch_arg_name)
+    micro = _batch_size(model, first.datamodule, auto.batch_arg_name, fail)
     world = trainer.world_size
     effective = args.target_batch or micro * trainer.accumulate_grad_batches * world
     if effective % world:
-        _fail(f"fit --auto: the effective batch {effective} is not a multiple of {world} ranks")
+        fail(f"fit --auto: the effective batch {effective} is not a multiple of {world} ranks")
     budget = (
         auto.budget_for(trainer) if args.budget is None else parse_bytes("--budget", args.budget)
     )
@@ -124,13 +120,13 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             trainer_fixed=False,
         )
     except ValueError as err:
-        _fail(f"fit --auto: {err}")
+        fail(f"fit --auto: {err}")
     print(f"AutoEfficient (fit --auto): {decision.summary()}")
     for note in decision.notes:
         print(f"AutoEfficient: {note}")
     with tempfile.TemporaryDirectory() as folder:
         plan = _plan_config(decision, Path(folder))
-        final = _cli([*rest, "--config", str(plan)])
+        final = _cli(cli_class, [*rest, "--config", str(plan)])
     final.trainer.callbacks.append(auto.preset(decision))
     final.trainer.fit(final.model, datamodule=final.datamodule, ckpt_path=args.ckpt_path)
     return 0

@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if wants_auto(args):  # the Trainer is built from AutoEfficient's plan
         try:
-            return auto_fit_command(args[1:])
+            return auto_fit_command(args[1:], EfficientCLI, _fail)
         except SettingsError as err:
             _fail(str(err))
     if args and args[0] in ("-h", "--help"):

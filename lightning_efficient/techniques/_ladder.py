@@ -30,6 +30,36 @@ __all__ = [
 ]
 
 
+def technique_class(name: str) -> type:
+    """The class of a ladder technique by its short name (imported on use: the techniques'
+    modules, not the package, which imports this one)."""
+    if name == "ActivationCheckpointing":
+        from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
+        return ActivationCheckpointing
+    if name == "ChunkedCrossEntropy":
+        from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
+
+        return ChunkedCrossEntropy
+    if name == "OptimizerSwap":
+        from lightning_efficient.techniques.optimizers import OptimizerSwap
+
+        return OptimizerSwap
+    if name == "ZeROOffload":
+        from lightning_efficient.techniques.zero_offload import ZeROOffload
+
+        return ZeROOffload
+    if name == "FullyShardedStrategy":
+        from lightning_efficient.techniques.fsdp import FullyShardedStrategy
+
+        return FullyShardedStrategy
+    raise ValueError(
+        f"`class_path` {name!r} is not a technique of the ladder; expected one of "
+        "ActivationCheckpointing, ChunkedCrossEntropy, OptimizerSwap, ZeROOffload, "
+        "FullyShardedStrategy."
+    )
+
+
 @dataclass(frozen=True)
 class Part:
     """One technique of a rung, as data: the name of a class of the package and its constructor
@@ -40,9 +70,7 @@ class Part:
     init_args: dict[str, Any] = field(default_factory=dict)
 
     def build(self) -> Any:
-        from lightning_efficient import techniques
-
-        return getattr(techniques, self.class_path)(**self.init_args)
+        return technique_class(self.class_path)(**self.init_args)
 
     def spec(self) -> dict[str, Any]:
         args = {"init_args": dict(self.init_args)} if self.init_args else {}

@@ -33,7 +33,8 @@ __all__ = ["AutoEfficient"]
 class AutoEfficient(Technique):
     """Plan, apply and verify a stack of techniques when fit starts: one switch.
 
-    In ``setup`` (before the optimizer and the train DataLoader exist) it walks the planner's
+    After every ``setup`` hook and a checkpoint's restore, and before the strategy's setup (the
+    device move, the optimizers and LR schedule) and the train DataLoader, it walks the planner's
     ladder (the chunked loss included where the logits are wide), finds with the instrument's
     estimate for the trainer's device the largest micro-batch each stack fits within ``budget``
     among the exact divisors of the effective batch, picks by ``goal``, confirms the pick with two

@@ -232,7 +232,6 @@ def test_resume_makes_the_same_choice(tmp_path, monkeypatch) -> None:
     budget = int(_plain_estimate("decoder", E // 2) * 1.01)
     first = AutoEfficient(budget=budget)
     ckpt = tmp_path / "k.ckpt"
-    _decoder_fit(tmp_path / "a", first, max_steps=2, callbacks=None) if False else None
     model, data = family("decoder", batch_size=E)
     fit(tmp_path / "a", [first, SaveAt(1, ckpt)], model=model, data=data, max_steps=2,
         limit_val_batches=0)  # fmt: skip
@@ -335,3 +334,10 @@ def test_data_unchanged_for_a_plain_fit(tmp_path) -> None:
     trainer, _, _ = fit(tmp_path, [auto], data=tiny_data(batch_size=4), max_steps=1)
     assert (auto.decision.rung.name, auto.decision.micro) == ("as configured", 4)
     assert auto.decision.estimates == 1 and trainer.accumulate_grad_batches == 1
+
+
+def test_refused_next_to_another_sizer(tmp_path) -> None:
+    from lightning_efficient import EfficientBatchSize
+
+    with pytest.raises(ValueError, match="Keep one of them"):
+        fit(tmp_path, [AutoEfficient(budget="1GiB"), EfficientBatchSize(target_batch_size=8)])

@@ -33,7 +33,11 @@ from _results import environment, provenance, save_results, table  # noqa: E402
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.measure.targets import resolve_target  # noqa: E402
 from lightning_efficient.techniques.auto.decide import decide  # noqa: E402
-from lightning_efficient.techniques.auto.fit import estimate_measure, ladder_for  # noqa: E402
+from lightning_efficient.techniques.auto.fit import (  # noqa: E402
+    estimate_measure,
+    ladder_for,
+    own_accumulation,
+)
 
 
 def gpt2() -> torch.nn.Module:
@@ -63,7 +67,15 @@ def decision_row(model, seq: int, budget: str, effective: int, goal: str, target
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d = decide(rungs, measure, budget_bytes, effective, goal=goal, target=target.label)
+        d = decide(
+            rungs,
+            measure,
+            budget_bytes,
+            effective,
+            goal=goal,
+            unusable=own_accumulation,  # as fit --auto
+            target=target.label,
+        )
     seconds = time.perf_counter() - start
     return {
         "budget": budget,

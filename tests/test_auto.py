@@ -283,13 +283,15 @@ def test_trial_oom_steps_one_size_down(tmp_path) -> None:
     assert model.injected >= 1 and trainer.global_step == 2
 
 
-def test_strategy_rungs_need_yaml(tmp_path) -> None:
-    # a budget under what any stack needs: the error lists what was tried, the ZeRO rungs as
-    # "needs yaml" with the line that would apply them
-    with pytest.raises(
-        ValueError, match=r"needs yaml \(trainer.strategy: \{class_path: ZeROOffload"
-    ):
+def test_strategy_rungs_are_said_why_not(tmp_path) -> None:
+    # a budget under what any stack needs: the error lists each stack and why; the ZeRO rungs
+    # cannot be taken (DeepSpeed sets the accumulation itself), a precision or a strategy a built
+    # Trainer cannot take is "needs yaml" with the line
+    with pytest.raises(ValueError, match="ZeROOffload sets the accumulation itself"):
         _decoder_fit(tmp_path, AutoEfficient(budget=1000), max_steps=1)
+    rung = Rung("bf16", "bf16-mixed", (), Part("FullyShardedStrategy"))
+    why = auto_fit.fixed_by_trainer(rung, "32-true")
+    assert why.startswith("needs yaml (trainer.precision: bf16-mixed; trainer.strategy:")
 
 
 def test_undone_when_fit_raises(tmp_path) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "estimate_measure",
     "fixed_by_trainer",
     "ladder_for",
+    "own_accumulation",
     "trial_runner",
 ]
 
@@ -132,6 +133,9 @@ def fixed_by_trainer(rung: Rung, precision: str) -> str:
     """Why a callback cannot apply ``rung`` to a trainer built with ``precision`` ("" when it
     can): the precision plugin and the strategy are fixed when the Trainer is built. The reason
     carries the yaml that would apply it (or ``lightning-efficient fit --auto``)."""
+    own = own_accumulation(rung)
+    if own:
+        return own
     lines = []
     if rung.precision != precision:
         lines.append(f"trainer.precision: {rung.precision}")
@@ -140,6 +144,19 @@ def fixed_by_trainer(rung: Rung, precision: str) -> str:
     if not lines:
         return ""
     return "needs yaml (" + "; ".join(lines) + "), or `lightning-efficient fit --auto`"
+
+
+def own_accumulation(rung: Rung) -> str:
+    """Why ``rung`` cannot be AutoEfficient's even in a Trainer built from the plan ("" when it
+    can): its strategy sets the accumulation itself (DeepSpeed's ZeRO), so the micro-batch and
+    accumulation that keep the effective batch cannot be set."""
+    _, strategy = rung.build()
+    if strategy is None or not getattr(strategy, "handles_gradient_accumulation", False):
+        return ""
+    return (
+        f"{type(strategy).__name__} sets the accumulation itself, so the effective batch cannot "
+        "be kept: `lightning-efficient plan` writes its yaml"
+    )
 
 
 def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: int) -> Change:
@@ -224,7 +241,9 @@ def decide_for(
         effective,
         goal=goal,
         world_size=trainer.world_size,
-        unusable=(lambda rung: fixed_by_trainer(rung, precision)) if trainer_fixed else None,
+        unusable=(lambda rung: fixed_by_trainer(rung, precision))
+        if trainer_fixed
+        else own_accumulation,
         trial=runner,
         target=getattr(settings.get("device"), "label", device.type),
     )

@@ -1062,7 +1062,15 @@ def _auto_efficient(
         "batch": batch,
         "steps": steps,
         "precision": "auto",  # bf16-mixed on a GPU: the stacks fit --auto would have
-        "callbacks": [{"class_path": "AutoEfficient", "init_args": {"budget": cap}}],
+        # on the CPU the harness tracks the whole fit against the emulated cap: the decision's
+        # trial steps with their copy of the weights, and the whole dataset (built inside the
+        # tracked fit; the estimate counts one batch): no trial steps there, and 5% kept for it
+        "callbacks": [
+            {
+                "class_path": "AutoEfficient",
+                "init_args": {"budget": cap if ctx.cuda else int(0.95 * cap), "trial": ctx.cuda},
+            }
+        ],
         "strategy": None,
         "device": ctx.device,
         "cap_bytes": cap,
@@ -1089,6 +1097,8 @@ def _auto_efficient(
     attainable = max((n for n in range(1, batch + 1) if batch % n == 0 and n <= real), default=0)
     out = {
         "status": "ok" if res.get("ok") else ("oom" if res.get("oom") else _status(res)),
+        "budget_bytes": spec["callbacks"][0]["init_args"]["budget"],
+        "cap_bytes": cap,
         "batch": batch,
         "steps": steps,
         "steps_run": res.get("steps_run"),

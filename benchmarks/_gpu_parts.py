@@ -411,6 +411,21 @@ def make_loader(spec: dict[str, Any]) -> Any:
     return DataLoader(data, batch_size=spec["batch"], shuffle=False, drop_last=True)
 
 
+class _LoaderData(pl.LightningDataModule):
+    """``make_loader``'s data behind a ``batch_size`` that a callback may set (AutoEfficient):
+    the samples of ``spec["batch"] * (steps + 1)``, served ``batch_size`` at a time."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.spec, self.batch_size = spec, spec["batch"]
+
+    def train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        data = make_loader(self.spec).dataset
+        return DataLoader(data, batch_size=self.batch_size, shuffle=False, drop_last=True)
+
+
 def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec`` for real with Lightning's Trainer; what happened, as a JSON-able dict.
 
@@ -464,7 +479,10 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     )
     try:
         with meter:
-            trainer.fit(model, train_dataloaders=make_loader(spec))
+            if spec.get("datamodule"):  # AutoEfficient sets the loader's batch size
+                trainer.fit(model, datamodule=_LoaderData(spec))
+            else:
+                trainer.fit(model, train_dataloaders=make_loader(spec))
         out["ok"] = trainer.global_step >= min(spec["steps"], clock.step0 + 1)
         if not out["ok"]:
             out["error"] = f"stopped after {trainer.global_step} of {spec['steps']} steps"
@@ -501,6 +519,9 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
                 {k: a.get(k) for k in ("lever", "gain", "yaml")} for a in s.get("advice", [])
             ],
         }
+    auto = next((c for c in callbacks if getattr(c, "decision", None) is not None), None)
+    if auto is not None:  # AutoEfficient's decision (issue 31)
+        out["auto"] = {**auto.decision.state(), "notes": auto.decision.notes}
     out["wall_s"] = time.perf_counter() - t_start
     del trainer, model, callbacks, strategy
     gc.collect()
@@ -1020,10 +1041,11 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
                     }
                 )
         probes.run()
+        for st in probes.stacks:
+            rec.row(**probes.row(st))
+        _auto_efficient(ctx, rec, pool, kind, dims, rec.data["rows"])
     finally:
         pool.close()
-    for st in probes.stacks:
-        rec.row(**probes.row(st))
     rec.figure(probe_rounds=probes.rounds, probes=sum(len(r["probes"]) for r in rec.data["rows"]))
     rows = rec.data["rows"]
 
@@ -1031,6 +1053,8 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
         real = r["largest_real"] if r["resolved"] else f">= {r['largest_real']} (not settled)"
         return f"{real} (the estimate picked {r['estimate_pick']})"
 
+    auto = rec.data["figures"].get("auto_efficient") or {}
+    tail = f"; AutoEfficient: {auto['said']}" if auto.get("said") else ""
     if len(rows) > 1 and rows[0]["largest_real"]:
         a, b = rows[:2]
         ratio = f", {b['largest_real'] / a['largest_real']:.1f}x" if b["largest_real"] else ""
@@ -1038,11 +1062,92 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
             f"largest micro-batch by real steps: plain {said(a)} -> "
             f"{b['stack'].removeprefix('planner: ')} {said(b)}{ratio}"
             + "".join(f"; {r['stack']} {said(r)}" for r in rows[2:])
+            + tail
         )
     elif rows:
         rec.finish(f"largest micro-batch by real steps: plain {said(rows[0])}")
     else:
         rec.finish("nothing measured")
+
+
+def _auto_efficient(
+    ctx: Ctx, rec: Recorder, pool: RunPool, kind: str, dims: dict[str, Any], rows: list[dict]
+) -> None:
+    """Issue 31's row: ``AutoEfficient(budget=cap)`` on the same model, effective batch
+    ``auto_batch``, ``auto_steps`` optimizer steps under the cap, in its own process; its choice
+    against the largest micro-batch real steps found for the planner's stack (and for any stack)."""
+    p = ctx.profile
+    cap, batch, steps = ctx.cap_bytes, p["auto_batch"], p["auto_steps"]
+    spec = {
+        "model": kind,
+        "dims": dims,
+        "batch": batch,
+        "steps": steps,
+        "precision": "auto",  # bf16-mixed on a GPU: the stacks fit --auto would have
+        # on the CPU the harness tracks the whole fit against the emulated cap: the decision's
+        # trial steps with their copy of the weights, and the whole dataset (built inside the
+        # tracked fit; the estimate counts one batch): no trial steps there, and 5% kept for it
+        "callbacks": [
+            {
+                "class_path": "AutoEfficient",
+                "init_args": {"budget": cap if ctx.cuda else int(0.95 * cap), "trial": ctx.cuda},
+            }
+        ],
+        "strategy": None,
+        "device": ctx.device,
+        "cap_bytes": cap,
+        "datamodule": True,
+        "measure_memory": True,
+    }
+    need = p["auto_need_s"]
+    if ctx.left() < need:
+        rec.figure(
+            auto_efficient={
+                "status": f"skipped: {ctx.left():.0f} s left in the part's cap, about {need:.0f} s "
+                "needed",
+                "batch": batch,
+                "steps": steps,
+            }
+        )
+        return
+    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=True)])[0]
+    d = res.get("auto") or {}
+    planner = next((r for r in rows if str(r.get("stack", "")).startswith("planner:")), None)
+    best = max((r.get("largest_real") or 0 for r in rows), default=0)
+    real = (planner or {}).get("largest_real") or best
+    micro = d.get("micro_batch")
+    attainable = max((n for n in range(1, batch + 1) if batch % n == 0 and n <= real), default=0)
+    out = {
+        "status": "ok" if res.get("ok") else ("oom" if res.get("oom") else _status(res)),
+        "budget_bytes": spec["callbacks"][0]["init_args"]["budget"],
+        "cap_bytes": cap,
+        "batch": batch,
+        "steps": steps,
+        "steps_run": res.get("steps_run"),
+        "stack": d.get("rung"),
+        "micro_batch": micro,
+        "accumulation": d.get("accumulation"),
+        "decision_s": d.get("seconds"),
+        "trial_bytes": d.get("trial_bytes"),
+        "peak_bytes": res.get("peak_bytes"),
+        "reserved_bytes": res.get("reserved_bytes"),
+        "out_of_memory": bool(res.get("oom")),
+        "largest_real_planner_stack": (planner or {}).get("largest_real"),
+        "largest_real_any_stack": best,
+        "largest_divisor_within_real": attainable,
+        "ratio": round(micro / real, 3) if micro and real else None,
+        "notes": d.get("notes", []),
+        "error": res.get("error"),
+        "wall_s": res.get("wall_s"),
+    }
+    out["said"] = (
+        f"{out['stack']}, micro-batch {micro} x {out['accumulation']}, {out['status']} after "
+        f"{out['steps_run']} steps ({out['ratio']:.0%} of the real largest {real}; "
+        f"{batch}'s largest divisor within it: {attainable})"
+        if micro and real
+        else f"{out['status']}: {out['error'] or 'no decision'}"
+    )
+    rec.figure(auto_efficient=out)
 
 
 CHUNKED = {"class_path": "ChunkedCrossEntropy", "init_args": {}}

@@ -144,6 +144,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "estimate_batch": 8,
         "batch_top": 256,
         "planner_batch": 32,
+        # issue 31: AutoEfficient(budget=cap) at this effective batch for this many steps
+        "auto_batch": 128,
+        "auto_steps": 100,
+        "auto_need_s": 90.0,
         # GPT-2 / GPT-3 shapes (name, n_layer, n_embd), head size 64: benchmarks/zero_offload.py
         "ladder": [
             ["124M", 12, 768],
@@ -174,6 +178,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "estimate_batch": 4,
         "batch_top": 64,
         "planner_batch": 16,
+        "auto_batch": 60,  # divisors 20, 30, 60: near the real largest (about 31)
+        "auto_steps": 3,
+        "auto_need_s": 10.0,
         "ladder": [["tiny-1", 1, 64], ["tiny-2", 2, 64], ["tiny-3", 2, 128], ["tiny-4", 4, 128]],
         "ladder_seq": 64,
         "ladder_vocab": 512,
@@ -654,6 +661,24 @@ def _render_batch(p: dict) -> str:
     if probes:
         out += "\n\nEvery real run (micro-batch, result, peak allocated / reserved, seconds):\n\n"
         out += "\n".join(probes)
+    auto = p["figures"].get("auto_efficient")
+    if auto:
+        out += (
+            f"\n\nAutoEfficient (issue 31), budget {fmt_bytes(auto.get('budget_bytes'))} (cap "
+            f"{fmt_bytes(auto.get('cap_bytes'))}), effective batch {auto['batch']}, "
+            f"{auto['steps']} steps: "
+            + (
+                f"{auto['stack']}, micro-batch {auto['micro_batch']} x {auto['accumulation']}; "
+                f"{auto['status']} after {auto.get('steps_run')} steps (peak "
+                f"{_both(auto.get('peak_bytes'), auto.get('reserved_bytes'))}; trial "
+                f"{fmt_bytes(auto.get('trial_bytes'))}; decision {auto.get('decision_s') or 0:.1f} s); "
+                f"real largest: planner's stack {auto.get('largest_real_planner_stack')}, any "
+                f"stack {auto.get('largest_real_any_stack')}; ratio {auto.get('ratio')}; the "
+                f"largest divisor of {auto['batch']} within it: {auto.get('largest_divisor_within_real')}"
+                if auto.get("micro_batch")
+                else auto["status"]
+            )
+        )
     tried = p["figures"].get("planner_tried")
     if tried:
         batch = p["figures"].get("planner_batch")

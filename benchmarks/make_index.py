@@ -123,6 +123,17 @@ def _batch_size() -> tuple[str, str]:
     )
 
 
+def _auto() -> tuple[str, str]:
+    rows = load("auto")["rows"]
+    speed = row(rows, effective_batch=64, goal="speed")
+    return (
+        f"GPT-2 small, 24 GiB, effective batch 64: {speed['stack']} at micro-batch "
+        f"{speed['micro_batch']} x {speed['accumulation']} (estimate, CUDA target)",
+        f"the decision: {speed['seconds']:.0f} s on a CPU ({speed['estimates']} estimates), plus two "
+        "real steps per tried size on the GPU",
+    )
+
+
 def _oom() -> tuple[str, str]:
     return ("a run that hits out-of-memory halves the micro-batch and goes on", "no figure yet")
 
@@ -331,6 +342,7 @@ ENTRIES = [
     Entry("FullyShardedStrategy", "fsdp", ("05_cli_and_scale_out",), "scale_out", _fsdp),
     Entry("EarlyStopper", "early_stopping", ("04_fewer_steps",), "early_stopping", _early),
     Entry("DivergenceGuard", "early_stopping", ("04_fewer_steps",), "early_stopping", _guard),
+    Entry("AutoEfficient", "auto", ("01_quickstart",), "auto", _auto),
 ]
 
 

@@ -277,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_known_noise()
     if args and args[0] in EXTRA_COMMANDS:
         return _run_extra(args[0], args[1:])
+    from lightning_efficient.auto_fit import auto_fit_command, wants_auto
+
+    if wants_auto(args):  # the Trainer is built from AutoEfficient's plan
+        try:
+            return auto_fit_command(args[1:], EfficientCLI, _fail)
+        except SettingsError as err:
+            _fail(str(err))
     if args and args[0] in ("-h", "--help"):
         extra = "\n".join(f"  {name:<14}{help_}" for name, (help_, _) in EXTRA_COMMANDS.items())
         print(f"lightning-efficient extra commands:\n{extra}\n")

@@ -562,6 +562,31 @@ CASES += [
     ),
 ]
 
+# -- one switch (issue 31): a budget that holds the tiny fit's batch, so the configured stack and
+# batch are kept (the maths is the plain run's); tests/test_auto.py checks the other choices
+from lightning_efficient.techniques.auto import GOALS, AutoEfficient  # noqa: E402
+
+CASES.append(
+    Case(
+        AutoEfficient,
+        init_args={"budget": "1GiB"},
+        bad_args=[
+            ({"budget": "lots"}, "budget"),
+            ({"goal": "fastest"}, "goal"),
+            ({"target_batch": 0}, "target_batch"),
+            ({"trial": "yes"}, "trial"),
+            ({"batch_arg_name": "1x"}, "batch_arg_name"),
+        ],
+        fuzz={
+            "goal": st.text(max_size=8).filter(lambda s: s not in GOALS) | st.integers(),
+            "target_batch": st.integers(max_value=0) | st.floats() | st.text(max_size=3),
+            "budget": st.integers(max_value=0) | st.sampled_from(["lots", "-1GiB"]),
+        },
+        stateful=True,
+        state_changes=False,
+    )
+)
+
 
 def _from_registry(cases: list[Case]) -> list[Case]:
     """The cases in the registry's order; a technique of ``TECHNIQUES`` without a case (or a

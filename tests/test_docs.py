@@ -20,6 +20,7 @@ RUNNABLE = [
     "curriculum",
     "early_stopping",
     "profiling",
+    "auto",
 ]
 
 

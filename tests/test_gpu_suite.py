@@ -85,6 +85,10 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
         assert r["pick_status"] in ("ok", "oom") and r["estimate_pick"] in probes
         assert r["largest_measured_bytes"] <= by["batch"]["cap_bytes"]
     assert batch[1]["largest_real"] > batch[0]["largest_real"]  # the planner's stack
+    auto = by["batch"]["figures"]["auto_efficient"]  # issue 31: AutoEfficient under the cap
+    assert auto["status"] == "ok" and not auto["out_of_memory"], auto
+    assert auto["micro_batch"] * auto["accumulation"] == auto["batch"], auto
+    assert auto["steps_run"] == auto["steps"] and "AutoEfficient (issue 31)" in md.read_text()
     assert "Every real run" in md.read_text()
     ladder = {r["setting"].split(",")[0]: r for r in by["ladder"]["rows"]}
     assert ladder["plain Lightning"]["largest_trained"]

@@ -144,6 +144,12 @@ def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> str | N
 
     sizers = [t for t in techniques if getattr(t, "sets_accumulation", False)]
     problems = []
+    if len(sizers) > 1:
+        problems.append(
+            f"{', '.join(type(t).__name__ for t in sizers)} each set the micro-batch and "
+            "accumulate_grad_batches to keep the effective batch. Keep one of them (AutoEfficient "
+            "sizes the micro-batch with the stack it picks)."
+        )
     if sizers and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
         problems.append(
             "EfficientBatchSize(target_batch_size=...) sets accumulate_grad_batches to keep the "

@@ -226,13 +226,16 @@ def trial_within(
     precision: str = "32-true",
     device: torch.device | str = "cpu",
     steps: int = 2,
+    accumulate_grad_batches: int = 1,
 ) -> TrialResult:
     """``steps`` real training steps of ``module`` on ``device`` with the techniques in
     ``callbacks`` applied as they are for an estimate (``configure_estimate``: checkpointed
     blocks, a swapped optimizer, ...), within ``budget_bytes``: on CUDA under that cap, so
     that the caching allocator frees its cache and runs out of memory where the fit would; on
     a CPU the tracker's peak is compared with the budget. An out-of-memory error is a result
-    (``ok=False``), any other error is raised. The module is put back exactly."""
+    (``ok=False``), any other error is raised. The module is put back exactly.
+    ``accumulate_grad_batches``: micro-batches per step (gradients live through the next
+    micro-batch's forward, as in the fit)."""
     device = torch.device(device)
     precision = str(precision)
     cuda = device.type == "cuda"
@@ -244,6 +247,7 @@ def trial_within(
             batch=_to(batch, device),
             optimizer=resolve_optimizer(optimizer),
             precision=precision,
+            accumulate_grad_batches=accumulate_grad_batches,
         )
         try:
             for cb in callbacks:

@@ -8,6 +8,7 @@ from lightning_efficient.measure.input_stall import InputStallMonitor
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.profiler import StepProfiler
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.auto import AutoEfficient
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
 from lightning_efficient.techniques.compile import TorchCompile
@@ -48,6 +49,7 @@ TECHNIQUES: list[type] = [
     FullyShardedStrategy,
     EarlyStopper,
     DivergenceGuard,
+    AutoEfficient,
 ]
 
 __all__ = [

@@ -39,6 +39,7 @@ __all__ = [
     "available_host_memory",
     "choose_batch_size",
     "read_batch_size",
+    "worst_case_sampler",
 ]
 
 
@@ -70,7 +71,9 @@ class Choice:
     warnings: list[str] = field(default_factory=list)
 
 
-def read_batch_size(trainer: Any, pl_module: Any, name: str) -> int:
+def read_batch_size(
+    trainer: Any, pl_module: Any, name: str, who: str = "EfficientBatchSize"
+) -> int:
     """The current batch size where Lightning's BatchSizeFinder finds it; a clear error when
     there is none, or when the train DataLoader cannot be rebuilt with a new one."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -81,20 +84,20 @@ def read_batch_size(trainer: Any, pl_module: Any, name: str) -> int:
             type(trainer.datamodule).__name__ if trainer.datamodule is not None else "no datamodule"
         )
         raise ValueError(
-            f"EfficientBatchSize: no `{name}` found on the LightningModule "
+            f"{who}: no `{name}` found on the LightningModule "
             f"({type(pl_module).__name__}), its hparams, or the datamodule ({where}) or its "
             f"hparams. Add a `{name}` attribute that `train_dataloader()` uses, "
             "or set `batch_arg_name` to the attribute's name."
         )
     if trainer.datamodule is None and not is_overridden("train_dataloader", pl_module):
         raise ValueError(
-            "EfficientBatchSize: the train DataLoader was passed to `trainer.fit` directly, so "
+            f"{who}: the train DataLoader was passed to `trainer.fit` directly, so "
             "it cannot be rebuilt with a new batch size. Build it in a LightningDataModule's or "
             "the LightningModule's `train_dataloader()` from its `batch_size` attribute."
         )
     value = lightning_getattr(pl_module, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"EfficientBatchSize: `{name}` is {value!r}; expected a positive int.")
+        raise ValueError(f"{who}: `{name}` is {value!r}; expected a positive int.")
     return value
 
 
@@ -133,7 +136,7 @@ def _budget(trainer: Any, budget_bytes: int | None) -> int:
     return available
 
 
-def _worst_case(loader: Any, probe_samples: int) -> tuple[Callable[[int], Any], int | None]:
+def worst_case_sampler(loader: Any, probe_samples: int) -> tuple[Callable[[int], Any], int | None]:
     """``make_batch(n)``: the largest batch of ``n`` the data can give; and the dataset size."""
     dataset, collate = loader.dataset, loader.collate_fn
     try:
@@ -159,7 +162,7 @@ def choose_batch_size(
     hw = _hardware(trainer)
     budget = _budget(trainer, s.budget_bytes)
     usable = int(budget * (1 - s.margin))
-    make_batch, n_data = _worst_case(loader, s.probe_samples)
+    make_batch, n_data = worst_case_sampler(loader, s.probe_samples)
     cap = search_cap(s.max_batch_size, n_data, world, s.target_batch_size)
     notes: list[str] = []
     estimate_fn, how = _estimator(trainer, pl_module, make_batch, s, exclude, notes, usable)

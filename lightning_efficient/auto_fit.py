@@ -1,0 +1,132 @@
+"""``lightning-efficient fit --auto [--budget 24GiB] [--goal speed] [--target-batch N]``.
+
+The callback cannot change what Lightning fixed when the Trainer was built (the precision plugin,
+the strategy). Here the config is read first, AutoEfficient's decision is made on its model, data
+and trainer (every rung of the ladder usable, the bf16-mixed ones included where the device has
+bf16), then the Trainer is built again with the plan's precision and strategy, and the fit runs
+with AutoEfficient holding the decision (so it applies the stack, the micro-batch and the
+accumulation at setup, reports it and keeps it in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["auto_fit_command", "wants_auto"]
+
+
+def wants_auto(args: Sequence[str]) -> bool:
+    """``fit ... --auto ...``."""
+    return bool(args) and args[0] == "fit" and "--auto" in args
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-efficient fit --auto", add_help=False)
+    p.add_argument("--auto", action="store_true")
+    p.add_argument("--budget", default=None, help="one rank's device memory, e.g. 24GiB")
+    p.add_argument("--goal", default="speed", help="speed (default) or memory")
+    p.add_argument("--target-batch", type=int, default=None, help="effective batch to keep")
+    p.add_argument("--no-trial", action="store_true", help="no real trial steps before fit")
+    p.add_argument("--ckpt_path", "--ckpt-path", default=None, help="checkpoint to resume from")
+    return p
+
+
+def _cli(cli_class: Any, args: Sequence[str]) -> Any:
+    import warnings
+
+    with warnings.catch_warnings():  # the command line is the one given, less `fit --auto ...`
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return cli_class(args=list(args), run=False)
+
+
+def _plan_config(decision: Any, folder: Path) -> Path:
+    """A config with the trainer settings a callback cannot apply (precision, strategy)."""
+    import yaml
+
+    trainer = decision.trainer_config()
+    fixed = {k: trainer[k] for k in ("precision", "strategy") if k in trainer}
+    path = folder / "auto_plan.yaml"
+    path.write_text(yaml.safe_dump({"trainer": fixed}, sort_keys=False))
+    return path
+
+
+def _batch_size(model: Any, datamodule: Any, name: str, fail: Callable[[str], Any]) -> int:
+    """The batch size where Lightning's BatchSizeFinder looks for it (before the fit)."""
+    for holder in (
+        model,
+        getattr(model, "hparams", None),
+        datamodule,
+        getattr(datamodule, "hparams", None),
+    ):
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is None and isinstance(holder, dict):
+            value = holder.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    fail(
+        f"fit --auto: no `{name}` on the model, the datamodule or their hparams; the micro-batch "
+        "is set there (add a `batch_size` attribute that `train_dataloader()` uses)"
+    )
+    raise AssertionError  # fail exits
+
+
+def auto_fit_command(argv: Sequence[str], cli_class: Any, fail: Callable[[str], Any]) -> int:
+    """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``;
+    ``cli_class``: the package's LightningCLI; ``fail(message)`` ends with a short error)."""
+    from lightning_efficient.core.validate import parse_bytes
+    from lightning_efficient.techniques.auto import AutoEfficient
+    from lightning_efficient.techniques.auto.fit import decide_for
+    from lightning_efficient.techniques.precision import best_precision
+
+    args, rest = _parser().parse_known_args(list(argv))
+    try:
+        auto = AutoEfficient(
+            budget=args.budget,
+            goal=args.goal,
+            target_batch=args.target_batch,
+            trial=not args.no_trial,
+        )
+    except (TypeError, ValueError) as err:
+        fail(str(err).replace("`budget`", "--budget").replace("`goal`", "--goal"))
+    first = _cli(cli_class, rest)
+    trainer, model = first.trainer, first.model
+    source = first.datamodule if first.datamodule is not None else model
+    if first.datamodule is not None:  # as the fit does before the loaders are built
+        first.datamodule.prepare_data()
+        first.datamodule.setup("fit")
+    micro = _batch_size(model, first.datamodule, auto.batch_arg_name, fail)
+    world = trainer.world_size
+    effective = args.target_batch or micro * trainer.accumulate_grad_batches * world
+    if effective % world:
+        fail(f"fit --auto: the effective batch {effective} is not a multiple of {world} ranks")
+    budget = (
+        auto.budget_for(trainer) if args.budget is None else parse_bytes("--budget", args.budget)
+    )
+    device = trainer.strategy.root_device
+    try:
+        decision = decide_for(
+            trainer,
+            model,
+            source,
+            budget,
+            effective // world,
+            goal=auto.goal,
+            trial=auto.trial,
+            bf16=str(trainer.precision) == "32-true" and best_precision(device) == "bf16-mixed",
+            trainer_fixed=False,
+        )
+    except ValueError as err:
+        fail(f"fit --auto: {err}")
+    print(f"AutoEfficient (fit --auto): {decision.summary()}")
+    for note in decision.notes:
+        print(f"AutoEfficient: {note}")
+    with tempfile.TemporaryDirectory() as folder:
+        plan = _plan_config(decision, Path(folder))
+        final = _cli(cli_class, [*rest, "--config", str(plan)])
+    final.trainer.callbacks.append(auto.preset(decision))
+    final.trainer.fit(final.model, datamodule=final.datamodule, ckpt_path=args.ckpt_path)
+    return 0

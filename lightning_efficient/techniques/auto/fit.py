@@ -1,0 +1,249 @@
+"""AutoEfficient's view of a fit: what it reads from the trainer, and how it measures and applies.
+
+- :func:`ladder_for`: the planner's ladder for the fit (shared, not copied), the chunked-loss
+  rung included where the model's logits are wide.
+- :func:`estimate_measure` / :func:`trial_runner`: the instrument's estimate of one rung at one
+  micro-batch (for the trainer's device) and real trial steps within the budget.
+- :func:`fixed_by_trainer`: why a rung cannot be applied by a callback (the precision plugin and
+  the strategy are fixed when the Trainer is built) and the yaml line that would.
+- :func:`apply_batch` / :func:`add_callbacks`: set the micro-batch and accumulation, put the
+  rung's callbacks next to AutoEfficient; each a ``Change`` with its undo.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_efficient.core.change import Change
+from lightning_efficient.measure.estimate import EstimateError, estimate_memory
+from lightning_efficient.measure.settings import (
+    configured_optimizer,
+    estimate_settings,
+    strategy_sharding,
+)
+from lightning_efficient.measure.trial import trial_within
+from lightning_efficient.techniques._ladder import Rung, default_ladder
+from lightning_efficient.techniques.auto.decide import Decision, decide
+from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
+
+__all__ = [
+    "add_callbacks",
+    "apply_batch",
+    "decide_for",
+    "estimate_measure",
+    "fixed_by_trainer",
+    "ladder_for",
+    "own_accumulation",
+    "trial_runner",
+]
+
+
+def ladder_for(
+    model: Any,
+    budget_bytes: int,
+    *,
+    precision: str,
+    bf16: bool,
+    world_size: int = 1,
+    sharding: str | None = None,
+) -> list[Rung]:
+    """The planner's ladder for ``model``. The optimizer-in-backward rung is left out (the
+    micro-batch may need accumulation, which it cannot do)."""
+    from lightning_efficient.techniques.chunked_loss import worth_chunking
+
+    return default_ladder(
+        budget_bytes,
+        precision=precision,
+        bf16=bf16,
+        accumulate_grad_batches=2,
+        world_size=world_size,
+        configured_sharding=sharding,
+        chunked_loss=worth_chunking(model),
+    )
+
+
+def estimate_measure(
+    model: Any,
+    make_batch: Callable[[int], Any],
+    budget_bytes: int,
+    effective: int,
+    settings: dict[str, Any],
+) -> Callable[[Rung, int], tuple[bool, float, Any]]:
+    """``measure(rung, micro) -> (fits, bytes, estimate)``: ``estimate_memory`` of ``model`` on
+    the worst-case batch of ``micro`` samples with the rung's techniques on top of the ones the
+    fit already has (``settings``: ``estimate_settings`` of the trainer, or the same keys), with
+    two micro-batches per step where the micro-batch needs accumulation (the gradients stay live
+    through the next forward). ``bytes``: what must fit (CUDA: what the allocator reserves)."""
+    base = dict(settings)
+    existing = list(base.pop("callbacks", ()))
+
+    def measure(rung: Rung, micro: int) -> tuple[bool, float, Any]:
+        callbacks, strategy = rung.build()
+        kwargs = {**base, "precision": rung.precision}
+        kwargs["accumulate_grad_batches"] = 1 if micro >= effective else 2
+        if strategy is not None and kwargs.get("world_size", 1) > 1:
+            kwargs["sharding"] = strategy_sharding(strategy)
+        techniques = [*existing, *callbacks, *([strategy] if strategy is not None else [])]
+        try:
+            est = estimate_memory(model, make_batch(micro), callbacks=techniques, **kwargs)
+        except (EstimateError, ValueError) as err:  # e.g. no checkpointing budget is reached
+            return False, math.inf, err
+        return est.fits(budget_bytes), float(est.required_bytes), est
+
+    return measure
+
+
+def trial_runner(
+    module: Any,
+    make_batch: Callable[[int], Any],
+    budget_bytes: int,
+    effective: int,
+    device: torch.device,
+    existing: Sequence[Any] = (),
+) -> Callable[[Rung, int], Any]:
+    """``trial(rung, micro)``: two real training steps of ``module`` on ``device`` with the
+    rung's techniques, within the budget (``measure.trial.trial_within``: on CUDA under the
+    allocator's cap, what it reserves compared). ``None`` for a rung with a strategy (it runs
+    only inside a fit)."""
+    factory, _ = configured_optimizer(module)
+
+    def trial(rung: Rung, micro: int) -> Any:
+        callbacks, strategy = rung.build()
+        if strategy is not None:
+            return None
+        return trial_within(
+            module,
+            make_batch(micro),
+            budget_bytes,
+            callbacks=[*existing, *callbacks],
+            optimizer=factory or "adamw",
+            precision=rung.precision,
+            device=device,
+            accumulate_grad_batches=1 if micro >= effective else 2,
+        )
+
+    return trial
+
+
+def fixed_by_trainer(rung: Rung, precision: str) -> str:
+    """Why a callback cannot apply ``rung`` to a trainer built with ``precision`` ("" when it
+    can): the precision plugin and the strategy are fixed when the Trainer is built. The reason
+    carries the yaml that would apply it (or ``lightning-efficient fit --auto``)."""
+    own = own_accumulation(rung)
+    if own:
+        return own
+    lines = []
+    if rung.precision != precision:
+        lines.append(f"trainer.precision: {rung.precision}")
+    if rung.strategy is not None:
+        lines.append(f"trainer.strategy: {{class_path: {rung.strategy.class_path}}}")
+    if not lines:
+        return ""
+    return "needs yaml (" + "; ".join(lines) + "), or `lightning-efficient fit --auto`"
+
+
+def own_accumulation(rung: Rung) -> str:
+    """Why ``rung`` cannot be AutoEfficient's even in a Trainer built from the plan ("" when it
+    can): its strategy sets the accumulation itself (DeepSpeed's ZeRO), so the micro-batch and
+    accumulation that keep the effective batch cannot be set."""
+    _, strategy = rung.build()
+    if strategy is None or not getattr(strategy, "handles_gradient_accumulation", False):
+        return ""
+    return (
+        f"{type(strategy).__name__} sets the accumulation itself, so the effective batch cannot "
+        "be kept: `lightning-efficient plan` writes its yaml"
+    )
+
+
+def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: int) -> Change:
+    """Set the batch size where Lightning's BatchSizeFinder finds it (the module, its hparams,
+    the datamodule or its hparams) and ``trainer.accumulate_grad_batches``; undo puts both
+    back."""
+    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+
+    before = (lightning_getattr(module, name), trainer.accumulate_grad_batches)
+    lightning_setattr(module, name, micro)
+    trainer.accumulate_grad_batches = accumulation
+
+    def undo() -> None:
+        lightning_setattr(module, name, before[0])
+        trainer.accumulate_grad_batches = before[1]
+
+    return Change(
+        f"{name} {before[0]} -> {micro}, accumulation {before[1]} -> {accumulation}",
+        undo,
+        figures={"micro_batch": micro, "accumulation": accumulation},
+    )
+
+
+def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:
+    """Put ``callbacks`` into ``trainer.callbacks`` right after ``after``: Lightning calls the
+    hooks of the list as it stands, so they run their own ``setup`` (and every later hook, and
+    their state is restored from a checkpoint) as if they had been given. Undo takes them out."""
+    index = trainer.callbacks.index(after) + 1
+    trainer.callbacks[index:index] = list(callbacks)
+    added = list(callbacks)
+
+    def undo() -> None:
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if all(cb is not a for a in added)]
+
+    names = ", ".join(type(cb).__name__ for cb in added) or "none"
+    return Change(f"callbacks added: {names}", undo if added else None, value=added)
+
+
+def decide_for(
+    trainer: Any,
+    module: Any,
+    source: Any,
+    budget_bytes: int,
+    effective: int,
+    *,
+    goal: str,
+    trial: bool,
+    bf16: bool = False,
+    trainer_fixed: bool = True,
+    exclude: Sequence[Any] = (),
+) -> Decision:
+    """The decision for a fit of ``module`` by ``trainer`` (before the fit or in its ``setup``):
+    the worst-case batch from ``source``'s train DataLoader (the datamodule, else the module),
+    the estimate for the trainer's device with the techniques it already has (but ``exclude``),
+    real trial steps on its device when ``trial``. ``trainer_fixed``: the Trainer stays as built
+    (a callback), so rungs that need another precision or a strategy are not usable and the
+    ladder keeps the trainer's precision (``bf16`` is ignored); otherwise (``fit --auto``) every
+    rung is usable, and ``bf16`` adds the bf16-mixed rungs."""
+    make_batch, _ = worst_case_sampler(source.train_dataloader(), 10_000)
+    settings = estimate_settings(trainer, exclude=list(exclude))
+    precision = str(trainer.precision)
+    rungs = ladder_for(
+        module,
+        budget_bytes,
+        precision=precision,
+        bf16=bf16 and not trainer_fixed,
+        world_size=trainer.world_size,
+        sharding=settings.get("sharding"),
+    )
+    measure = estimate_measure(module, make_batch, budget_bytes, effective, settings)
+    device = trainer.strategy.root_device
+    existing = settings["callbacks"]
+    runner = (
+        trial_runner(module, make_batch, budget_bytes, effective, device, existing)
+        if trial
+        else None
+    )
+    return decide(
+        rungs,
+        measure,
+        budget_bytes,
+        effective,
+        goal=goal,
+        world_size=trainer.world_size,
+        unusable=(lambda rung: fixed_by_trainer(rung, precision))
+        if trainer_fixed
+        else own_accumulation,
+        trial=runner,
+        target=getattr(settings.get("device"), "label", device.type),
+    )

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _results import environment, provenance, save_results, table  # noqa: E402
+from planner import gpt2, lm_loss  # noqa: E402  (the planner benchmark's GPT-2 and its loss)
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.measure.targets import resolve_target  # noqa: E402
@@ -38,18 +39,6 @@ from lightning_efficient.techniques.auto.fit import (  # noqa: E402
     ladder_for,
     own_accumulation,
 )
-
-
-def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(use_cache=False)
-    with torch.device("meta"):
-        return GPT2LMHeadModel(config)
-
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=batch, labels=batch).loss
 
 
 def decision_row(model, seq: int, budget: str, effective: int, goal: str, target) -> dict:

@@ -405,6 +405,52 @@ def test_the_demo_on_the_cpu_names_a_lever_when_one_applies(tmp_path, capsys) ->
     assert "expected:" in out and "ChunkedCrossEntropy" in out
 
 
+def test_needless_recompute_rule_on_given_figures() -> None:
+    """Every block checkpointed, the peak far below the capacity: the verdict names the budget
+    mode, with the recompute (the blocks' forward, run again) as the gain; not near capacity,
+    nor without checkpointing."""
+    mib, gib = 2**20, 2**30
+    given = dict(peak_bytes=38 * mib, capacity_bytes=24 * gib, forward_fraction=0.33)
+    advice = advise(
+        Findings(checkpointed_share=1.0, active=frozenset({"ActivationCheckpointing"}), **given)
+    )
+    budget = next(a for a in advice if a.technique == "ActivationCheckpointing")
+    assert budget.setting == "budget: 24.00GiB" and "budget: 24.00GiB" in budget.yaml
+    assert "1.49x" in budget.gain and "33% of the step" in budget.gain  # 1 / (1 - 0.33)
+    half = advise(Findings(checkpointed_share=0.5, **given))
+    assert "1.20x" in next(a for a in half if a.technique == "ActivationCheckpointing").gain
+    for figures in (
+        {**given, "peak_bytes": 13 * gib},  # 54% of the capacity: the memory is needed
+        {**given, "capacity_bytes": None},  # no capacity known (a CPU without a budget)
+    ):
+        assert not any(
+            a.technique == "ActivationCheckpointing"
+            for a in advise(Findings(checkpointed_share=1.0, **figures))
+        )
+    assert not any(a.technique == "ActivationCheckpointing" for a in advise(Findings(**given)))
+
+
+def test_checkpointing_without_memory_pressure_names_the_budget_mode(tmp_path) -> None:
+    """A real fit with every block checkpointed and a budget far above its peak: the profiler
+    reads the checkpointed share from the callback and the verdict names the budget mode."""
+    from lightning_efficient import ActivationCheckpointing
+
+    checkpointing = ActivationCheckpointing(policy="blocks.*")
+    profiler = StepProfiler(skip_steps=1, memory_budget="1GiB", print_table=False)
+    model = TinyGPT(n_layer=2, n_embd=32, n_head=2, seq_len=32)
+    fit(
+        tmp_path,
+        [checkpointing, MemoryBreakdown(print_table=False), profiler],
+        model=model,
+        data=tiny_data(seq_len=32, batch_size=4),
+        max_steps=4,
+    )
+    assert checkpointing.checkpoint_state() == {"blocks": 2, "of": 2}
+    advice = profiler.summary["advice"]
+    budget = next(a for a in advice if a["technique"] == "ActivationCheckpointing")
+    assert budget["setting"] == "budget: 1.00GiB" and "x (the checkpointed blocks" in budget["gain"]
+
+
 # -- outputs: table, report, logger, trace, PNG ----------------------------------------------
 class MetricsLogger(Logger):
     def __init__(self) -> None:

@@ -39,6 +39,7 @@ THRESHOLDS: dict[str, float] = {
     "data_wait": 0.10,  # share of the step spent waiting for the next batch
     "near_capacity": 0.85,  # peak memory over capacity above this: memory advice
     "headroom": 0.30,  # free memory share above this: a larger batch fits
+    "recompute_used": 0.50,  # blocks checkpointed with the peak below this share of capacity
     "bf16_gain": 1.3,  # bf16 matmuls this much faster than fp32: use bf16
     "low_mfu": 0.30,  # MFU below this ...
     "small_op_s": 20e-6,  # ... with compute seconds per operation below this: launch-bound
@@ -115,6 +116,9 @@ class Findings:
         vocab_size, hidden_size: The output head's width and its input width (a language
             model's vocabulary and hidden size), when the model has such a head.
         logits_flops_fraction: Share of the step's FLOPs in that head.
+        forward_fraction: Share of the step in the forward phase.
+        checkpointed_share: Share of the model's repeated blocks that activation checkpointing
+            recomputes in backward (``None``: no checkpointing).
     """
 
     data_wait_fraction: float | None = None
@@ -140,6 +144,8 @@ class Findings:
     vocab_size: int | None = None
     hidden_size: int | None = None
     logits_flops_fraction: float | None = None
+    forward_fraction: float | None = None
+    checkpointed_share: float | None = None
 
     @property
     def cuda(self) -> bool:
@@ -263,6 +269,34 @@ def memory_pressure(f: Findings) -> list[Advice]:
     if _share(f, "optimizer_state") >= _share(f, "parameters", "gradients"):
         return [eight_bit, zero]
     return [zero, eight_bit]
+
+
+@_rule
+def needless_recompute(f: Findings) -> list[Advice]:
+    """Blocks checkpointed while the peak is far below capacity: the recompute buys memory the
+    run does not need. ``ActivationCheckpointing(budget=...)`` checkpoints only the blocks the
+    budget needs (none where the plain run fits)."""
+    share, forward = f.checkpointed_share, f.forward_fraction
+    if not share or forward is None or not f.peak_bytes or not f.capacity_bytes:
+        return []
+    used = f.peak_bytes / f.capacity_bytes
+    if used >= THRESHOLDS["recompute_used"]:
+        return []
+    recompute = share * forward  # the checkpointed blocks' forward, run again in backward
+    capacity = format_bytes(f.capacity_bytes).replace(" ", "")
+    return [
+        Advice(
+            "ActivationCheckpointing",
+            f"{share:.0%} of the blocks are recomputed in backward while the peak "
+            f"{format_bytes(f.peak_bytes)} is {used:.0%} of {format_bytes(f.capacity_bytes)} "
+            f"(below {THRESHOLDS['recompute_used']:.0%}): the recompute buys memory this run "
+            "does not need; with a budget only the blocks it needs are checkpointed",
+            _callback_yaml("ActivationCheckpointing", {"budget": capacity}),
+            f"up to {1 / (1 - recompute):.2f}x (the checkpointed blocks' forward, about "
+            f"{recompute:.0%} of the step, is no longer run twice)",
+            f"budget: {capacity}",
+        )
+    ]
 
 
 @_rule

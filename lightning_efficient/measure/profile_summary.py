@@ -79,6 +79,18 @@ def compile_state(trainer: Any) -> dict[str, Any]:
     return {}
 
 
+def checkpointed_share(trainer: Any) -> float | None:
+    """The share of the repeated blocks a checkpointing technique recomputes
+    (``checkpoint_state()`` of a callback that has it, e.g. ``ActivationCheckpointing``);
+    ``None`` without one or with no block checkpointed."""
+    for cb in trainer.callbacks:
+        state = getattr(cb, "checkpoint_state", None)
+        if callable(state):
+            blocks, total = state().get("blocks", 0), state().get("of", 0)
+            return blocks / total if blocks and total else None
+    return None
+
+
 def optimizer_of(trainer: Any) -> tuple[str | None, bool | None]:
     """The first optimizer's class name and whether its step is fused (``None``: not told)."""
     optimizers = getattr(trainer, "optimizers", None) or []
@@ -267,6 +279,8 @@ def summarize(
         vocab_size=vocab,
         hidden_size=hidden,
         logits_flops_fraction=logits_share,
+        forward_fraction=per_step["forward"] / step_s if step_s > 0 else None,
+        checkpointed_share=checkpointed_share(trainer),
     )
     tokens = phases.tokens
     return {

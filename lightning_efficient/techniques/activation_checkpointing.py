@@ -389,6 +389,7 @@ class ActivationCheckpointing(Technique):
         self._pending = False
         self._check = False
         self._change = Change("no block checkpointed")
+        self._selected = 0  # the blocks the policy selects (of which ``wrapped`` are checkpointed)
 
     # -- the estimate -------------------------------------------------------------------------
     def configure_estimate(self, plan: Any) -> None:
@@ -521,9 +522,16 @@ class ActivationCheckpointing(Technique):
         self.no_effect(little)
         return f"; saves little: {ranking.describe(chosen)}"
 
+    def checkpoint_state(self) -> dict[str, int]:
+        """For the profiler's advice: blocks checkpointed, of the blocks the policy selects."""
+        return {"blocks": len(self.wrapped), "of": self._selected}
+
     def _report(self, trainer: Any, pl_module: Any) -> None:
         change = self._change
         self.wrapped = list(change.value)
+        self._selected = (
+            len(select_modules(pl_module, self._policy, argument="policy")) if self.wrapped else 0
+        )
         figures: dict[str, Any] = {}
         what = change.what
         plain_fits = self.choice is not None and self.choice.num_blocks == 0

@@ -86,7 +86,8 @@ def checkpointed_share(trainer: Any) -> float | None:
     for cb in trainer.callbacks:
         state = getattr(cb, "checkpoint_state", None)
         if callable(state):
-            blocks, total = state().get("blocks", 0), state().get("of", 0)
+            figures = state()
+            blocks, total = figures.get("blocks", 0), figures.get("of", 0)
             return blocks / total if blocks and total else None
     return None
 

@@ -1,3 +1,3 @@
-from lightning_efficient.cli import main
+from lightning_efficient.commands import main
 
 raise SystemExit(main())

@@ -1,12 +1,14 @@
 """The package's house rules, read from the code itself (every import, including those inside
-functions): layers import one way only, no import cycles, private library names only in
-``core/_internals.py``, no module over 600 lines, no callback or strategy class over 250 lines."""
+functions): layers import one way only, no import cycles, no call named by a string (which the
+import graph cannot see), private library names only in ``core/_internals.py``, no module over 600
+lines, no callback or strategy class over 250 lines."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,10 @@ PACKAGE = "lightning_efficient"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: Layers, lowest first. A module may import from its own layer and the ones below.
-LAYERS = {"core": 0, "measure": 1, "techniques": 2}
-TOP = 3  # planner, functional, commands, cli, the package itself
+LAYERS = {"core": 0, "measure": 1, "techniques": 2, "commands": 4}
+TOP = 3  # planner, functional, the package itself
+#: Modules outside ``commands/`` that belong to its layer: the entry points that run it.
+COMMAND_ENTRIES = {"cli": LAYERS["commands"], "__main__": LAYERS["commands"]}
 #: Libraries whose private names only core/_internals.py may touch.
 GUARDED = ("torch", "lightning", "pytorch_lightning", "deepspeed", "jsonargparse", "transformers")
 #: Private attributes of those libraries' objects, read or written on instances (not reachable
@@ -98,6 +102,8 @@ def _layer(module: str) -> int | None:
         return None
     if len(parts) > 1 and parts[1] in LAYERS:
         return LAYERS[parts[1]]
+    if len(parts) == 2 and parts[1] in COMMAND_ENTRIES:
+        return COMMAND_ENTRIES[parts[1]]
     return TOP
 
 
@@ -118,6 +124,70 @@ def test_no_upward_import() -> None:
         if _layer(m) is not None and _layer(d) is not None and _layer(d) > _layer(m)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_main_imports_every_command() -> None:
+    """Every command ``main`` runs is an edge of the graph (imported, not named by a string), and
+    the commands sit above the planner, which no longer imports them."""
+    from lightning_efficient.commands import EXTRA_COMMANDS, auto_fit_command
+
+    room = f"{PACKAGE}.commands"
+    runs = {fn.__module__ for _, fn in EXTRA_COMMANDS.values()} | {auto_fit_command.__module__}
+    assert len(runs) == 6 and all(m.startswith(f"{room}.") for m in runs), runs
+    assert runs <= GRAPH[room], runs - GRAPH[room]
+    assert _layer(f"{PACKAGE}.planner") < _layer(f"{room}.plan") == _layer(f"{PACKAGE}.cli")
+    assert (
+        f"{room}.options" in GRAPH[f"{room}.plan"] and f"{PACKAGE}.planner" in GRAPH[f"{room}.plan"]
+    )
+
+
+#: The one module that imports by name: the class paths a user writes in yaml or a checkpoint.
+NAME_IMPORTER = f"{PACKAGE}.core.validate"
+#: ``"package.module:function"``: a call named by a string.
+ENTRY_STRING = re.compile(rf"{PACKAGE}(\.\w+)*:\w+")
+#: ``"package.module.name"``: a module or an object of the package named by a string.
+DOTTED_STRING = re.compile(rf"{PACKAGE}(\.\w+)+")
+
+
+def _string_named_calls(source: str, module: str = "") -> list[str]:
+    """Strings that name a function or module of the package (``"pkg.mod:fn"``, ``"pkg.mod.fn"``;
+    the demos, a user's model named as a user would in yaml, excepted) and imports by name
+    (``import_module``, ``__import__``) outside :data:`NAME_IMPORTER`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            target = _resolve(text) if DOTTED_STRING.fullmatch(text) else None
+            if ENTRY_STRING.fullmatch(text) or (target and _layer(target) is not None):
+                found.append(f"line {node.lineno}: {text!r}")
+        elif isinstance(node, ast.Call) and module != NAME_IMPORTER:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__"):
+                found.append(f"line {node.lineno}: {name}(...)")
+    return found
+
+
+def test_no_string_named_calls() -> None:
+    # what the rule looks for: the old command table and its runner
+    sample = (
+        'TABLE = {"plan": ("help", "lightning_efficient.planner:plan_command")}\n'
+        'LATER = "lightning_efficient.commands.estimate.estimate_command"\n'
+        'DEMO = "lightning_efficient.demos.TinyGPT"\n'
+        "def run(name, argv):\n"
+        "    import importlib\n"
+        '    module, _, function = TABLE[name][1].partition(":")\n'
+        "    return getattr(importlib.import_module(module), function)(argv)\n"
+    )
+    assert sorted(f.split(":")[0] for f in _string_named_calls(sample)) == [
+        "line 1",
+        "line 2",
+        "line 7",
+    ]
+    found = {m: f for m in MODULES if (f := _string_named_calls(MODULES[m].read_text(), m))}
+    assert not found, "import what you call:\n" + "\n".join(
+        f"{m}: {', '.join(f)}" for m, f in found.items()
+    )
 
 
 def test_demos_import_nothing_of_the_package() -> None:

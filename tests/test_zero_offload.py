@@ -767,7 +767,7 @@ def test_lock_of_a_build_that_dies_is_waited_on_then_removed(tmp_path, capsys) -
 def test_a_lock_that_is_a_folder_and_a_nan_stale_after_are_short_errors(tmp_path, capsys) -> None:
     """Issue 33 item 10: a folder named lock was a traceback (unlink); --stale-after nan
     waited forever (no age is >= nan)."""
-    from lightning_efficient.techniques.zero_offload.commands import prepare_command
+    from lightning_efficient.commands.prepare import prepare_command
     from lightning_efficient.techniques.zero_offload.extensions import (
         ExtensionBuildError,
         check_lock,

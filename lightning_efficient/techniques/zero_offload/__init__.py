@@ -27,10 +27,6 @@ Pure functions (no Lightning needed; ``zero_offload_config`` and ``export_fp32``
 made, usable on a CPU (gloo) so that tests run the real DeepSpeed.
 """
 
-from lightning_efficient.techniques.zero_offload.commands import (
-    export_zero_command,
-    prepare_command,
-)
 from lightning_efficient.techniques.zero_offload.config import (
     SAVE_FORMATS,
     host_buffers,
@@ -72,8 +68,6 @@ __all__ = [
     "offloaded_categories",
     "host_buffers",
     "ensure_extensions",
-    "export_zero_command",
-    "prepare_command",
     "CheckpointError",
     "UnsafeCheckpointError",
     "ExtensionBuildError",

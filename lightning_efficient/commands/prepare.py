@@ -1,5 +1,5 @@
-"""Command-line entry points: ``lightning-efficient export-zero`` and ``lightning-efficient prepare``
-(listed in ``lightning_efficient.cli.EXTRA_COMMANDS``)."""
+"""``lightning-efficient prepare``: build DeepSpeed's CPU extensions ahead of time
+(:func:`ensure_extensions`; once per machine, e.g. in CI or a Dockerfile)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import torch
-
-from lightning_efficient.core.validate import format_bytes, missing_requirement
+from lightning_efficient.core.validate import missing_requirement
 from lightning_efficient.techniques.zero_offload.extensions import (
     DEFAULT_EXTENSIONS,
     EXTENSIONS,
@@ -18,40 +16,11 @@ from lightning_efficient.techniques.zero_offload.extensions import (
     check_stale_after,
     ensure_extensions,
 )
-from lightning_efficient.techniques.zero_offload.loading import load_checkpoint_file
-from lightning_efficient.techniques.zero_offload.state import export_fp32
 
-__all__ = ["export_zero_command", "prepare_command"]
+__all__ = ["HELP", "prepare_command"]
 
-
-def export_zero_command(argv: Sequence[str]) -> int:
-    """``lightning-efficient export-zero CKPT_DIR OUT``: consolidate a ZeRO checkpoint."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-efficient export-zero",
-        description="Consolidate a ZeRO (DeepSpeed) checkpoint directory into one plain fp32 "
-        "state_dict file that the unmodified module loads without DeepSpeed.",
-    )
-    parser.add_argument("checkpoint_dir", help="the directory trainer.save_checkpoint wrote")
-    parser.add_argument("out", help="the .pt file to write (never an input; see --force)")
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    parser.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="load the input with full unpickling, which can run code from the file: only for "
-        "a checkpoint you trust that holds types outside the allow-list",
-    )
-    args = parser.parse_args(list(argv))
-    try:
-        out = export_fp32(
-            args.checkpoint_dir, args.out, overwrite=args.force, trusted=args.trust_checkpoint
-        )
-    except (ValueError, OSError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    state = load_checkpoint_file(out)
-    n = sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor))
-    print(f"wrote {out}: {len(state)} tensors, {n:,} elements ({format_bytes(out.stat().st_size)})")
-    return 0
+#: The line ``lightning-efficient --help`` shows for this command.
+HELP = "build DeepSpeed's CPU extensions ahead of time (once per machine; CI, Dockerfiles)"
 
 
 def prepare_command(argv: Sequence[str]) -> int:

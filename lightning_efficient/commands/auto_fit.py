@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+# fail(message) ends the command with a short ``error: ...`` and exit code 2
+from lightning_efficient.commands.cli import EfficientCLI
+from lightning_efficient.commands.cli import exit_with_error as fail
 
 __all__ = ["auto_fit_command", "wants_auto"]
 
@@ -35,12 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cli(cli_class: Any, args: Sequence[str]) -> Any:
+def _cli(args: Sequence[str]) -> Any:
     import warnings
 
     with warnings.catch_warnings():  # the command line is the one given, less `fit --auto ...`
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        return cli_class(args=list(args), run=False)
+        return EfficientCLI(args=list(args), run=False)
 
 
 def _plan_config(decision: Any, folder: Path) -> Path:
@@ -54,7 +58,7 @@ def _plan_config(decision: Any, folder: Path) -> Path:
     return path
 
 
-def _batch_size(model: Any, datamodule: Any, name: str, fail: Callable[[str], Any]) -> int:
+def _batch_size(model: Any, datamodule: Any, name: str) -> int:
     """The batch size where Lightning's BatchSizeFinder looks for it (before the fit)."""
     for holder in (
         model,
@@ -74,9 +78,8 @@ def _batch_size(model: Any, datamodule: Any, name: str, fail: Callable[[str], An
     raise AssertionError  # fail exits
 
 
-def auto_fit_command(argv: Sequence[str], cli_class: Any, fail: Callable[[str], Any]) -> int:
-    """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``;
-    ``cli_class``: the package's LightningCLI; ``fail(message)`` ends with a short error)."""
+def auto_fit_command(argv: Sequence[str]) -> int:
+    """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``)."""
     from lightning_efficient.core.validate import parse_bytes
     from lightning_efficient.techniques.auto import AutoEfficient
     from lightning_efficient.techniques.auto.fit import decide_for
@@ -92,13 +95,13 @@ def auto_fit_command(argv: Sequence[str], cli_class: Any, fail: Callable[[str], 
         )
     except (TypeError, ValueError) as err:
         fail(str(err).replace("`budget`", "--budget").replace("`goal`", "--goal"))
-    first = _cli(cli_class, rest)
+    first = _cli(rest)
     trainer, model = first.trainer, first.model
     source = first.datamodule if first.datamodule is not None else model
     if first.datamodule is not None:  # as the fit does before the loaders are built
         first.datamodule.prepare_data()
         first.datamodule.setup("fit")
-    micro = _batch_size(model, first.datamodule, auto.batch_arg_name, fail)
+    micro = _batch_size(model, first.datamodule, auto.batch_arg_name)
     world = trainer.world_size
     effective = args.target_batch or micro * trainer.accumulate_grad_batches * world
     if effective % world:
@@ -126,7 +129,7 @@ def auto_fit_command(argv: Sequence[str], cli_class: Any, fail: Callable[[str], 
         print(f"AutoEfficient: {note}")
     with tempfile.TemporaryDirectory() as folder:
         plan = _plan_config(decision, Path(folder))
-        final = _cli(cli_class, [*rest, "--config", str(plan)])
+        final = _cli([*rest, "--config", str(plan)])
     final.trainer.callbacks.append(auto.preset(decision))
     final.trainer.fit(final.model, datamodule=final.datamodule, ckpt_path=args.ckpt_path)
     return 0

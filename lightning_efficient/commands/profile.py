@@ -1,0 +1,99 @@
+"""``lightning-efficient profile --config X.yaml [--steps N]``: runs N training steps of the config
+(no validation, no checkpoints, no logger) under ``StepProfiler`` and prints its table: where a
+step's time goes, FLOPs and MFU, memory, and the verdict.
+
+Other options are passed to the config parser (e.g. ``--model.init_args.n_layer=12``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_efficient.commands.cli import EfficientCLI
+from lightning_efficient.commands.options import command_parser, fail
+from lightning_efficient.core.validate import check_output_path
+from lightning_efficient.measure.profiler import StepProfiler
+
+__all__ = ["HELP", "profile_command"]
+
+#: The line ``lightning-efficient --help`` shows for this command.
+HELP = (
+    "run N training steps and say where the time goes and what to turn on (--config X.yaml "
+    "[--steps N])"
+)
+
+
+def _profile_parser() -> argparse.ArgumentParser:
+    p = command_parser(
+        "profile",
+        "Run N training steps of a config under StepProfiler and print where a step's time "
+        "goes, FLOPs and MFU, memory, and what to turn on next.",
+        ("config", "steps"),
+        steps=20,
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write the profile summary to this file (checked before the run; never one of "
+        "the configs; an existing file only with --force)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
+    return p
+
+
+def profile_command(argv: Sequence[str]) -> int:
+    args, rest = _profile_parser().parse_known_args(list(argv))
+    if args.steps < 2:
+        return fail(
+            f"--steps must be an integer >= 2 (one warm-up step, one measured); got {args.steps}."
+        )
+    try:  # before the run: a bad path found after it loses the profile
+        check_output_path("--json", args.json, inputs=args.config)
+    except (TypeError, ValueError) as err:
+        return fail(str(err))
+    if args.json and Path(args.json).exists() and not args.force:
+        return fail(
+            f"--json {args.json!r} exists; pass --force to replace it, or choose another file."
+        )
+    cli_args: list[str] = []
+    for cfg in args.config:
+        cli_args += ["--config", cfg]
+    forced = [
+        f"--trainer.max_steps={args.steps}",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.logger=false",
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        cli = EfficientCLI(
+            args=cli_args + list(rest) + forced, run=False, save_config_callback=None
+        )
+    trainer = cli.trainer
+    profiler = next((cb for cb in trainer.callbacks if isinstance(cb, StepProfiler)), None)
+    if profiler is None:
+        profiler = StepProfiler(skip_steps=min(2, args.steps - 1), compare_plain=True)
+        trainer.callbacks.append(profiler)
+    elif profiler.skip_steps >= args.steps:
+        return fail(
+            f"--steps {args.steps} leaves no step to measure after the config's StepProfiler "
+            f"skip_steps={profiler.skip_steps}; give more steps."
+        )
+    else:
+        try:  # the config's own output files must not replace a config either
+            for name in ("trace", "png"):
+                check_output_path(name, getattr(profiler, name), inputs=args.config)
+        except (TypeError, ValueError) as err:
+            return fail(f"StepProfiler: {err}")
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    if profiler.summary is None:
+        return fail(f"no training step was measured in {args.steps} steps.")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(profiler.summary, indent=2, default=str))
+    return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -61,3 +62,65 @@ def test_estimate_command_bad_input(capsys) -> None:
     assert info.value.code == 2 and "fp8" in capsys.readouterr().err
     assert main(["estimate", "--config", str(DEMO), "--batch-size", "0"]) == 2
     assert "--batch-size" in capsys.readouterr().err
+
+
+# -- profile --json: never a file the run reads or the profiler writes (issue 37) ---------------
+TINY_ARGS = [
+    "--trainer.accelerator=cpu",
+    "--model.init_args.n_layer=1",
+    "--model.init_args.n_embd=32",
+    "--model.init_args.n_head=2",
+    "--model.init_args.seq_len=32",
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=4",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+def _profile(config: Path, *extra: str) -> int:
+    return main(["profile", "--config", str(config), "--steps", "3", *TINY_ARGS, *extra])
+
+
+def test_profile_json_never_replaces_a_hard_link_or_a_sub_config(tmp_path, capsys) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(DEMO.read_text())
+    before = config.read_text()
+    linked = tmp_path / "linked.json"
+    os.link(config, linked)  # the same file under another name
+    assert _profile(config, "--json", str(linked), "--force") == 2
+    err = capsys.readouterr().err
+    assert "`--json`" in err and "input of this run" in err and "Traceback" not in err
+    assert config.read_text() == before
+    # a sub-config given as `--trainer FILE` is read by the run too
+    sub = tmp_path / "trainer.yaml"
+    sub.write_text("max_epochs: 1\n")
+    for given in (["--trainer", str(sub)], [f"--trainer={sub}"]):
+        assert _profile(config, *given, "--json", str(sub), "--force") == 2
+        assert "input of this run" in capsys.readouterr().err
+    assert sub.read_text() == "max_epochs: 1\n"
+
+
+def test_profile_json_dangling_link_needs_force(tmp_path, capsys) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(DEMO.read_text())
+    target = tmp_path / "elsewhere.json"
+    link = tmp_path / "profile.json"
+    link.symlink_to(target)  # a link to a file that does not exist (yet)
+    assert _profile(config, "--json", str(link)) == 2
+    err = capsys.readouterr().err
+    assert "symbolic link" in err and "--force" in err and "Traceback" not in err
+    assert not target.exists()  # nothing was created through the link
+
+
+def test_profile_json_is_not_the_config_profilers_trace(tmp_path, capsys) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(DEMO.read_text())
+    trace = tmp_path / "trace.json"
+    traced = tmp_path / "traced.yaml"
+    profiler = {"class_path": "StepProfiler", "init_args": {"skip_steps": 1, "trace": str(trace)}}
+    traced.write_text(yaml.safe_dump({"trainer": {"callbacks": [profiler]}}))
+    for extra in ([], ["--force"]):
+        assert _profile(config, "--config", str(traced), "--json", str(trace), *extra) == 2
+        err = capsys.readouterr().err
+        assert "StepProfiler writes as `trace`" in err and "Traceback" not in err
+        assert not trace.exists()  # refused before the run

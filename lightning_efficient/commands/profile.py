@@ -8,13 +8,14 @@ Other options are passed to the config parser (e.g. ``--model.init_args.n_layer=
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.commands.options import command_parser, fail
-from lightning_efficient.core.validate import check_output_path
+from lightning_efficient.core.validate import check_output_path, same_file
 from lightning_efficient.measure.profiler import StepProfiler
 
 __all__ = ["HELP", "profile_command"]
@@ -37,11 +38,31 @@ def _profile_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         default=None,
-        help="also write the profile summary to this file (checked before the run; never one of "
-        "the configs; an existing file only with --force)",
+        help="also write the profile summary to this file (checked before the run; never a file "
+        "the run reads nor one the config's StepProfiler writes; an existing file or link only "
+        "with --force)",
     )
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     return p
+
+
+def _files_read(configs: Sequence[str], rest: Sequence[str]) -> list[str]:
+    """The files the run reads: the configs and every file named on the rest of the command line
+    (a ``--trainer FILE`` sub-config, ``--data.init_args.path=FILE``, ...)."""
+    values = [arg.partition("=")[2] if arg.startswith("-") else arg for arg in rest]
+    return [*configs, *(v for v in values if v and os.path.isfile(v))]
+
+
+def _exists_message(path: str) -> str:
+    """Why ``--json`` needs ``--force``: an existing file, or a link (even one to nothing)."""
+    if os.path.islink(path):
+        target = os.readlink(path)
+        what = "exists" if os.path.exists(path) else "does not exist yet"
+        return (
+            f"--json {path!r} is a symbolic link to {target!r}, which {what}; pass --force to "
+            "write through it, or choose another file."
+        )
+    return f"--json {path!r} exists; pass --force to replace it, or choose another file."
 
 
 def profile_command(argv: Sequence[str]) -> int:
@@ -50,14 +71,13 @@ def profile_command(argv: Sequence[str]) -> int:
         return fail(
             f"--steps must be an integer >= 2 (one warm-up step, one measured); got {args.steps}."
         )
+    inputs = _files_read(args.config, rest)
     try:  # before the run: a bad path found after it loses the profile
-        check_output_path("--json", args.json, inputs=args.config)
+        check_output_path("--json", args.json, inputs=inputs)
     except (TypeError, ValueError) as err:
         return fail(str(err))
-    if args.json and Path(args.json).exists() and not args.force:
-        return fail(
-            f"--json {args.json!r} exists; pass --force to replace it, or choose another file."
-        )
+    if args.json and os.path.lexists(args.json) and not args.force:
+        return fail(_exists_message(args.json))
     cli_args: list[str] = []
     for cfg in args.config:
         cli_args += ["--config", cfg]
@@ -86,9 +106,16 @@ def profile_command(argv: Sequence[str]) -> int:
     else:
         try:  # the config's own output files must not replace a config either
             for name in ("trace", "png"):
-                check_output_path(name, getattr(profiler, name), inputs=args.config)
+                check_output_path(name, getattr(profiler, name), inputs=inputs)
         except (TypeError, ValueError) as err:
             return fail(f"StepProfiler: {err}")
+        for name in ("trace", "png"):
+            own = getattr(profiler, name)
+            if args.json and own and same_file(own, args.json):
+                return fail(
+                    f"--json {args.json!r} is the file the config's StepProfiler writes as "
+                    f"`{name}`; the summary would replace it. Choose another file."
+                )
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if profiler.summary is None:
         return fail(f"no training step was measured in {args.steps} steps.")

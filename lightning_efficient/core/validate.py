@@ -20,6 +20,7 @@ __all__ = [
     "check_float",
     "check_bool",
     "check_output_path",
+    "same_file",
     "parse_bytes",
     "format_bytes",
     "import_object",
@@ -148,9 +149,8 @@ def check_output_path(
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"`{name}` {str(path)!r}: the folder {str(folder)!r} is not writable.")
     if path.exists():
-        resolved = path.resolve()
         for source in inputs:
-            if source is not None and Path(source).exists() and Path(source).resolve() == resolved:
+            if source is not None and Path(source).exists() and same_file(source, path):
                 raise ValueError(
                     f"`{name}` {str(path)!r} is an input of this run; writing it would replace "
                     "it. Choose another file."
@@ -158,6 +158,18 @@ def check_output_path(
         if not os.access(path, os.W_OK):
             raise ValueError(f"`{name}` {str(path)!r} exists and is not writable.")
     return str(value)
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether the paths ``a`` and ``b`` name one file: the same path once symbolic links are
+    followed (the file need not exist yet), or, both existing, the same file on disk (a hard
+    link)."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def _range(minimum: Any, maximum: Any, max_exclusive: bool = False) -> str:

@@ -8,8 +8,10 @@ is the logits) and the planner (whether the chunked loss is worth offering).
    outermost model that has a ``config``);
 2. an ``nn.Linear`` whose weight *is* an ``nn.Embedding``'s (tied weights; the last one);
 3. an ``nn.Linear`` with as many outputs as the largest ``nn.Embedding`` has rows (the token
-   embedding; the last one registered). This is what finds LitGPT's ``lm_head``, which is
-   registered before the blocks, and the ``linear`` inside ``litgpt.lora.GPT``'s ``LoRALinear``.
+   embedding); of several, the shallowest in the module tree (a block's MLP can be as wide as a
+   small vocabulary; the head is not inside the blocks), the last registered of those. This is
+   what finds LitGPT's ``lm_head``, which is registered before the blocks, and the ``linear``
+   inside ``litgpt.lora.GPT``'s ``LoRALinear``.
 
 A model without an embedding, or whose linear layers are none as wide as its largest embedding
 (a classifier over a text encoder: its two outputs are no vocabulary), has no output head here.
@@ -67,6 +69,8 @@ def find_output_head(model: nn.Module) -> OutputHead | None:
         return OutputHead(tied[-1][0], tied[-1][1], "tied to the input embedding")
     vocab = max(m.num_embeddings for m in embeddings)
     wide = [(n, m) for n, m in linears if m.out_features == vocab]
-    if wide:
-        return OutputHead(wide[-1][0], wide[-1][1], "as wide as the largest embedding")
+    if wide:  # the shallowest (a block's MLP can be as wide), the last of those
+        depth = min(n.count(".") for n, _ in wide)
+        name, linear = [(n, m) for n, m in wide if n.count(".") == depth][-1]
+        return OutputHead(name, linear, "as wide as the largest embedding")
     return None

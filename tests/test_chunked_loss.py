@@ -200,7 +200,7 @@ def test_label_smoothing_shifted_logits_and_a_bias(bias: bool) -> None:
     x, y = _tiny_batch()
     y = y.clamp(min=0)  # ignore_index=0 here
     name, _, how = find_output_projection(model)
-    assert (name, how) == ("out", "the last linear layer")
+    assert (name, how) == ("out", "as wide as the largest embedding")
     change = apply_chunked_cross_entropy(model, chunk_bytes=CHUNK)
     _assert_equal(_step(model, (x, y)), _step(plain, (x, y)))
     assert change.value.by_backend == {"chunked": 1}

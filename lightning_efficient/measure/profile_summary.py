@@ -18,6 +18,7 @@ from lightning_efficient.measure.flops import (
     mfu,
     peak_flops,
 )
+from lightning_efficient.measure.heads import find_output_head
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.step_phases import StepPhases
 
@@ -103,20 +104,14 @@ def optimizer_of(trainer: Any) -> tuple[str | None, bool | None]:
 
 
 def output_head(module: Any) -> tuple[int | None, int | None]:
-    """A language model's ``(vocabulary, hidden size)``: the ``Linear`` whose outputs are as
-    many as the largest ``Embedding``'s rows (the token embedding; a classifier's few outputs
-    are not a vocabulary); ``(None, None)`` otherwise."""
-    from torch import nn
-
-    rows = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
-    if not rows:
+    """A language model's ``(vocabulary, hidden size)``: its output head by the one rule
+    (``measure.heads.find_output_head``: a Linear as wide as the largest ``Embedding``, or tied
+    to it, or a Hugging Face model's output embeddings; a classifier's few outputs are not a
+    vocabulary); ``(None, None)`` otherwise."""
+    head = find_output_head(module)
+    if head is None:
         return None, None
-    vocab = max(rows)
-    head = next(
-        (m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == vocab),
-        None,
-    )
-    return (vocab, head.in_features) if head is not None else (None, None)
+    return head.linear.out_features, head.linear.in_features
 
 
 def active_techniques(trainer: Any, precision: str) -> frozenset[str]:

@@ -1,9 +1,10 @@
 """Make an unmodified model's cross-entropy come from its output projection in chunks.
 
 - ``find_output_projection(model, head=None)``: the ``nn.Linear`` whose output is the logits:
-  ``head`` when named; else a Hugging Face model's ``get_output_embeddings()``; else a linear
-  layer tied to an embedding (its weight is an ``nn.Embedding``'s); else the last linear layer
-  registered.
+  ``head`` when named; else the output head by the package's one rule
+  (``measure.heads.find_output_head``: a Hugging Face model's output embeddings, a linear layer
+  tied to an embedding, a linear layer as wide as the largest embedding); else, in a model
+  without embeddings, the last linear layer.
 - ``loss_refusal(model)``: why the model's loss cannot be reproduced from chunks (a Hugging Face
   config that caps, scales or adds a z-loss to the logits), or ``None``.
 - ``apply_chunked_cross_entropy(model, ...)``: while training (grad enabled), the projection
@@ -27,6 +28,7 @@ from torch import nn
 
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.measure.heads import find_output_head, hf_output_head
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.kernel import (
     DEFAULT_CHUNK_BYTES,
@@ -53,63 +55,62 @@ _LOGIT_TRANSFORMS = {
 }
 
 
-def _hf_head(model: nn.Module) -> tuple[str, nn.Module, nn.Linear] | None:
-    """``(name, owner, linear)`` of the outermost Hugging Face model's output embeddings."""
-    for name, module in model.named_modules():
-        get = getattr(module, "get_output_embeddings", None)
-        if not callable(get) or not hasattr(module, "config"):
-            continue
-        try:
-            out = get()
-        except (NotImplementedError, AttributeError):
-            continue
-        if isinstance(out, nn.Linear):
-            for sub, candidate in module.named_modules():
-                if candidate is out:
-                    return ".".join(p for p in (name, sub) if p), module, out
-    return None
-
-
 def find_output_projection(model: nn.Module, head: str | None = None) -> tuple[str, nn.Linear, str]:
-    """``(name, linear, how it was found)`` of the layer whose output is the logits.
+    """``(name, linear, how it was found)`` of the layer whose output is the logits: ``head``
+    when named; else the output head by the package's one rule
+    (:func:`~lightning_efficient.measure.heads.find_output_head`); else, for a model without
+    any ``nn.Embedding`` (one fed hidden states), its last linear layer.
 
-    Raises a ``ValueError`` when ``head`` names no ``nn.Linear`` of ``model``, or when nothing
-    is found."""
+    Raises a ``ValueError`` when ``head`` names no ``nn.Linear`` of ``model`` (or a
+    ``TypeError`` when it is not a string), or when nothing is found."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if head is not None:
+        if not isinstance(head, str) or not head:
+            raise TypeError(
+                "`head` must be the name of the output projection (a non-empty string, e.g. "
+                f"'model.lm_head') or None; got {head!r} ({type(head).__name__})."
+            )
         try:
             module = model.get_submodule(head)
         except AttributeError:
             module = None
         if not isinstance(module, nn.Linear):
-            linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+            inner = [n for n in linears if n.startswith(f"{head}.")]
+            hint = f" (did you mean {inner[0]!r}, the nn.Linear inside it?)" if inner else ""
             raise ValueError(
                 f"`head` must name an nn.Linear of the model (the output projection); got "
-                f"{head!r} ({type(module).__name__ if module is not None else 'no such module'}). "
-                f"Its linear layers: {', '.join(linears[-5:]) or 'none'}"
+                f"{head!r} ({type(module).__name__ if module is not None else 'no such module'})"
+                f"{hint}. Its linear layers: {', '.join(linears[-5:]) or 'none'}"
                 + (" (the last 5)" if len(linears) > 5 else "")
                 + "."
             )
         return head, module, "named by `head`"
-    found = _hf_head(model)
+    found = find_output_head(model)
     if found is not None:
-        return found[0], found[2], "the Hugging Face model's output embeddings"
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    tied = [(n, m) for n, m in linears if id(m.weight) in embeddings]
-    if tied:
-        return tied[-1][0], tied[-1][1], "tied to the input embedding"
-    if linears:
-        return linears[-1][0], linears[-1][1], "the last linear layer"
+        return found.name, found.linear, found.how
+    has_embedding = any(isinstance(m, nn.Embedding) for m in model.modules())
+    if linears and not has_embedding:
+        name = linears[-1]
+        return name, model.get_submodule(name), "the last linear layer (the model has no embedding)"
     raise ValueError(
-        "found no output projection: the model has no nn.Linear layer. ChunkedCrossEntropy "
-        "needs the logits to come from an nn.Linear (pass its name as `head=`)."
+        "found no output projection: "
+        + (
+            "no nn.Linear is as wide as the model's largest nn.Embedding (its vocabulary) nor "
+            "tied to it"
+            if has_embedding
+            else "the model has no nn.Linear layer"
+        )
+        + ". ChunkedCrossEntropy needs the logits to come from an nn.Linear: pass its name as "
+        f"`head=` (its linear layers: {', '.join(linears[-5:]) or 'none'}"
+        + (", the last 5" if len(linears) > 5 else "")
+        + ")."
     )
 
 
 def loss_refusal(model: nn.Module) -> str | None:
     """Why chunks cannot reproduce ``model``'s loss exactly (``None``: they can, as far as its
     configuration tells; what the code does to the logits is checked at every call)."""
-    found = _hf_head(model)
+    found = hf_output_head(model)
     if found is None:
         return None
     name, owner, _ = found

@@ -13,6 +13,7 @@ from lightning_efficient.techniques.chunked_loss.apply import (
     find_output_projection,
     loss_refusal,
 )
+from lightning_efficient.techniques.chunked_loss.kernel import LOGITS_FRACTION
 
 __all__ = ["ChunkedCrossEntropy"]
 
@@ -34,14 +35,18 @@ class ChunkedCrossEntropy(Technique):
 
     Args:
         head: Name of the output projection (an ``nn.Linear`` of the LightningModule, e.g.
-            ``"model.lm_head"``); ``None``: a Hugging Face model's output embeddings, else a
-            linear layer tied to an embedding, else the last linear layer.
+            ``"model.lm_head"``, or ``"model.lm_head.linear"`` in ``litgpt.lora.GPT``);
+            ``None``: the output head by the package's one rule (``measure.heads``: a Hugging
+            Face model's output embeddings, else a linear layer tied to an embedding, else one
+            as wide as the largest embedding; in a model without embeddings, the last linear
+            layer). A name that is no ``nn.Linear`` of the module is refused when fit starts.
         backend: ``"auto"`` (Liger-Kernel, then Cut Cross-Entropy, when installed and the step
             runs on CUDA; this package's chunked implementation otherwise), ``"chunked"``,
             ``"liger"`` or ``"cce"`` (the library asked for; the chunked implementation where it
             cannot compute the call, e.g. on a CPU).
         chunk_bytes: The largest float32 logits of one chunk (bytes or a string like
-            ``"128MiB"``; at least 64 KiB): rows per chunk = ``chunk_bytes / (4 * vocabulary)``.
+            ``"128MiB"``; at least 64 KiB). Rows per chunk: 1/16 of the logits' rows (at least
+            16), and never more than ``chunk_bytes / (4 * vocabulary)`` (``kernel.chunk_rows``).
 
     The projection is changed when fit starts and put back after fit, and when fit raises or is
     interrupted; ``state_dict`` keys never change. A model whose configuration transforms its
@@ -80,7 +85,8 @@ class ChunkedCrossEntropy(Technique):
         library kernels need CUDA, and the estimate's tensors are fake CPU tensors)."""
         change = self._apply(plan.model, say=plan.note)
         plan.on_exit(change.undo)
-        rows = f"{self._bytes // (4 * change.figures['vocabulary']):,} rows a chunk at most"
+        cap = self._bytes // (4 * change.figures["vocabulary"])
+        rows = f"1/{LOGITS_FRACTION} of the rows a chunk, {cap:,} at most"
         plan.note(f"{self.name}: {change.what} ({rows}; the chunked backend)")
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -91,6 +97,7 @@ class ChunkedCrossEntropy(Technique):
         refusal = loss_refusal(pl_module)
         if refusal is not None:
             raise SettingsError(f"{self.name}: {refusal}")
+        find_output_projection(pl_module, self.head)  # `head=` checked before anything runs
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._change = self.record(trainer, self._apply(pl_module, say=self.no_effect))

@@ -31,25 +31,40 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from lightning_efficient.core._internals import fake_tensor_errors
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "LOGITS_FRACTION",
+    "MIN_ROWS",
     "REDUCTIONS",
     "chunk_rows",
     "chunked_linear_cross_entropy",
 ]
 
-#: The default size of one chunk's float32 logits: 128 MiB (at most about 4x that live in a
+#: The largest chunk by default: 128 MiB of float32 logits (at most about 4x that live in a
 #: chunk: its logits in the compute dtype, in float32, and the gradient in the compute dtype).
 DEFAULT_CHUNK_BYTES = 128 * 2**20
+#: A chunk never holds more than this fraction of the logits' rows, so the loss phase stays a
+#: small share of the step at every shape (moderate logits included, which ``chunk_bytes``
+#: alone would hold whole): at most 1/16 of the rows, as Liger-Kernel sizes its chunks from the
+#: batch rather than from a fixed byte count.
+LOGITS_FRACTION = 16
+#: ... but not fewer rows than this (narrow matrix products are slow), unless the cap in bytes
+#: says so.
+MIN_ROWS = 16
 #: The reductions the chunked loss computes (``"none"`` needs each row's gradient before the
 #: weight's gradient can be summed, which this forward-time gradient cannot know).
 REDUCTIONS = ("mean", "sum")
 
 
 def chunk_rows(vocab: int, rows: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Rows per chunk: as many as keep one chunk's float32 logits within ``chunk_bytes``
-    (at least 1, at most ``rows``)."""
-    return max(1, min(rows, chunk_bytes // (4 * max(1, vocab))))
+    """Rows per chunk: ``1 / LOGITS_FRACTION`` of ``rows`` (at least ``MIN_ROWS``), and never
+    more than keep one chunk's float32 logits within ``chunk_bytes`` (at least 1, at most
+    ``rows``)."""
+    by_bytes = chunk_bytes // (4 * max(1, vocab))
+    share = max(MIN_ROWS, -(-rows // LOGITS_FRACTION))
+    return max(1, min(rows, by_bytes, share))
 
 
 def _autocast_off(device_type: str) -> torch.autocast:
@@ -108,6 +123,23 @@ def _chunk(
     return loss
 
 
+def _check_targets(target: torch.Tensor, valid: torch.Tensor, vocab: int) -> None:
+    """F.cross_entropy's ``IndexError`` ("Target 256 is out of bounds.") for a class index
+    outside ``[0, vocab)`` that is not ignored, where it can be read without a device sync: on
+    a CPU, outside a compiled region and not on fake tensors (the estimate's). Elsewhere an
+    out-of-range target fails in the gather, as the plain loss fails in its kernel."""
+    if target.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    try:
+        bad = valid & ((target < 0) | (target >= vocab))
+        if not bool(bad.any()):
+            return
+        value = int(target[bad][0])
+    except fake_tensor_errors():
+        return
+    raise IndexError(f"Target {value} is out of bounds.")
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss in forward, gradients in forward (see the module's docstring), scaled in backward."""
 
@@ -131,6 +163,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             w = weight.to(compute_dtype)
             b = bias.to(compute_dtype) if bias is not None else None
             valid = target != ignore_index
+            _check_targets(target, valid, weight.shape[0])
             safe = torch.where(valid, target, torch.zeros_like(target))
             keep = valid.to(torch.float32)
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -152,11 +185,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_b,
                 )
             count = keep.sum()
-            scale = 1 / count if reduction == "mean" else torch.ones_like(count)
+            if reduction == "mean":
+                # no row counted (a fully padded batch): the loss is 0 / 0 = NaN and every
+                # gradient 0, as F.cross_entropy gives
+                out = loss / count
+                scale = torch.where(count > 0, 1 / count.clamp(min=1), torch.zeros_like(count))
+            else:
+                out, scale = loss, torch.ones_like(count)
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.scale = scale
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
-        return loss * scale
+        return out
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]

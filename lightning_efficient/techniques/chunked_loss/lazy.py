@@ -124,16 +124,21 @@ class LogitsSource:
         return dtype if enabled else self.hidden.dtype
 
     def materialize(self) -> torch.Tensor:
-        """The full logits, as the projection computes them (once per call)."""
+        """The full logits, as the projection computes them (once per call), with their graph
+        even when first read under ``no_grad`` or through ``detach()`` (an accuracy metric): the
+        loss computed from them later needs it, as in the plain step."""
         if self.logits is None:
             enabled, dtype = self.autocast
             device_type = self.device_type
             now = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            if now == self.autocast:
-                logits = self.forward(self.hidden)
-            else:
-                with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False):
+            with torch.enable_grad():  # the projection was called with grad enabled
+                if now == self.autocast:
                     logits = self.forward(self.hidden)
+                else:
+                    with torch.autocast(
+                        device_type, dtype=dtype, enabled=enabled, cache_enabled=False
+                    ):
+                        logits = self.forward(self.hidden)
             self.logits = self.attach_hooks(logits)
         return self.logits
 
@@ -242,9 +247,6 @@ def _fall_back(func: Any, args: tuple, kwargs: dict, what: str | None = None) ->
         if id(source) not in told and source.logits is None:
             told.add(id(source))
             source.session.fell_back(source, what or _name(func))
-        if func is torch.Tensor.detach and source.logits is None:
-            with torch.no_grad():  # only values are wanted: no graph for them
-                return x.full()
         return x.full()
 
     return func(*tree_map(full, args), **tree_map(full, kwargs))

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient.measure.step import autocast_for, loss_of, silenced_logging
+from lightning_efficient.measure.scratch import scratch
+from lightning_efficient.measure.step import autocast_for, loss_of
 from lightning_efficient.measure.timing import time_fn
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import EstimatePlan, resolve_optimizer
@@ -69,19 +70,13 @@ def free_memory() -> None:
 
 @contextlib.contextmanager
 def scratch_step(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run real steps on ``module`` and put it back exactly: weights, buffers, grads, device."""
-    saved = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-    home = next((p.device for p in module.parameters()), torch.device("cpu"))
-    was_training = module.training
-    module.to(device).train()
+    """Run real steps on ``module`` and put it back exactly (:func:`~lightning_efficient.measure.
+    scratch.scratch`: weights, buffers, attributes, metric states, gradients, device, mode and
+    the RNG), then free the device's cache."""
     try:
-        with silenced_logging(module):
+        with scratch(module, device):
             yield
     finally:
-        for p in module.parameters():
-            p.grad = None
-        module.load_state_dict(saved)
-        module.to(home).train(was_training)
         free_memory()
 
 

@@ -304,7 +304,7 @@ def estimate_memory(
                 raise explain_fake_failure(err) from err
         finally:
             try:
-                plan._run_undo()
+                plan.undo()
             finally:
                 model.train(was_training)
     result = tracker.summary(offload=plan.offload)

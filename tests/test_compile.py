@@ -404,7 +404,9 @@ def test_undo_puts_back_exactly_what_each_module_had() -> None:
     change.undo()
     assert "_compiled_call_impl" not in vars(model.blocks[0])  # absent, as before
     assert compiled_call(model.blocks[1]) is users
-    assert all("_compiled_call_impl" not in vars(m) for m in model.modules() if m is not model.blocks[1])
+    assert all(
+        "_compiled_call_impl" not in vars(m) for m in model.modules() if m is not model.blocks[1]
+    )
 
 
 class _Raises(pl.LightningModule):
@@ -427,8 +429,14 @@ def test_scope_auto_raises_the_users_own_error() -> None:
         return apply_compile(model, regional=False, backend="aot_eager", on_error=on_error)
 
     with pytest.raises(RuntimeError, match="shape"):
-        trial_scopes(compile_as, model, (torch.randn(2, 4),), torch.device("cpu"),
-                     contextlib.nullcontext, lambda: 0.0)
+        trial_scopes(
+            compile_as,
+            model,
+            (torch.randn(2, 4),),
+            torch.device("cpu"),
+            contextlib.nullcontext,
+            lambda: 0.0,
+        )
     assert compiled_modules(model) == []
 
 
@@ -450,8 +458,15 @@ def test_compile_trial_changes_no_state_outside_the_state_dict() -> None:
     def compile_as(scope, on_error):
         return apply_compile(model, regional=False, backend="aot_eager", on_error=on_error)
 
-    timings, _, errors = trial_scopes(compile_as, model, _stateful_batch(), torch.device("cpu"),
-                                      contextlib.nullcontext, lambda: 0.0, scopes=("whole",))
+    timings, _, errors = trial_scopes(
+        compile_as,
+        model,
+        _stateful_batch(),
+        torch.device("cpu"),
+        contextlib.nullcontext,
+        lambda: 0.0,
+        scopes=("whole",),
+    )
     assert not errors and timings["whole"]["steady_step_s"] > 0
     assert model.seen == seen == 16 and torch.equal(model.sums, sums)
     assert model.acc._update_count == count == 1 and torch.equal(torch.get_rng_state(), rng)
@@ -480,8 +495,13 @@ def test_whole_scope_with_graph_breaks_says_where_and_why(tmp_path) -> None:
     tc = TorchCompile(scope="whole", backend="aot_eager")
     data = DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
     trainer = pl.Trainer(
-        max_steps=2, callbacks=[tc], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        max_steps=2,
+        callbacks=[tc],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

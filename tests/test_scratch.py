@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.types import EstimateError
 from lightning_efficient.measure.scratch import keep_module_state, scratch
 from lightning_efficient.measure.trial import throughput, trial_step, trial_within
+from lightning_efficient.measure.types import EstimateError
 
 
 def _square_loss(mod: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
@@ -129,7 +129,9 @@ class Stateful(pl.LightningModule):
         self.register_buffer("sums", torch.zeros(4), persistent=False)
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         logits = self.net(x)
         self.seen += len(x)

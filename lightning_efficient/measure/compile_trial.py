@@ -56,7 +56,9 @@ def describe_error(err: BaseException) -> str:
 @contextlib.contextmanager
 def installed(module: nn.Module, calls: dict[str, Any]) -> Iterator[None]:
     """``calls`` (submodule name -> compiled call) in place while inside, then what was there."""
-    changes = [install_compiled_call(module.get_submodule(n) if n else module, c) for n, c in calls.items()]
+    changes = [
+        install_compiled_call(module.get_submodule(n) if n else module, c) for n, c in calls.items()
+    ]
     with Change.of("compiled calls installed", changes):
         yield
 
@@ -121,7 +123,10 @@ def trial_scopes(
                 for _ in range(max(0, warmup - 1)):
                     step()
                 if not caught:
-                    timings[scope] = {"compile_s": compile_seconds() - before, "first_step_s": first}
+                    timings[scope] = {
+                        "compile_s": compile_seconds() - before,
+                        "first_step_s": first,
+                    }
                     calls[scope] = {
                         n: compiled_call(module.get_submodule(n) if n else module)
                         for n in change.value

@@ -13,7 +13,11 @@ from lightning_efficient.core.validate import check_bool, check_int
 from lightning_efficient.measure.compile_trial import describe_error
 from lightning_efficient.measure.timing import StepTimes
 from lightning_efficient.techniques._blocks import check_policy
-from lightning_efficient.techniques.compile.functions import apply_compile, check_backend, check_mode
+from lightning_efficient.techniques.compile.functions import (
+    apply_compile,
+    check_backend,
+    check_mode,
+)
 from lightning_efficient.techniques.compile.report import compile_line, no_graphs_warning
 from lightning_efficient.techniques.compile.scope import (
     ScopeChoice,

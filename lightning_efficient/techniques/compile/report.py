@@ -4,8 +4,6 @@ or the warning that Dynamo captured no graph."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from lightning_efficient.core.change import Change

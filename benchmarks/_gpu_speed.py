@@ -39,8 +39,8 @@ from _gpu_parts import (
 
 from lightning_efficient.functional import apply_compile
 from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.techniques._compile_scope import choose_scope
 from lightning_efficient.techniques.compile import CompileWatch
+from lightning_efficient.techniques.compile.scope import choose_scope
 
 __all__ = ["ABLATION", "part_compile", "part_speed"]
 

@@ -283,7 +283,7 @@ def test_auto_never_compiles_leaf_layers(tmp_path) -> None:
 
 # -- scope: regional, whole, or chosen by measurement (issue 29) ---------------------------------
 def test_choose_scope_rule_on_given_timings() -> None:
-    from lightning_efficient.techniques._compile_scope import WHOLE_FASTER, choose_scope
+    from lightning_efficient.techniques.compile.scope import WHOLE_FASTER, choose_scope
 
     # issue 29's H200 record: regional 39.6 ms (8.2 s compile), whole 27.1 ms (16.6 s)
     h200 = choose_scope(39.6e-3, 27.1e-3, regional_compile_s=8.2, whole_compile_s=16.6)
@@ -311,7 +311,7 @@ def test_choose_scope_rule_on_given_timings() -> None:
 
 
 def test_scope_argument_default_and_the_older_regional() -> None:
-    from lightning_efficient.techniques._compile_scope import default_scope
+    from lightning_efficient.techniques.compile.scope import default_scope
 
     assert default_scope("cuda") == "auto" and default_scope("cpu") == "regional"
     assert TorchCompile().scope is None  # the device's default, at fit start
@@ -363,7 +363,8 @@ def test_trial_puts_the_module_back_and_survives_a_failing_scope() -> None:
     not chosen."""
     import contextlib
 
-    from lightning_efficient.techniques._compile_scope import choose_scope, trial_scopes
+    from lightning_efficient.measure.compile_trial import trial_scopes
+    from lightning_efficient.techniques.compile.scope import choose_scope
 
     model = tiny_model()
     ids = torch.randint(0, 64, (2, 32))
@@ -391,3 +392,123 @@ def test_trial_puts_the_module_back_and_survives_a_failing_scope() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     choice = choose_scope(None, timings["regional"]["steady_step_s"], errors=errors)
     assert choice.scope == "whole" and choice.errors == errors  # (figures as given)
+
+
+# -- issue 37: the undo is exact, the user's error surfaces, breaks are reported ------------------
+def test_undo_puts_back_exactly_what_each_module_had() -> None:
+    model = tiny_model()
+    model.blocks[1].compile(backend="aot_eager")  # the user's own compile of one block
+    users = compiled_call(model.blocks[1])
+    change = apply_compile(model, backend="aot_eager")
+    assert all(compiled_call(b) is not None for b in model.blocks)
+    change.undo()
+    assert "_compiled_call_impl" not in vars(model.blocks[0])  # absent, as before
+    assert compiled_call(model.blocks[1]) is users
+    assert all(
+        "_compiled_call_impl" not in vars(m) for m in model.modules() if m is not model.blocks[1]
+    )
+
+
+class _Raises(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).view(3, -1).sum()  # the user's shape error: 2x4 -> 3 rows
+
+
+def test_scope_auto_raises_the_users_own_error() -> None:
+    import contextlib
+
+    from lightning_efficient.measure.compile_trial import trial_scopes
+
+    model = _Raises()
+
+    def compile_as(scope, on_error):
+        return apply_compile(model, regional=False, backend="aot_eager", on_error=on_error)
+
+    with pytest.raises(RuntimeError, match="shape"):
+        trial_scopes(
+            compile_as,
+            model,
+            (torch.randn(2, 4),),
+            torch.device("cpu"),
+            contextlib.nullcontext,
+            lambda: 0.0,
+        )
+    assert compiled_modules(model) == []
+
+
+def test_compile_trial_changes_no_state_outside_the_state_dict() -> None:
+    """issue 37 row 8: the trial's steps leave the counter, the non-persistent buffer, the
+    metric and the RNG as they were."""
+    import contextlib
+
+    from test_scratch import Stateful, _stateful_batch
+
+    from lightning_efficient.measure.compile_trial import trial_scopes
+
+    torch.manual_seed(0)
+    model = Stateful()
+    model.training_step(_stateful_batch(), 0)
+    seen, sums, count = model.seen, model.sums.clone(), model.acc._update_count
+    rng = torch.get_rng_state()
+
+    def compile_as(scope, on_error):
+        return apply_compile(model, regional=False, backend="aot_eager", on_error=on_error)
+
+    timings, _, errors = trial_scopes(
+        compile_as,
+        model,
+        _stateful_batch(),
+        torch.device("cpu"),
+        contextlib.nullcontext,
+        lambda: 0.0,
+        scopes=("whole",),
+    )
+    assert not errors and timings["whole"]["steady_step_s"] > 0
+    assert model.seen == seen == 16 and torch.equal(model.sums, sums)
+    assert model.acc._update_count == count == 1 and torch.equal(torch.get_rng_state(), rng)
+
+
+class _Breaks(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        import os
+
+        y = self.a(x)
+        os.getpid()  # Dynamo cannot trace this builtin: a graph break, and its raw warning
+        return self.b(y)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_whole_scope_with_graph_breaks_says_where_and_why(tmp_path) -> None:
+    tc = TorchCompile(scope="whole", backend="aot_eager")
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=2,
+        callbacks=[tc],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Breaks(), data)
+    entry = report_for(trainer)["TorchCompile"]
+    assert "graph break" in entry.change and entry.figures["graph_breaks"] >= 1
+    note = next(m for m in tc._said if "graph break" in m)
+    assert "forward at line" in note and "skipped" in note
+    raw = [w for w in caught if "torch/_dynamo" in w.filename.replace("\\", "/")]
+    assert not raw, [str(w.message)[:80] for w in raw]

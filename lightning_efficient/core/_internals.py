@@ -44,6 +44,10 @@ __all__ = [
     "TENSOR_BASE_GETTER",
     "module_tensor_slots",
     "set_compiled_call",
+    "install_compiled_call",
+    "has_own_compiled_call",
+    "graph_break_counts",
+    "graph_break_sites",
     "set_option_type",
     "tree_flatten",
     "tree_map",
@@ -205,6 +209,42 @@ def set_compiled_call(module: nn.Module, call: Any) -> None:
     if not hasattr(module, "_compiled_call_impl"):  # pragma: no cover - depends on torch
         raise _moved("torch", "nn.Module._compiled_call_impl")
     module._compiled_call_impl = call
+
+
+def install_compiled_call(module: nn.Module, call: Any, what: str = "compiled call") -> Any:
+    """Install ``call`` as what ``module`` runs (as ``module.compile()`` does) and return the
+    ``Change`` whose ``undo()`` puts back exactly what the instance had: its own compiled call,
+    or none (the attribute absent again, so the class's default shows)."""
+    from lightning_efficient.core.change import patch_attribute
+
+    if not hasattr(module, "_compiled_call_impl"):  # pragma: no cover - depends on torch
+        raise _moved("torch", "nn.Module._compiled_call_impl")
+    return patch_attribute(module, "_compiled_call_impl", call, what)
+
+
+def has_own_compiled_call(module: nn.Module) -> bool:
+    """True when ``module`` itself holds a compiled-call attribute (``None`` included)."""
+    return "_compiled_call_impl" in vars(module)
+
+
+def graph_break_counts() -> dict[str, int]:
+    """Dynamo's graph breaks so far in this process: reason -> count."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def graph_break_sites() -> dict[str, int]:
+    """Where Dynamo resumed after a graph break so far: ``"forward at line 7"`` -> count."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for key, n in counters["resumes"].items():
+        body = str(key).removeprefix("torch_dynamo_resume_in_")
+        fn, _, line = body.rpartition("_at_")
+        site = f"{fn} at line {line}" if fn and line.isdigit() else body
+        out[site] = out.get(site, 0) + int(n)
+    return out
 
 
 def compile_callbacks() -> Any:

@@ -31,6 +31,7 @@ from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
 from lightning_efficient.measure.hf_masks import hf_mask_checks_on_values
 from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
+from lightning_efficient.measure.scratch import keep_module_state
 from lightning_efficient.measure.settings import configured_optimizer
 from lightning_efficient.measure.targets import DeviceTarget, resolve_target
 from lightning_efficient.measure.track import StorageTracker, run_steps
@@ -83,10 +84,14 @@ def swap_to_fake(
     """Replace ``model``'s parameters and buffers in place by fake tensors; restore them on exit.
 
     A memo keeps shared (tied) parameters shared. Nothing real is allocated, so this works for
-    models on the ``meta`` device.
+    models on the ``meta`` device. On exit the model is also put back as it was on entry
+    (:func:`~lightning_efficient.measure.scratch.keep_module_state`): what a forward run inside
+    registered or cached (a buffer, a tensor attribute, a hook, a submodule: fake tensors all)
+    is removed, what it rebound is restored, and the RNG is set back.
     """
     memo: dict[int, torch.Tensor] = {}
     undo: list[tuple[dict, str, Any]] = []
+    kept = keep_module_state(model, values=False)
     try:
         for mod in model.modules():
             for store, is_param in module_tensor_slots(mod):
@@ -105,6 +110,7 @@ def swap_to_fake(
     finally:
         for store, name, t in reversed(undo):
             store[name] = t
+        kept.undo()
 
 
 @contextlib.contextmanager
@@ -298,7 +304,7 @@ def estimate_memory(
                 raise explain_fake_failure(err) from err
         finally:
             try:
-                plan._run_undo()
+                plan.undo()
             finally:
                 model.train(was_training)
     result = tracker.summary(offload=plan.offload)

@@ -1,17 +1,24 @@
 """The pieces of a training step that the estimate, the real measurements and the techniques
-share: the loss out of a step's output, autocast for a Lightning precision string, and a
-LightningModule whose ``self.log`` is muted while the instrument runs its step."""
+share: the loss out of a step's output, autocast for a Lightning precision string, a
+LightningModule whose ``self.log`` is muted while the instrument runs its step, and
+``forward_backward``: the one real training step (forward + backward) the trials run."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["autocast_for", "is_lightning_module", "loss_of", "silenced_logging"]
+__all__ = [
+    "autocast_for",
+    "forward_backward",
+    "is_lightning_module",
+    "loss_of",
+    "silenced_logging",
+]
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -74,3 +81,30 @@ def silenced_logging(model: nn.Module) -> Iterator[None]:
                 object.__setattr__(model, name, saved[name])
             else:
                 vars(model).pop(name, None)
+
+
+def forward_backward(
+    module: nn.Module,
+    batch: Any,
+    *,
+    precision: str = "32-true",
+    device_type: str = "cpu",
+    context: Callable[[], Any] | None = None,
+    keep_grads: bool = True,
+) -> Callable[[], torch.Tensor]:
+    """The real training step the instrument runs: ``step()`` runs ``module.training_step(batch,
+    0)`` under ``context()`` (a strategy's ``precision_plugin.forward_context``) or else the
+    autocast of ``precision`` on ``device_type``, backward of its loss, and returns the loss
+    (detached). ``keep_grads=False`` drops the gradients after backward (steps timed without an
+    optimizer)."""
+
+    def step() -> torch.Tensor:
+        with context() if context is not None else autocast_for(precision, device_type):
+            loss = loss_of(module.training_step(batch, 0))
+        loss.backward()
+        if not keep_grads:
+            for p in module.parameters():
+                p.grad = None
+        return loss.detach()
+
+    return step

@@ -3,7 +3,9 @@
 
 ``StepTimer`` times named regions (``"data"``, ``"forward"``, ...) and accumulates their totals.
 On CUDA it records events and reads them only in ``totals()`` (one synchronisation), so timing a
-sampled step costs nothing on the others. ``time_fn`` is the median seconds of a callable.
+sampled step costs nothing on the others. ``time_once`` is the seconds of one call, ``time_fn``
+the median of several; ``StepTimes`` times a fit's first steps one by one and keeps apart those
+something disturbed (a compile): the first step and the steady step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from lightning_efficient.core.validate import check_int
 
-__all__ = ["StepTimer", "time_fn"]
+__all__ = ["StepTimer", "StepTimes", "time_fn", "time_once"]
 
 
 def _as_device(device: torch.device | str | None) -> torch.device:
@@ -123,6 +125,66 @@ class StepTimer:
         self._counts.clear()
 
 
+def time_once(fn: Callable[[], Any], device: torch.device | str | None = None) -> float:
+    """Seconds of one call of ``fn()`` (CUDA-synchronised before and after)."""
+    dev = _as_device(device)
+    timer = StepTimer(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    with timer.region("call"):
+        fn()
+    return timer.totals()["call"]
+
+
+class StepTimes:
+    """The first ``limit`` steps of a fit timed one by one (``start()`` / ``stop()`` around
+    each); a step during which ``disturbed()`` changed (e.g. Dynamo's compile count) is not
+    steady. ``figures()``: ``first_step_s`` and ``steady_step_s`` (the median of the steady
+    steps), once a step was timed.
+
+    Args:
+        device: The device whose work is timed (as :class:`StepTimer`).
+        disturbed: ``disturbed() -> int``, a count that grows when something other than the step
+            ran during it (default: nothing ever does).
+        limit: Steps timed; later ones cost nothing.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        disturbed: Callable[[], int] | None = None,
+        limit: int = 64,
+    ) -> None:
+        self._timer = StepTimer(device)
+        self._disturbed = disturbed or (lambda: 0)
+        self.limit = check_int("limit", limit, minimum=1)
+        self.steps = 0
+        self._calm: list[bool] = []
+        self._before = 0
+
+    def start(self) -> None:
+        if self.steps < self.limit:
+            self._before = self._disturbed()
+            self._timer.start(f"step{self.steps}")
+
+    def stop(self) -> None:
+        if self.steps < self.limit:
+            self._timer.stop(f"step{self.steps}")
+            self._calm.append(self._disturbed() == self._before)
+            self.steps += 1
+
+    def figures(self) -> dict[str, float]:
+        if not self.steps:
+            return {}
+        totals = self._timer.totals()
+        times = [totals.get(f"step{i}", 0.0) for i in range(self.steps)]
+        out = {"first_step_s": times[0]}
+        steady = [t for t, calm in zip(times, self._calm) if calm]
+        if steady:
+            out["steady_step_s"] = statistics.median(steady)
+        return out
+
+
 def time_fn(
     fn: Callable[[], Any],
     *,
@@ -138,12 +200,4 @@ def time_fn(
     dev = _as_device(device)
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        timer = StepTimer(dev)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        with timer.region("call"):
-            fn()
-        times.append(timer.totals()["call"])
-    return statistics.median(times)
+    return statistics.median([time_once(fn, dev) for _ in range(repeats)])

@@ -460,7 +460,7 @@ def measure_step(
                 hook(plan)
         run_steps(plan, tracker, steps=steps)
     finally:
-        plan._run_undo()
+        plan.undo()
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
     return result

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient.measure.step import autocast_for, loss_of, silenced_logging
+from lightning_efficient.measure.scratch import scratch
+from lightning_efficient.measure.step import forward_backward
 from lightning_efficient.measure.timing import time_fn
 from lightning_efficient.measure.track import StorageTracker, run_steps
 from lightning_efficient.measure.types import EstimatePlan, resolve_optimizer
@@ -69,19 +70,13 @@ def free_memory() -> None:
 
 @contextlib.contextmanager
 def scratch_step(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run real steps on ``module`` and put it back exactly: weights, buffers, grads, device."""
-    saved = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-    home = next((p.device for p in module.parameters()), torch.device("cpu"))
-    was_training = module.training
-    module.to(device).train()
+    """Run real steps on ``module`` and put it back exactly (:func:`~lightning_efficient.measure.
+    scratch.scratch`: weights, buffers, attributes, metric states, gradients, device, mode and
+    the RNG), then free the device's cache."""
     try:
-        with silenced_logging(module):
+        with scratch(module, device):
             yield
     finally:
-        for p in module.parameters():
-            p.grad = None
-        module.load_state_dict(saved)
-        module.to(home).train(was_training)
         free_memory()
 
 
@@ -119,11 +114,12 @@ def trial_step(
     with scratch_step(module, device):
         batch = _to(batch, device)
         opt = _optimizer(optimizer, module)
+        forward_backward_ = forward_backward(
+            module, batch, precision=precision, device_type=device.type
+        )
 
         def step() -> None:
-            with autocast_for(precision, device.type):
-                loss = loss_of(module.training_step(batch, 0))
-            loss.backward()
+            forward_backward_()
             opt.step()
 
         if device.type == "cuda":
@@ -161,13 +157,8 @@ def throughput(
         with scratch_step(module, device):
             batch = _to(batch, device)
             opt = _optimizer(optimizer, module)
-
-            def forward_backward() -> None:
-                with autocast_for(precision, device.type):
-                    loss = loss_of(module.training_step(batch, 0))
-                loss.backward()
-
-            t_fb = time_fn(forward_backward, warmup=1, repeats=3, device=device)
+            step = forward_backward(module, batch, precision=precision, device_type=device.type)
+            t_fb = time_fn(step, warmup=1, repeats=3, device=device)
             t_opt = time_fn(opt.step, warmup=1, repeats=3, device=device)
             del opt
     except BaseException as err:  # noqa: BLE001 - only OOM is handled, the rest re-raised
@@ -264,7 +255,7 @@ def trial_within(
                 raise
             error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         finally:
-            plan._run_undo()
+            plan.undo()
             del plan
     if cuda:
         allocated = int(torch.cuda.max_memory_allocated(device))

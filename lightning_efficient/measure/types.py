@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core.change import Change, ChangeLog
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
 from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.optimizer_models import estimate_factory, optimizer_class
@@ -235,24 +236,24 @@ class EstimatePlan:
     sharding: str | None = None
     cuda_rounding: bool = False
     device: Any = None
-    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    changes: ChangeLog = field(default_factory=ChangeLog, repr=False)
 
-    def on_exit(self, fn: Callable[[], None]) -> None:
-        """Register ``fn`` to undo a change; run (last first) in ``finally`` after the steps."""
-        self._undo.append(fn)
+    def record(self, change: Change) -> Change:
+        """Keep ``change`` (what a technique did to the plan's model or globals); undone, last
+        first, after the steps (``undo()``). Returns it."""
+        return self.changes.record(change)
+
+    def on_exit(self, fn: Callable[[], Any]) -> None:
+        """Register ``fn`` to undo a change (kept as a :class:`Change`; prefer ``record``)."""
+        self.record(Change("estimate plan change", fn))
 
     def note(self, message: str) -> None:
         self.notes.append(message)
 
-    def _run_undo(self) -> None:
-        errors = []
-        while self._undo:
-            try:
-                self._undo.pop()()
-            except Exception as err:  # keep undoing the rest; report the first failure
-                errors.append(err)
-        if errors:
-            raise errors[0]
+    def undo(self) -> None:
+        """Undo every recorded change, last first; an undo that raises does not stop the others
+        (the first error is raised after)."""
+        self.changes.undo_all()
 
 
 def cuda_round(nbytes: int) -> int:

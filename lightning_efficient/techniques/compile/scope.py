@@ -13,40 +13,36 @@ at about 0.3 of its compile time (``benchmarks/compile.py``). So:
   (3%) faster than regional's, else regional (the smaller compile time);
 - ``default_scope``: ``"auto"`` on a CUDA device (measure both there), ``"regional"`` elsewhere
   (measured on the CPU);
-- ``trial_scopes``: compile time (Dynamo compile events) and steady step time of forward +
-  backward of the module's training step on one batch for each scope, the steps of the two
-  scopes interleaved, the module put back exactly afterwards (weights, gradients, RNG: the
-  fit's losses are the plain run's); ``choose_by_trial`` chooses from them.
+- ``choose_by_trial``: the instrument's compile trial
+  (:func:`~lightning_efficient.measure.compile_trial.trial_scopes`: both scopes compiled and timed
+  on real steps, the module put back after) on the strategy's device, then ``choose_scope``;
+- ``auto_scope``: what ``TorchCompile(scope="auto")`` does at its first batch: the trial, the
+  chosen scope's compiled calls installed (no second compile), and what to tell the user.
 """
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_efficient.core._internals import compiled_call, set_compiled_call
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_choice
-from lightning_efficient.measure.step import loss_of
+from lightning_efficient.measure.compile_trial import trial_scopes
 
 __all__ = [
     "SCOPES",
     "WHOLE_FASTER",
+    "AutoScope",
     "ScopeChoice",
+    "auto_scope",
     "choose_by_trial",
     "choose_scope",
     "default_scope",
-    "describe_error",
     "resolve_scope",
-    "installed",
-    "put_back",
-    "trial_scopes",
 ]
 
 #: What ``TorchCompile(scope=...)`` accepts.
@@ -54,8 +50,6 @@ SCOPES = ("auto", "regional", "whole")
 #: ``scope="auto"`` keeps the whole model when regional's steady step is more than this many
 #: times the whole model's (3% slower); else regional, whose compile time is smaller.
 WHOLE_FASTER = 1.03
-#: Trial steps per scope: untimed (the compile happens in the first) and timed (the median).
-AUTO_WARMUP, AUTO_STEPS = 2, 5
 
 
 @dataclass
@@ -156,143 +150,6 @@ def resolve_scope(scope: str | None, regional: bool | None) -> str | None:
     return implied
 
 
-@contextlib.contextmanager
-def put_back(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run trial steps on ``module`` and put it back exactly: weights and buffers (a copy on
-    their device), gradients, the RNG state (dropout draws the same numbers in the fit), and
-    ``self.log`` muted meanwhile."""
-    from lightning_efficient.measure.step import silenced_logging
-
-    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    grads = {n: p.grad for n, p in module.named_parameters()}
-    devices = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), silenced_logging(module):
-            yield
-    finally:
-        with torch.no_grad():
-            module.load_state_dict(saved)
-        for n, p in module.named_parameters():
-            p.grad = grads[n]
-
-
-@contextlib.contextmanager
-def installed(module: nn.Module, calls: dict[str, Any]) -> Iterator[None]:
-    """``calls`` (submodule name -> compiled call) in place while inside, then what was there."""
-    targets = [(n, module.get_submodule(n) if n else module) for n in calls]
-    previous = [compiled_call(m) for _, m in targets]
-    for name, m in targets:
-        set_compiled_call(m, calls[name])
-    try:
-        yield
-    finally:
-        for (_, m), call in zip(targets, previous):
-            set_compiled_call(m, call)
-
-
-def _timed(step: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
-def trial_scopes(
-    compile_as: Callable[[str, Callable[[BaseException], None]], Any],
-    module: nn.Module,
-    batch: Any,
-    device: torch.device,
-    forward_context: Callable[[], Any],
-    compile_seconds: Callable[[], float],
-    *,
-    strict: bool = False,
-    warmup: int = AUTO_WARMUP,
-    steps: int = AUTO_STEPS,
-) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]], dict[str, str]]:
-    """Compile ``module`` each way (``compile_as(scope, on_error)``: an ``apply_compile`` change)
-    and run ``warmup`` forward + backward steps of its training step on ``batch`` (the first
-    compiles: ``compile_s`` is Dynamo's compile time meanwhile, ``first_step_s`` that step's
-    time), undoing each compile after it; then time ``steps`` rounds, each one step of every
-    scope that compiled, the order alternating (load that comes and goes hits both alike), with
-    the compiled calls put back in turn (no new compile). The module is put back exactly
-    (``put_back``). Returns the timings per scope (``steady_step_s``: the median), the compiled
-    calls per scope (to install the chosen one without compiling again) and why a scope failed
-    (with ``strict``, it raises)."""
-    timings: dict[str, dict[str, float]] = {}
-    calls: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-
-    def step() -> None:
-        with forward_context():
-            loss = loss_of(module.training_step(batch, 0))
-        loss.backward()
-        for p in module.parameters():
-            p.grad = None
-
-    def failed(scope: str, err: BaseException) -> None:
-        errors[scope] = describe_error(err)
-        timings.pop(scope, None)
-        calls.pop(scope, None)
-        if strict:
-            raise err
-
-    with put_back(module, device):
-        for scope in ("regional", "whole"):
-            caught: list[BaseException] = []
-            change = compile_as(scope, caught.append)
-            try:
-                before = compile_seconds()
-                first = _timed(step, device)
-                for _ in range(max(0, warmup - 1)):
-                    step()
-                if not caught:
-                    timings[scope] = {
-                        "compile_s": compile_seconds() - before,
-                        "first_step_s": first,
-                    }
-                    calls[scope] = {
-                        n: compiled_call(module.get_submodule(n) if n else module)
-                        for n in change.value
-                    }
-            except Exception as err:  # e.g. out of memory in one scope: the other may fit
-                caught.append(err)
-            finally:
-                change.undo()
-            if caught:
-                failed(scope, caught[0])
-        measured: dict[str, list[float]] = {scope: [] for scope in calls}
-        for r in range(steps):
-            for scope in list(measured)[:: 1 if r % 2 == 0 else -1]:
-                if scope not in calls:
-                    continue
-                try:
-                    with installed(module, calls[scope]):
-                        measured[scope].append(_timed(step, device))
-                except Exception as err:
-                    failed(scope, err)
-        for scope, times in measured.items():
-            if scope in timings and times:
-                timings[scope]["steady_step_s"] = statistics.median(times)
-    return timings, calls, errors
-
-
-def describe_error(err: BaseException) -> str:
-    """``Type: first line`` of a compile error, followed by its root cause's."""
-
-    def line(e: BaseException) -> str:
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-    out = line(err)
-    cause = getattr(err, "inner_exception", None) or err.__cause__
-    if cause is not None and cause is not err and line(cause) not in out:
-        out += f" {line(cause)}"
-    return out
-
-
 def choose_by_trial(
     compile_as: Callable[[str, Callable[[BaseException], None]], Any],
     module: nn.Module,
@@ -326,3 +183,44 @@ def choose_by_trial(
         errors=errors,
     )
     return strategy.broadcast(choice, src=0), calls, errors
+
+
+@dataclass
+class AutoScope:
+    """What ``auto_scope`` did: the ``choice``, the ``change`` that installed its compiled calls
+    (``None``: nothing installed here), and a ``warning`` for the user (``""``: none)."""
+
+    choice: ScopeChoice
+    change: Change | None
+    warning: str = ""
+
+
+def auto_scope(
+    compile_as: Callable[[str, Callable[[BaseException], None]], Change],
+    module: nn.Module,
+    batch: Any,
+    strategy: Any,
+    compile_seconds: Callable[[], float],
+    on_error: Callable[[BaseException], None],
+    *,
+    strict: bool = False,
+) -> AutoScope:
+    """``scope="auto"``: ``choose_by_trial``, then the chosen scope in place with the compiled
+    calls the trial made (Dynamo's cache serves them: no second compile), failing over to
+    ``on_error``; a scope chosen on another rank is compiled here (``compile_as``)."""
+    from lightning_efficient.techniques.compile.functions import reinstall
+
+    choice, calls, errors = choose_by_trial(
+        compile_as, module, batch, strategy, compile_seconds, strict=strict
+    )
+    change = None
+    if choice.scope in calls:
+        change = reinstall(module, calls[choice.scope], on_error)
+    elif not errors.get(choice.scope):  # measured elsewhere (another rank): compile here
+        change = compile_as(choice.scope, on_error)
+    warning = ""
+    if errors:
+        failed = "; ".join(f"{s} failed ({e})" for s, e in errors.items())
+        using = f"using {choice.scope}" if change is not None else "running eagerly"
+        warning = f"scope auto: {failed}; {using}."
+    return AutoScope(choice, change, warning)

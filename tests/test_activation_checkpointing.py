@@ -723,3 +723,69 @@ def test_auto_never_picks_leaf_layers() -> None:
     )  # only leaf layers repeat: no blocks
     with pytest.raises(ValueError, match="matches no module"):
         apply_activation_checkpointing(Stage(4), "ConvBlock")  # an explicit policy still raises
+
+
+# -- issue 37 row 11: the decision costs the same at any accumulation ------------------------------
+class _FakeForwards:
+    """Counts the forwards of ``model`` that run on fake tensors (the estimate's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.count, self._fake = 0, FakeTensor
+        self._handle = model.register_forward_pre_hook(self._seen)
+
+    def _seen(self, module: nn.Module, args: tuple) -> None:
+        self.count += any(isinstance(a, self._fake) for a in args)
+
+    def remove(self) -> int:
+        self._handle.remove()
+        return self.count
+
+
+def test_budget_search_estimates_two_micro_batches_at_any_accumulation() -> None:
+    """Issue 37 row 11: every micro-batch of the window was estimated (166 s at 256). Two hold
+    the window's peak: the same choice and peaks, and the whole window's estimate agrees."""
+    model, batch = gpt(n_layer=2), batch_for()
+    one = {"accumulate_grad_batches": 2, "steps": 1}
+    full = _estimate(model, batch, callbacks=[ActivationCheckpointing()], **one).peak_bytes
+    budget = (full + _estimate(model, batch, **one).peak_bytes) // 2
+    counts, choices = {}, {}
+    for accumulation in (2, 5):
+        counter = _FakeForwards(model)
+        choices[accumulation] = blocks_for_budget(
+            model, batch, budget, accumulate_grad_batches=accumulation, steps=1
+        )
+        counts[accumulation] = counter.remove()
+    assert counts[5] == counts[2] == 2 * len(choices[2].peaks) > 0
+    assert choices[5] == choices[2] and choices[5].num_blocks == 1
+    with apply_activation_checkpointing(model, num_blocks=1):  # the whole window's estimate
+        whole = _estimate(model, batch, accumulate_grad_batches=5, steps=1).peak_bytes
+    assert whole == choices[5].peak_bytes
+    assert checkpointed_blocks(model) == {}
+
+
+def test_budget_callback_cost_does_not_grow_with_accumulation(tmp_path) -> None:
+    counts, choices = {}, {}
+    for accumulation in (2, 8):
+        model = gpt(n_layer=2)
+        counter = _FakeForwards(model)
+        real = _RealForwards(model)
+        cb = ActivationCheckpointing(budget="64MiB")
+        fit(
+            tmp_path / str(accumulation),
+            [cb],
+            model=model,
+            max_steps=1,
+            limit_val_batches=0,
+            accumulate_grad_batches=accumulation,
+        )
+        counts[accumulation], choices[accumulation] = counter.remove(), cb.choice
+        assert real.remove() == accumulation  # the fit itself ran the whole window
+    assert counts[8] == counts[2] > 0
+    assert choices[8] == choices[2]
+
+
+class _RealForwards(_FakeForwards):
+    def _seen(self, module: nn.Module, args: tuple) -> None:
+        self.count += not any(isinstance(a, self._fake) for a in args)

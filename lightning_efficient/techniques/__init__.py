@@ -25,6 +25,7 @@ from lightning_efficient.techniques.dataloading import (
 from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 from lightning_efficient.techniques.optimizers import OptimizerSwap
+from lightning_efficient.techniques.packing import SequencePacking
 from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision
 from lightning_efficient.techniques.zero_offload import ZeROOffload
 
@@ -45,6 +46,7 @@ TECHNIQUES: list[type] = [
     InputStallMonitor,
     Curriculum,
     SequenceLengthWarmup,
+    SequencePacking,
     ZeROOffload,
     FullyShardedStrategy,
     EarlyStopper,

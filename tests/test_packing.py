@@ -1,0 +1,345 @@
+"""Sequence packing (issue 40): the packer's rows, the equivalence of a packed step with the same
+documents run one by one (Llama, GPT-2, Qwen2 and a plain SDPA module), the check that stops a
+module whose documents would mix, resume mid-epoch, DDP and the fill on a long-tail corpus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import SaveAt, params_of, subprocess_timeout
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.techniques.packing import (
+    PackedRowSampler,
+    SequencePacking,
+    apply_document_attention,
+    build_row,
+    cu_seqlens,
+    document_mask,
+    fill,
+    pack_dataloader,
+    pack_rows,
+)
+
+HERE = Path(__file__).parent
+VOCAB, ROW = 96, 32
+
+
+def lengths_of(n: int, seed: int = 0, low: int = 3, high: int = 24) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n,), generator=g).tolist()
+
+
+class Documents(Dataset):
+    """Documents of the given lengths; document ``i`` starts with token ``i + 1`` (its id)."""
+
+    def __init__(self, lengths: list[int], seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.docs = [
+            torch.cat([torch.tensor([i + 1]), torch.randint(1, VOCAB, (n - 1,), generator=g)])
+            for i, n in enumerate(lengths)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.docs[i]}
+
+
+def documents_in(batch: dict[str, torch.Tensor]) -> list[int]:
+    """The ids of the documents of a packed batch (padding, whose first token is 0, left out)."""
+    starts = batch["position_ids"] == 0
+    return [int(t) - 1 for t in batch["input_ids"][starts] if int(t) > 0]
+
+
+# -- the packer ------------------------------------------------------------------------------
+def test_rows_hold_every_document_once_and_their_shape_does_not_depend_on_the_order() -> None:
+    lengths = lengths_of(200, high=60) + [130]  # one document longer than a row of 64: split
+    shapes = set()
+    for seed in range(4):
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed))
+        rows = pack_rows(lengths, 64, order.tolist())
+        tokens: dict[int, int] = {}
+        for row in rows:
+            assert sum(stop - start for _, start, stop in row) <= 64
+            for doc, start, stop in row:
+                tokens[doc] = tokens.get(doc, 0) + stop - start
+        assert tokens == dict(enumerate(lengths))
+        shapes.add(tuple(sorted(tuple(sorted(s - a for _, a, s in r)) for r in rows)))
+    assert len(shapes) == 1  # so every epoch has as many rows
+    assert fill(rows, 64) > 0.95
+    with pytest.raises(ValueError, match="1 documents are longer than `row_length`=64: #200"):
+        pack_rows(lengths, 64, oversize="refuse")
+
+
+def test_a_row_restarts_positions_and_masks_targets_across_documents() -> None:
+    a, b = torch.tensor([5, 6, 7]), torch.tensor([8, 9])
+    row = build_row([(a, None), (b, None)], 8, pad_id=0)
+    assert row["input_ids"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert row["labels"].tolist() == [-100, 6, 7, -100, 9, -100, -100, -100]
+    shifted = build_row([(a, a + 1), (b, b + 1)], 8, shifted_labels=True)
+    assert shifted["labels"].tolist() == [6, 7, 8, 9, 10, -100, -100, -100]
+    mask = document_mask(row["position_ids"][None])[0, 0]
+    assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
+    assert cu_seqlens(row["position_ids"][None]).tolist() == [0, 3, 5, 8]
+
+
+def test_sampler_epochs_shuffle_resume_and_shard() -> None:
+    lengths = lengths_of(60)
+    sampler = PackedRowSampler(lengths, ROW, seed=3)
+    epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        rows = list(sampler)
+        assert len(rows) == len(sampler)  # len holds, every epoch
+        assert sorted(doc for row in rows for doc, _, _ in row) == list(range(60))
+        epochs.append(rows)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert PackedRowSampler(lengths, ROW, seed=3).rank_rows(1) == epochs[1]  # deterministic
+    # resume: a sampler loaded with the position continues with the same rows
+    sampler.set_epoch(1)
+    it = iter(sampler)
+    [next(it) for _ in range(4)]
+    resumed = PackedRowSampler(lengths, ROW, seed=3)
+    resumed.load_state_dict(sampler.state_dict())
+    assert list(resumed) == epochs[1][4:]
+    # two ranks: as many rows each, disjoint, every document once
+    ranks = [PackedRowSampler(lengths, ROW, seed=3, num_replicas=2, rank=r) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1])
+    docs = [sorted(d for row in s for d, _, _ in row) for s in ranks]
+    assert set(docs[0]).isdisjoint(docs[1]) and sorted(docs[0] + docs[1]) == list(range(60))
+
+
+def test_fill_on_a_long_tail_corpus_against_padded_batches() -> None:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    lengths = [len(p.encode()) for p in text.split("\n\n") if p.strip()]
+    assert max(lengths) > 20 * sorted(lengths)[len(lengths) // 2]  # a long tail
+    rows = pack_rows(lengths, 1024)
+    padded = sum(max(lengths[i : i + 8]) * len(lengths[i : i + 8]) for i in range(0, len(lengths), 8))
+    assert fill(rows, 1024) >= 0.95 and sum(lengths) / padded < 0.6
+
+
+# -- the equivalence: a packed step is the documents run one by one ---------------------------
+def hf_model(family: str) -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    if family == "llama":  # grouped-query attention, RoPE
+        cfg = tf.LlamaConfig(**small, num_attention_heads=4, num_key_value_heads=2)
+        return tf.LlamaForCausalLM(cfg)
+    if family == "qwen2":
+        cfg = tf.Qwen2Config(**small, num_attention_heads=4, num_key_value_heads=2)
+        return tf.Qwen2ForCausalLM(cfg)
+    cfg = tf.GPT2Config(  # learned absolute positions
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return tf.GPT2LMHeadModel(cfg)
+
+
+class PlainLM(nn.Module):
+    """A language model of one's own: learned positions from ``position_ids``, causal SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos = nn.Embedding(VOCAB, 32), nn.Embedding(64, 32)
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, labels, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None]
+        x = self.tok(input_ids) + self.pos(position_ids)
+        q, k, v = (t.view(*t.shape[:2], 4, 8).transpose(1, 2) for t in self.qkv(x).split(32, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.out(x + y.transpose(1, 2).reshape(x.shape))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor], with_positions: bool) -> torch.Tensor:
+    kwargs = {"position_ids": batch["position_ids"]} if with_positions else {}
+    if isinstance(model, PlainLM):
+        return model(batch["input_ids"], batch["labels"], **kwargs)
+    return model(input_ids=batch["input_ids"], labels=batch["labels"], **kwargs).loss
+
+
+def one_by_one(model: nn.Module, docs: Documents, ids: list[int]) -> tuple[torch.Tensor, list]:
+    """The token mean of the documents' losses, each run alone without padding, and its grads."""
+    model.zero_grad()
+    total, count = 0.0, 0
+    for i in ids:
+        ids_ = docs.docs[i][None]
+        n = ids_.shape[1] - 1
+        alone = {"input_ids": ids_, "labels": ids_, "position_ids": torch.arange(n + 1)[None]}
+        total = total + loss_of(model, alone, with_positions=False) * n
+        count += n
+    loss = total / count
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def packed_steps(model: nn.Module, isolate: bool) -> list[tuple]:
+    lengths = lengths_of(14)
+    docs = Documents(lengths)
+    loader = pack_dataloader(DataLoader(docs, batch_size=2), ROW, seed=1)
+    change = apply_document_attention(model) if isolate else None
+    out = []
+    try:
+        for batch in loader:
+            model.zero_grad()
+            if change is not None:
+                change.value.current(batch["position_ids"])
+            # the training step passes no position_ids: the HF path gives them
+            loss = loss_of(model, batch, with_positions=isinstance(model, PlainLM) or not isolate)
+            loss.backward()
+            if change is not None:
+                change.value.current(None)
+            grads = [p.grad.clone() for p in model.parameters()]
+            seen = documents_in(batch)
+            out.append((loss.detach(), grads, one_by_one(model, docs, seen), seen))
+    finally:
+        if change is not None:
+            change.undo()
+    return out
+
+
+def assert_same(steps: list[tuple]) -> None:
+    for loss, grads, (ref_loss, ref_grads), _ in steps:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "plain"])
+def test_packed_steps_equal_the_documents_one_by_one(family: str) -> None:
+    model = PlainLM() if family == "plain" else hf_model(family)
+    steps = packed_steps(model, isolate=True)
+    assert len(steps) >= 3
+    assert sorted(d for *_, seen in steps for d in seen) == list(range(14))  # each once
+    assert_same(steps)
+
+
+@pytest.mark.parametrize("family", ["llama", "plain"])
+def test_a_mixed_row_fails_the_same_assertion(family: str) -> None:
+    model = PlainLM() if family == "plain" else hf_model(family)
+    steps = packed_steps(model, isolate=False)  # positions restart, attention is not kept apart
+    with pytest.raises(AssertionError):
+        assert_same(steps)
+
+
+# -- in a Lightning fit ------------------------------------------------------------------------
+class DocsModule(pl.LightningModule):
+    """An unmodified module: its training step passes no position_ids to the model."""
+
+    def __init__(self, model: nn.Module, n_docs: int = 24, lr: float = 0.05) -> None:
+        super().__init__()
+        self.model, self.n_docs, self.lr = model, n_docs, lr
+        self.seen: list[list[int]] = []
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        if torch.is_grad_enabled():  # not the packing check's calls (no_grad, before training)
+            self.seen.append(documents_in(batch))
+        if isinstance(self.model, PlainLM):
+            loss = self.model(batch["input_ids"], batch["labels"])  # positions from arange
+        else:
+            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        if torch.is_grad_enabled():
+            self.losses.append(float(loss.detach()))
+        self.log("loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        return DataLoader(Documents(lengths_of(self.n_docs)), batch_size=2, shuffle=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def packed_fit(module: pl.LightningModule, tmp_path: Path, **kwargs) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    callbacks = [SequencePacking(row_length=ROW, seed=2), *kwargs.pop("callbacks", [])]
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks, **kwargs,
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_fit_packs_keeps_documents_apart_and_reports(tmp_path) -> None:
+    from lightning_efficient.core.report import report_for
+
+    model = hf_model("llama")
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    module = DocsModule(model)
+    trainer = packed_fit(module, tmp_path, max_epochs=2)
+    packing = next(c for c in trainer.callbacks if isinstance(c, SequencePacking))
+    per_epoch = len(packing.loader)
+    assert trainer.global_step == 2 * per_epoch and per_epoch < 24 // 2  # fewer batches than padded
+    for epoch in range(2):
+        docs = [d for step in module.seen[epoch * per_epoch : (epoch + 1) * per_epoch] for d in step]
+        assert sorted(docs) == list(range(24))  # every document once per epoch
+    assert module.seen[:per_epoch] != module.seen[per_epoch:]  # shuffled per epoch
+    # the first step's loss is the token mean of its documents run one by one
+    fresh = hf_model("llama")
+    fresh.load_state_dict(first)
+    ref, _ = one_by_one(fresh, Documents(lengths_of(24)), module.seen[0])
+    assert module.losses[0] == pytest.approx(float(ref), rel=1e-5)
+    row = report_for(trainer)["SequencePacking"]
+    assert row.figures["path"] == "hf-position-ids" and row.figures["served_calls"] >= 2 * per_epoch
+    assert row.figures["fill"] > row.figures["padded_fill"]
+    assert row.figures["check_error"] < 1e-5
+    assert "forward" not in vars(model)  # undone after fit
+
+
+def test_a_module_that_computes_its_positions_is_refused_before_training(tmp_path) -> None:
+    model, sdpa = PlainLM(), F.scaled_dot_product_attention
+    given = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(SettingsError, match="LengthBucketSampler"):
+        packed_fit(DocsModule(model), tmp_path, max_steps=2)
+    assert all(torch.equal(given[k], v) for k, v in model.state_dict().items())  # no update
+    assert F.scaled_dot_product_attention is sdpa  # put back
+
+
+def test_resume_mid_epoch_continues_bit_identically(tmp_path) -> None:
+    k, total = 3, 9  # the epoch has about 6 batches: step 3 is mid-epoch, 9 in the next epoch
+    ckpt = tmp_path / "k.ckpt"
+    full = DocsModule(hf_model("llama"))
+    packed_fit(full, tmp_path / "full", max_steps=total, callbacks=[SaveAt(k, ckpt)])
+    resumed = DocsModule(hf_model("qwen2"))  # other weights: all must come from the checkpoint
+    resumed.model = hf_model("llama")
+    packed_fit(resumed, tmp_path / "resumed", max_steps=total, ckpt_path=str(ckpt))
+    assert resumed.seen == full.seen[k:]  # the same rows, mid-epoch and in the next epoch
+    assert full.seen[:k] != full.seen[k : 2 * k]
+    for (name, a), b in zip(params_of(full).items(), params_of(resumed).values()):
+        assert torch.equal(a, b), name
+
+
+def test_ddp_two_processes_each_document_once(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_ddp_packing.py"), str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=subprocess_timeout(240),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["batches"] == ranks[1]["batches"] > 0
+    seen = [[d for step in r["seen"] for d in step] for r in ranks]
+    assert set(seen[0]).isdisjoint(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(ranks[0]["documents"]))
+    assert ranks[0]["path"] == "sdpa-document-mask" and ranks[0]["check_error"] < 1e-5

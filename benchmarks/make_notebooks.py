@@ -5,7 +5,8 @@ Each ``notebooks/*.ipynb`` runs from a clean kernel with ``SHORT = True`` (as
 its outputs: text, and each chart as a PNG at 100 dpi (the notebooks' ``show``). The ``parameters``
 cell keeps its source (``SHORT = False``: a reader who runs it gets the full mode) and shows one
 line saying where the outputs come from. Stripped: stderr (warnings, progress), timing metadata,
-widget state; the temporary folder's path is written ``$TMPDIR``.
+widget state; the temporary folder's path is written ``$TMPDIR`` and the repository's path is
+dropped (``configs/tiny.yaml``, not ``/home/me/lightning-efficient/configs/tiny.yaml``).
 
     python benchmarks/make_notebooks.py                  # every notebook (minutes on 2 cores)
     python benchmarks/make_notebooks.py 03_speed 04_fewer_steps
@@ -72,7 +73,8 @@ def execute_short(path: Path, workdir: Path, timeout: int = 900) -> Any:
 
 
 def clean(nb: Any, tmp: str | None = None) -> Any:
-    """Drop stderr, timing and widget metadata; write the temporary folder as ``$TMPDIR``."""
+    """Drop stderr, timing and widget metadata; write the temporary folder as ``$TMPDIR`` and the
+    repository's files relative to it."""
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
@@ -82,8 +84,9 @@ def clean(nb: Any, tmp: str | None = None) -> Any:
         for out in cell.outputs:
             if out.output_type == "stream" and out.name == "stderr":
                 continue
-            if tmp and out.output_type == "stream":
-                out.text = out.text.replace(tmp, "$TMPDIR")
+            if out.output_type == "stream":
+                out.text = out.text.replace(f"{ROOT}/", "")
+                out.text = out.text.replace(tmp, "$TMPDIR") if tmp else out.text
             kept.append(out)
         cell.outputs = kept
     return nb

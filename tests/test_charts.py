@@ -101,5 +101,8 @@ def test_readme_opens_with_the_picture_then_the_demo_table() -> None:
     assert picture < text.index("pip install"), "the picture must come before the install command"
     after = text[picture:]
     assert "StepProfiler: TinyGPT on" in after.split("pip install")[0], "no demo table below it"
+    captured = (ROOT / "benchmarks" / "results" / "demo_table.md").read_text()
+    table = captured.split("```text\n", 1)[1].split("```", 1)[0]
+    assert table in after, "the README's demo table is not the captured run's"
     svg = (IMG / "readme_gpt2_24gib.svg").read_text()
     assert "estimated for a CUDA target, not measured on a GPU" in svg

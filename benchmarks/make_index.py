@@ -1,11 +1,13 @@
-"""Write docs/index.md: every technique of ``TECHNIQUES`` with what it saves and what it costs.
+"""Write docs/index.md and the charts: every technique with what it saves and what it costs.
 
 The figures are read from ``benchmarks/results/*.json`` (never typed by hand); each row names its
-results file, and the page links the method cards and the tutorials. ``tests/test_docs.py``
-checks that the committed page is what this script writes now, so re-run it after a benchmark:
+results file, and the page links the method cards and the tutorials. The README's and the cards'
+charts (``docs/img/*.svg``) are drawn from the same files by ``benchmarks/charts.py``.
+``tests/test_docs.py`` and ``tests/test_charts.py`` check that the committed page and charts are
+what this script writes now, so re-run it after a benchmark:
 
-    python benchmarks/make_index.py            # writes docs/index.md
-    python benchmarks/make_index.py --check    # exit 1 when docs/index.md is stale
+    python benchmarks/make_index.py            # writes docs/index.md and docs/img/*.svg
+    python benchmarks/make_index.py --check    # exit 1 when either is stale
 """
 
 from __future__ import annotations
@@ -394,17 +396,35 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _charts() -> Any:
+    """``benchmarks/charts.py`` (imported from beside this script, wherever it is run from)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import charts
+
+    return charts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/index.md is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when docs/index.md or a chart is stale"
+    )
     args = parser.parse_args(argv)
     text = render()
+    charts = _charts()
     if args.check:
         stale = not INDEX.exists() or INDEX.read_text() != text
-        print("docs/index.md is stale: run python benchmarks/make_index.py" if stale else "ok")
-        return int(stale)
+        stale_charts = charts.stale_charts()
+        if stale:
+            print("docs/index.md is stale: run python benchmarks/make_index.py")
+        if stale_charts:
+            print(f"charts stale or missing: {stale_charts}: run python benchmarks/make_index.py")
+        print("ok" if not (stale or stale_charts) else "")
+        return int(stale or bool(stale_charts))
     INDEX.write_text(text)
     print(f"wrote {INDEX.relative_to(ROOT)}")
+    for path in charts.write_charts():
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

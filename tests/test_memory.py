@@ -111,3 +111,27 @@ def test_estimate_inside_a_measured_step_is_not_counted(tmp_path) -> None:
     fit(tmp_path / "b", [nested, spy], max_steps=2, limit_val_batches=0)
     assert spy.estimate is not None and spy.estimate.peak_bytes > 0.5 * plain.measurement.peak_bytes
     assert nested.measurement.peak_bytes == plain.measurement.peak_bytes
+
+
+def test_memory_figure_bars_are_the_measured_categories(tmp_path) -> None:
+    """`MemoryBreakdown(plot=...)`'s picture: one bar per category, its height the bytes in MiB,
+    the size written on it (issue 42)."""
+    from lightning_efficient.core.validate import format_bytes
+    from lightning_efficient.measure.memory import plot_measurement
+    from lightning_efficient.measure.plots import memory_figure
+    from lightning_efficient.measure.types import MemoryEstimate
+
+    cats = {"parameters": 2**20, "gradients": 2**20, "optimizer_state": 2 * 2**20}
+    cats |= {"activations": 5 * 2**20 + 2**19, "temporaries": 0}
+    fig = memory_figure(cats)
+    assert [p.get_height() for p in fig.axes[0].patches] == pytest.approx([1, 1, 2, 5.5, 0])
+    measured = MemoryEstimate(
+        peak_bytes=sum(cats.values()), by_category=cats, peak_phase="backward", phase_peaks={}
+    )
+    path = tmp_path / "memory.svg"
+    plot_measurement(measured, 1, str(path))
+    text = path.read_text()
+    assert "peak 9.50 MiB (backward, measured)" in text
+    assert all(format_bytes(v) in text for v in cats.values())
+    plot_measurement(measured, 1, str(tmp_path / "again.svg"))
+    assert (tmp_path / "again.svg").read_text() == text  # deterministic SVG

@@ -17,15 +17,25 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import check_bool, format_bytes
+from lightning_efficient.core.validate import check_bool, check_output_path, format_bytes
 from lightning_efficient.measure.optimizer_models import (
     optimizer_state_bytes,
     optimizer_state_tensors,
 )
+from lightning_efficient.measure.plots import check_plot_path, memory_figure, save_figure
 from lightning_efficient.measure.track import StorageTracker, _tensors, _unique_params
 from lightning_efficient.measure.types import CATEGORIES, MemoryEstimate
 
-__all__ = ["MemoryBreakdown", "check_steps"]
+__all__ = ["MemoryBreakdown", "check_steps", "plot_measurement"]
+
+
+def plot_measurement(measured: MemoryEstimate, step: int, path: str) -> None:
+    """Write ``measured``'s memory by category as a bar chart to ``path`` (PNG or SVG)."""
+    title = (
+        f"MemoryBreakdown, step {step}: peak {format_bytes(measured.peak_bytes)} "
+        f"({measured.peak_phase}, measured)"
+    )
+    save_figure(memory_figure(measured.by_category, title), path)
 
 
 def check_steps(name: str, value: Any) -> tuple[int, ...]:
@@ -66,18 +76,27 @@ class MemoryBreakdown(Technique):
         print_table: Print the breakdown table at the end of fit (rank zero).
         log_metrics: Log ``memory/peak_bytes`` and ``memory/<category>_bytes`` to the
             trainer's logger at each measured step.
+        plot: Path of a picture (``.png`` or ``.svg``) of the last measured step's memory by
+            category (a bar each), written at the end of fit by rank zero (its folder must exist;
+            needs matplotlib: ``pip install 'lightning-efficient[plot]'``).
 
     The last measurement is ``self.measurement`` (a ``MemoryEstimate``); all of them are in
     ``self.measurements`` (step index -> ``MemoryEstimate``).
     """
 
     def __init__(
-        self, sample_steps: Sequence[int] = (1,), print_table: bool = True, log_metrics: bool = True
+        self,
+        sample_steps: Sequence[int] = (1,),
+        print_table: bool = True,
+        log_metrics: bool = True,
+        plot: str | None = None,
     ) -> None:
         super().__init__()
         self.sample_steps = check_steps("sample_steps", sample_steps)
         self.print_table = check_bool("print_table", print_table)
         self.log_metrics = check_bool("log_metrics", log_metrics)
+        self.plot = check_output_path("plot", plot)
+        check_plot_path("plot", self.plot)
         self.measurements: dict[int, MemoryEstimate] = {}
         self._step: int | None = None
         self._tracker: StorageTracker | None = None
@@ -213,9 +232,14 @@ class MemoryBreakdown(Technique):
                 f"no sampled step ran (sample_steps={list(self.sample_steps)}, the fit ended after "
                 f"{trainer.global_step} steps); nothing was measured."
             )
-        elif self.print_table and trainer.is_global_zero:
-            from rich.console import Console
-
+        elif trainer.is_global_zero:
             step = max(self.measurements)
-            Console().print(self.measurements[step].table(title=f"MemoryBreakdown: step {step}"))
+            if self.print_table:
+                from rich.console import Console
+
+                Console().print(
+                    self.measurements[step].table(title=f"MemoryBreakdown: step {step}")
+                )
+            if self.plot:
+                plot_measurement(self.measurements[step], step, self.plot)
         super().on_fit_end(trainer, pl_module)

@@ -148,37 +148,9 @@ def _escape(text: str) -> str:
 
 
 def profile_png(s: dict[str, Any], path: str | Path) -> Path:
-    """A PNG of the profile: the phases of a step stacked (ms), and memory by category."""
-    try:
-        import matplotlib
+    """The profile as a picture (PNG or SVG by the suffix): the phases of a step stacked (ms),
+    and memory by category. Needs matplotlib: ``pip install 'lightning-efficient[plot]'``."""
+    from lightning_efficient.measure.plots import phases_figure, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        from lightning_efficient.core.validate import missing_extra
-
-        raise missing_extra("matplotlib", "plot", "profile_png") from err
-    cats = s["memory"]["by_category"]
-    fig, axes = plt.subplots(1, 2 if cats else 1, figsize=(9 if cats else 5, 2.8), squeeze=False)
-    ax = axes[0][0]
-    left = 0.0
-    for p in PHASES:
-        ms = s["phases"][p] * 1e3
-        ax.barh([0], [ms], left=left, label=p)
-        left += ms
-    ax.set_yticks([])
-    ax.set_xlabel("ms per step")
-    ax.set_title("where a step's time goes")
-    ax.legend(ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
-    if cats:
-        ax2 = axes[0][1]
-        ax2.bar(range(len(cats)), [v / 2**20 for v in cats.values()], color="#4c72b0")
-        ax2.set_xticks(range(len(cats)), [c.replace("_", "\n") for c in cats], fontsize=7)
-        ax2.set_ylabel("MiB at the peak")
-        ax2.set_title("memory by category")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    phases = {p: s["phases"][p] for p in PHASES}
+    return save_figure(phases_figure(phases, s["memory"]["by_category"]), path)

@@ -40,6 +40,7 @@ from lightning_efficient.core.validate import (
     check_output_path,
     parse_bytes,
 )
+from lightning_efficient.measure.plots import check_plot_path
 from lightning_efficient.measure.profile_report import (
     PHASES,
     logger_metrics,
@@ -76,8 +77,9 @@ class StepProfiler(Technique):
             are not measured. Under several ranks each writes its own file, ``.rank<r>`` before
             the suffix (``trace.rank1.json``). Its folder must exist.
         trace_steps: Steps in the trace.
-        png: Path of a PNG with the phases per step (stacked) and memory by category (its folder
-            must exist; written by rank zero).
+        plot: Path of a picture (``.png`` or ``.svg``) of the phases per step (stacked) and
+            memory by category, written at the end of fit by rank zero (its folder must exist;
+            needs matplotlib: ``pip install 'lightning-efficient[plot]'``).
         print_table: Print the profile table at the end of fit (rank zero).
         log_metrics: Log ``profiler/*`` metrics to the trainer's logger at the end of fit.
 
@@ -97,7 +99,7 @@ class StepProfiler(Technique):
         compare_plain: bool = False,
         trace: str | None = None,
         trace_steps: int = 2,
-        png: str | None = None,
+        plot: str | None = None,
         print_table: bool = True,
         log_metrics: bool = True,
     ) -> None:
@@ -109,7 +111,8 @@ class StepProfiler(Technique):
         self.compare_plain = check_bool("compare_plain", compare_plain)
         self.trace = check_output_path("trace", trace)
         self.trace_steps = check_int("trace_steps", trace_steps, minimum=1)
-        self.png = check_output_path("png", png)
+        self.plot = check_output_path("plot", plot)
+        check_plot_path("plot", self.plot)
         self.print_table = check_bool("print_table", print_table)
         self.log_metrics = check_bool("log_metrics", log_metrics)
         self.summary: dict[str, Any] | None = None
@@ -246,8 +249,8 @@ class StepProfiler(Technique):
                 from rich.console import Console
 
                 Console().print(profile_table(summary))
-            if self.png:
-                profile_png(summary, self.png)
+            if self.plot:
+                profile_png(summary, self.plot)
 
     # -- helpers ----------------------------------------------------------------------------
     def _switch_from(self, current: str | tuple[str, ...] | None, phase: str) -> None:

@@ -1,0 +1,591 @@
+"""The charts of the README and the method cards, drawn from ``benchmarks/results/*.json``.
+
+``benchmarks/make_index.py`` calls ``write_charts()`` (and ``--check`` calls ``stale_charts()``),
+so one command writes ``docs/index.md`` and every ``docs/img/*.svg``; ``tests/test_charts.py``
+regenerates each chart from its JSON and compares it byte for byte with the committed file. The
+SVGs are deterministic: a fixed ``svg.hashsalt``, no date, text kept as text.
+
+Every chart says in its footer the hardware its figures come from, whether they were measured or
+estimated, and the results file it reads. Nothing is typed by hand.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import textwrap
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RECORDED = ROOT / "benchmarks" / "recorded"
+IMG = ROOT / "docs" / "img"
+
+__all__ = ["CHARTS", "Chart", "render_chart", "stale_charts", "write_charts"]
+
+GIB = 2**30
+MIB = 2**20
+#: One colour per memory category, the same in every chart.
+COLOURS = {
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "activations": "#c44e52",
+    "temporaries": "#8172b3",
+    "workspaces": "#937860",
+    "other": "#8c8c8c",
+    "host": "#b0b0b0",
+}
+CPU = "x86_64 CPU, 2 cores (shared)"
+CUDA = "CUDA sm90 target (H100/H200 class)"
+
+
+def _load(name: str) -> Any:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure(width: float = 7.0, height: float = 3.6, ncols: int = 1) -> tuple[Any, Any]:
+    """A figure and its panels as ``axes[0][i]``; two panels are stacked one above the other
+    (``height`` each, 7 inches wide), so long labels keep their room."""
+    plt = _plt()
+    with plt.rc_context(_RC):
+        if ncols == 1:
+            return plt.subplots(1, 1, figsize=(width, height), squeeze=False)
+        fig, axes = plt.subplots(ncols, 1, figsize=(7.0, 0.55 * height * ncols + 0.4))
+        return fig, [list(axes)]
+
+
+_RC = {
+    "svg.hashsalt": "lightning-efficient",
+    "svg.fonttype": "none",
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
+
+
+def _footer(fig: Any, how: str, source: str) -> None:
+    text = textwrap.fill(f"{how} · {source}", 150)
+    fig.text(0.01, 0.005, text, fontsize=6.5, color="#555555", ha="left", va="bottom")
+
+
+def _stacked(
+    ax: Any,
+    labels: Sequence[str],
+    parts: dict[str, Sequence[float]],
+    scale: float,
+    unit: str,
+    *,
+    horizontal: bool = True,
+) -> None:
+    """Stacked bars: one per label, one segment per category (in ``COLOURS`` order)."""
+    base = [0.0] * len(labels)
+    for cat, values in parts.items():
+        vals = [v / scale for v in values]
+        if horizontal:
+            ax.barh(labels, vals, left=base, color=COLOURS.get(cat), label=cat.replace("_", " "))
+        else:
+            ax.bar(labels, vals, bottom=base, color=COLOURS.get(cat), label=cat.replace("_", " "))
+        base = [b + v for b, v in zip(base, vals)]
+    if horizontal:
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+    else:
+        ax.set_ylabel(unit)
+    ax.legend(fontsize=6, framealpha=0.85, loc="best")
+
+
+def _bars(
+    ax: Any,
+    labels: Sequence[str],
+    values: Sequence[float],
+    unit: str,
+    fmt: str = "{:.2f}",
+    colour: str = "#4c72b0",
+) -> None:
+    """Horizontal bars, each with its value written at its end."""
+    ax.barh(labels, values, color=colour)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    for i, v in enumerate(values):
+        ax.text(v, i, " " + fmt.format(v), va="center", fontsize=7)
+    ax.set_xlim(0, max(values) * 1.2 if values else 1)
+
+
+def _cats(rows: Iterable[dict], keys: Sequence[str], suffix: str = "_bytes") -> dict[str, list]:
+    rows = list(rows)
+    return {k: [r.get(k + suffix, 0) or 0 for r in rows] for k in keys}
+
+
+# -- the README ------------------------------------------------------------------------------------
+def readme() -> Any:
+    data = _load("readme_figure")
+    fig, axes = _figure(7.5, 3.4)
+    ax = axes[0][0]
+    labels, parts = [], {}
+    for r in data["rows"]:
+        for n in (data["at_batch"], r["largest_micro_batch"]):
+            got = r["at"][str(n)]
+            labels.append(f"{r['stack']}\nmicro-batch {n}")
+            for cat in COLOURS:
+                if cat in got["by_category"]:
+                    parts.setdefault(cat, [])
+            for cat in parts:
+                parts[cat].append(got["by_category"].get(cat, 0))
+    parts = {k: v + [0] * (len(labels) - len(v)) for k, v in parts.items()}
+    _stacked(ax, labels, parts, GIB, "peak GiB (estimated)")
+    ax.axvline(data["budget_bytes"] / GIB, color="black", linestyle="--", linewidth=1)
+    ax.text(data["budget_bytes"] / GIB, -0.6, " 24 GiB", fontsize=7)
+    largest = ", ".join(f"{r['stack']}: {r['largest_micro_batch']}" for r in data["rows"])
+    ax.set_title(
+        f"GPT-2 124M, sequence {data['seq']}, in 24 GiB: largest micro-batch {largest}\n"
+        "estimated for a CUDA target, not measured on a GPU",
+        fontsize=9,
+    )
+    _footer(fig, f"estimated for the {CUDA} on a CPU", "benchmarks/results/readme_figure.json")
+    return fig
+
+
+# -- memory by category per stack --------------------------------------------------------------------
+def checkpointing() -> Any:
+    rows = _load("activation_checkpointing")["rows"]
+    fig, axes = _figure(8.0, 3.4, ncols=2)
+    for ax, key, how in (
+        (axes[0][0], "(CPU, real)", "measured"),
+        (axes[0][1], "GPT-2", "estimated (CUDA rounding)"),
+    ):
+        got = [r for r in rows if key in r["workload"]]
+        labels = [r["mode"] for r in got]
+        parts = {
+            "activations": [r["activation_bytes"] for r in got],
+            "other": [r["peak_bytes"] - r["activation_bytes"] for r in got],
+        }
+        scale, unit = (MIB, "peak MiB") if key.startswith("(") else (GIB, "peak GiB")
+        _stacked(ax, labels, parts, scale, f"{unit} ({how})")
+        ax.set_title(got[0]["workload"], fontsize=8)
+    _footer(fig, f"top measured on a {CPU}; bottom estimated", "activation_checkpointing.json")
+    return fig
+
+
+def optimizers() -> Any:
+    data = _load("optimizers")
+    rows = data["memory_and_time"]
+    fig, axes = _figure(8.0, 3.6, ncols=2)
+    parts = {
+        "optimizer_state": [r["optimizer_state_bytes"] for r in rows],
+        "gradients": [r["gradients_at_peak_bytes"] for r in rows],
+        "other": [
+            r["peak_bytes"] - r["optimizer_state_bytes"] - r["gradients_at_peak_bytes"]
+            for r in rows
+        ],
+    }
+    _stacked(axes[0][0], [r["optimizer"] for r in rows], parts, MIB, "peak MiB (measured)")
+    axes[0][0].set_title("Peak by category, TinyGPT 4x128", fontsize=8)
+    conv = _load("optimizers_convergence")["convergence"]
+    runs = sorted({r["run"] for r in conv}, key=[r["run"] for r in conv].index)
+    ax = axes[0][1]
+    for i, run in enumerate(runs):
+        losses = [r["val_loss"] for r in conv if r["run"] == run]
+        ax.scatter(losses, [i] * len(losses), color="#4c72b0", s=14)
+    ax.set_yticks(range(len(runs)), runs)
+    ax.invert_yaxis()
+    ax.set_xlabel("validation loss, one dot per seed (measured)")
+    steps = conv[0]["steps"]
+    ax.set_title(f"Quality after {steps} steps (optimizers_convergence.json)", fontsize=8)
+    _footer(fig, f"measured on a {CPU}", "optimizers.json, optimizers_convergence.json")
+    return fig
+
+
+def chunked_loss() -> Any:
+    data = _load("chunked_loss")
+    fig, axes = _figure(8.0, 3.2, ncols=2)
+    big = data["largest_batch"]
+    at = big["at"]
+    labels = ["without chunked loss", "+ ChunkedCrossEntropy"]
+    parts = {c: [at[k]["by_category"].get(c, 0) for k in ("plain", "chunked")] for c in COLOURS}
+    parts = {c: v for c, v in parts.items() if any(v)}
+    _stacked(axes[0][0], labels, parts, GIB, f"peak GiB at micro-batch {big['at_batch']}")
+    axes[0][0].set_title(
+        textwrap.fill(
+            f"GPT-2 small, seq 1024, {big['rows'][0]['stack']}: largest micro-batch in 24 GiB "
+            + " -> ".join(str(r["largest_micro_batch"]) for r in big["rows"])
+            + " (estimated, CUDA)",
+            100,
+        ),
+        fontsize=8,
+    )
+    phase = data["loss_phase"]
+    ax = axes[0][1]
+    labels = [f"vocab {r['vocab']:,}" for r in phase]
+    width = 0.38
+    xs = range(len(phase))
+    ax.bar(
+        [x - width / 2 for x in xs],
+        [r["plain_tracked"] / MIB for r in phase],
+        width,
+        label="plain",
+        color="#c44e52",
+    )
+    ax.bar(
+        [x + width / 2 for x in xs],
+        [r["chunked_tracked"] / MIB for r in phase],
+        width,
+        label="chunked",
+        color="#4c72b0",
+    )
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("loss-phase peak MiB (measured)")
+    ax.legend(fontsize=7, frameon=False)
+    ax.set_title(f"Loss phase, {phase[0]['rows']} rows, fp32 (CPU)", fontsize=8)
+    _footer(fig, f"top estimated for the {CUDA}; bottom measured on a {CPU}", "chunked_loss.json")
+    return fig
+
+
+def planner() -> Any:
+    rows = _load("planner")["rows"]
+    tight = rows[-1]
+    fig, axes = _figure(7.0, 2.8)
+    ax = axes[0][0]
+    tried = tight["tried"]
+    _bars(
+        ax, [t[0] for t in tried], [t[1] / GIB for t in tried], "peak GiB (estimated)", "{:.2f} GiB"
+    )
+    budget = float(tight["budget"].removesuffix("GiB"))
+    ax.axvline(budget, color="black", linestyle="--", linewidth=1)
+    ax.set_title(
+        f"The planner's rungs for GPT-2 small, seq 1024, batch 8, budget {tight['budget']}: "
+        f"picks {tight['stack']}",
+        fontsize=8,
+    )
+    _footer(fig, f"estimated for the {CUDA} on a CPU", "planner.json")
+    return fig
+
+
+def precision() -> Any:
+    rows = _load("precision")["rows"]
+    fig, axes = _figure(8.0, 2.8, ncols=2)
+    cats = [c for c in COLOURS if any(r["by_category"].get(c) for r in rows)]
+    parts = {c: [r["by_category"].get(c, 0) for r in rows] for c in cats}
+    _stacked(axes[0][0], [r["precision"] for r in rows], parts, MIB, "peak MiB (measured)")
+    _bars(
+        axes[0][1],
+        [r["precision"] for r in rows],
+        [r["speed_vs_fp32"] for r in rows],
+        "speed vs fp32 (measured)",
+        "{:.2f}x",
+    )
+    _footer(fig, f"measured on a {CPU} (AVX512), TinyGPT 2x64", "precision.json")
+    return fig
+
+
+def memory() -> Any:
+    rows = _load("estimate_speed")["rows"]
+    fig, axes = _figure(7.0, 2.6)
+    cats = ["parameters", "gradients", "optimizer_state", "activations", "temporaries"]
+    parts = {c: [r[f"{c}_gib"] * GIB for r in rows] for c in cats}
+    _stacked(axes[0][0], [r["run"] for r in rows], parts, GIB, "peak GiB (estimated)")
+    axes[0][0].set_title("GPT-2 small, seq 1024, batch 8: the estimate by category", fontsize=8)
+    _footer(fig, "estimated on a CPU (CPU kernels)", "estimate_speed.json")
+    return fig
+
+
+def scale_out() -> Any:
+    rows = _load("scale_out")["gpt2_small"]
+    rows = [r for r in rows if r["ranks"] in (1, max(x["ranks"] for x in rows))]
+    fig, axes = _figure(7.0, 3.0)
+    cats = ["parameters", "gradients", "optimizer_state"]
+    labels = [f"{r['strategy']}, {r['ranks']} rank{'s' * (r['ranks'] > 1)}" for r in rows]
+    _stacked(axes[0][0], labels, _cats(rows, cats), GIB, "model state per rank, GiB (estimated)")
+    axes[0][0].set_title("GPT-2 small: model state per rank (activations alike)", fontsize=8)
+    _footer(fig, f"estimated on a CPU for {CUDA.split(' target')[0]}-like ranks", "scale_out.json")
+    return fig
+
+
+def zero_offload() -> Any:
+    data = _load("zero_offload")
+    fig, axes = _figure(8.0, 3.0, ncols=2)
+    ladder = data["ladder"]
+    _bars(
+        axes[0][0],
+        [r["setting"].replace(" (", "\n(") for r in ladder],
+        [r["largest_parameters"] / 1e9 for r in ladder],
+        f"largest GPT-2 in {data['cap']}, billions of parameters (estimated)",
+        "{:.2f}B",
+    )
+    rows = data["tinygpt"]
+    parts = _cats(rows, ["parameters", "gradients", "optimizer_state", "activations"])
+    parts["host"] = [r["host_bytes"] for r in rows]
+    _stacked(
+        axes[0][1],
+        [r["setting"].replace(" (", "\n(") for r in rows],
+        parts,
+        MIB,
+        "TinyGPT: device by category + host MiB",
+    )
+    _footer(fig, "estimated on a CPU", "zero_offload.json")
+    return fig
+
+
+def batch_size() -> Any:
+    data = _load("batch_size")["gpt2"]
+    rows = data["rows"]
+    fig, axes = _figure(7.0, 2.4)
+    _bars(
+        axes[0][0],
+        [r["run"] for r in rows],
+        [r["largest_micro_batch"] for r in rows],
+        f"largest micro-batch in {data['budget_bytes'] / GIB:.0f} GiB (estimated)",
+        "{:.0f}",
+    )
+    axes[0][0].set_title(f"GPT-2 small, sequence {data['seq']}, AdamW", fontsize=8)
+    _footer(fig, f"estimated for a {CUDA.split(' (')[0]} on a CPU", "batch_size.json")
+    return fig
+
+
+def auto() -> Any:
+    rows = _load("auto")["rows"]
+    fig, axes = _figure(7.5, 2.8)
+    labels = [f"effective {r['effective_batch']}, goal {r['goal']}" for r in rows]
+    _bars(
+        axes[0][0],
+        labels,
+        [r["micro_batch"] for r in rows],
+        "micro-batch picked (estimated)",
+        "{:.0f}",
+    )
+    for i, r in enumerate(rows):
+        axes[0][0].text(
+            0.5,
+            i + 0.3,
+            r["stack"],
+            fontsize=6,
+            color="white" if r["micro_batch"] > 20 else "black",
+        )
+    axes[0][0].set_title("AutoEfficient on GPT-2 small, seq 1024, 24 GiB", fontsize=8)
+    _footer(fig, f"estimated for the {CUDA} on a CPU", "auto.json")
+    return fig
+
+
+# -- speed -------------------------------------------------------------------------------------------
+def speed_levers() -> Any:
+    """Each lever's step speed vs its own plain run, measured on this CPU (workloads differ)."""
+    levers = []
+    prec = {r["precision"]: r for r in _load("precision")["rows"]}
+    levers.append(("bf16-mixed (precision)", prec["bf16-mixed"]["speed_vs_fp32"]))
+    comp = {r["variant"]: r for r in _load("compile")["rows"]}
+    levers.append(("compile, whole model", comp["whole"]["steady_speed_vs_eager"]))
+    levers.append(("compile, regional", comp["regional"]["steady_speed_vs_eager"]))
+    data = max(_load("data_pipeline")["throughput"], key=lambda r: r["vs_plain"])
+    levers.append((f"data: {data['loading'].split(' (')[0]}", data["vs_plain"]))
+    ckpt = next(
+        r
+        for r in _load("activation_checkpointing")["rows"]
+        if "(CPU, real)" in r["workload"] and r["mode"] == "full"
+    )
+    levers.append(("checkpointing, full", 1 / ckpt["time_ratio"]))
+    opt = {r["optimizer"]: r for r in _load("optimizers")["memory_and_time"]}
+    levers.append(("adamw8bit", 1 / opt["adamw8bit"]["step_time_ratio"]))
+    levers.append(("chunked loss", 1 / _load("chunked_loss")["step_time"][0]["wall_ratio"]))
+    fig, axes = _figure(7.5, 3.0, ncols=2)
+    ax = axes[0][0]
+    _bars(
+        ax, [n for n, _ in levers], [v for _, v in levers], "speed vs plain (measured)", "{:.2f}x"
+    )
+    ax.axvline(1, color="black", linewidth=0.8)
+    ax.set_title("Each lever on a CPU (its benchmark's workload)", fontsize=8)
+    gpu = json.loads((RECORDED / "h200_speed_2026-12-04.json").read_text())
+    prof = gpu["profiles"]
+    _bars(
+        axes[0][1],
+        [k.replace("_", " ") for k in prof],
+        [p["measured"]["tokens_per_s"] / 1e3 for p in prof.values()],
+        "thousand tokens/s (measured, H200)",
+        "{:.0f}k",
+        colour="#55a868",
+    )
+    stack = textwrap.fill(prof["speed_stack"]["run"], 110)
+    axes[0][1].set_title(f"GPT-2 124M shape, batch 8, seq 1024, on an H200; {stack}", fontsize=7)
+    _footer(
+        fig,
+        f"top measured on a {CPU}; bottom measured on an NVIDIA H200 (issue 29)",
+        "results/*.json, recorded/h200_speed_2026-12-04.json",
+    )
+    return fig
+
+
+def compile_steps() -> Any:
+    data = _load("compile")
+    fig, axes = _figure(7.0, 2.6)
+    names = list(data["step_times_s"])
+    ax = axes[0][0]
+    ax.boxplot(
+        [[t * 1e3 for t in data["step_times_s"][n]] for n in names], vert=False, showfliers=False
+    )
+    ax.set_yticks(range(1, len(names) + 1), names)
+    ax.set_xlabel("step ms, interleaved rounds (measured)")
+    ax.set_title(data["meta"]["model"] + ", inductor", fontsize=8)
+    _footer(fig, f"measured on a {CPU}", "compile.json")
+    return fig
+
+
+def profiler_overhead() -> Any:
+    over = _load("profiler")["overhead"]
+    fig, axes = _figure(7.0, 2.4)
+    names = list(over["step_s"])
+    axes[0][0].boxplot([[t * 1e3 for t in over["step_s"][n]] for n in names], vert=False)
+    axes[0][0].set_yticks(range(1, len(names) + 1), names)
+    axes[0][0].set_xlabel(f"step ms, {over['rounds']} interleaved rounds (measured)")
+    axes[0][0].set_title("What StepProfiler costs a step", fontsize=8)
+    _footer(fig, f"measured on a {CPU}", "profiler.json")
+    return fig
+
+
+def loader() -> Any:
+    data = _load("data_pipeline")
+    fig, axes = _figure(8.0, 2.8, ncols=2)
+    ax = axes[0][0]
+    for i, rep in enumerate(data["input_bound_tuning_reports"]):
+        workers = sorted(int(k.rsplit("w", 1)[1]) for k in rep if k.startswith("batches_per_s_w"))
+        ax.plot(
+            workers,
+            [rep[f"batches_per_s_w{w}"] for w in workers],
+            marker="o",
+            label=f"round {i + 1}",
+        )
+    ax.set_xlabel("worker processes")
+    ax.set_ylabel("batches/s (measured)")
+    ax.legend(fontsize=7, frameon=False)
+    ax.set_title("Input-bound loader: batches/s by workers", fontsize=8)
+    rows = data["input_bound"]
+    _bars(
+        axes[0][1],
+        [r["loading"].replace(" (", "\n(") for r in rows],
+        [r["samples_per_s"] for r in rows],
+        "samples/s in the fit (measured)",
+        "{:.0f}",
+    )
+    _footer(fig, f"measured on a {CPU}", "data_pipeline.json")
+    return fig
+
+
+# -- loss curves -------------------------------------------------------------------------------------
+def curriculum() -> Any:
+    data = _load("curriculum")
+    fig, axes = _figure(7.0, 3.0)
+    ax = axes[0][0]
+    for i, variant in enumerate(dict.fromkeys(r["variant"] for r in data["runs"])):
+        run = next(r for r in data["runs"] if r["variant"] == variant and r["seed"] == 0)
+        ax.plot(
+            [p["step"] for p in run["curve"]],
+            [p["val_ppl"] for p in run["curve"]],
+            label=variant,
+            color=f"C{i}",
+        )
+    ax.axhline(data["meta"]["target_val_ppl"], color="black", linestyle="--", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation perplexity (measured)")
+    ax.legend(fontsize=7, frameon=False)
+    ax.set_title(f"{data['meta']['model']}, seed 0; dashed: the target", fontsize=8)
+    _footer(fig, f"measured on a {CPU}", "curriculum.json")
+    return fig
+
+
+def early_stopping() -> Any:
+    data = _load("early_stopping")
+    plateau = data["plateau"]
+    fig, axes = _figure(8.0, 2.8, ncols=2)
+    reps = plateau["replays"]
+    _bars(
+        axes[0][0],
+        [r["setting"] for r in reps],
+        [r["stop_step"] for r in reps],
+        f"stop step of {plateau['full_steps']} (measured)",
+        "{:.0f}",
+    )
+    axes[0][0].set_title("Where each setting stops the plateau run", fontsize=8)
+    rows = data["divergence"]["rows"]
+    vals = [r["val_loss"] if r["val_loss"] == r["val_loss"] else 0 for r in rows]
+    _bars(
+        axes[0][1],
+        [f"{r['fault']}, {r['guard'].split(' (')[0]}" for r in rows],
+        vals,
+        "final validation loss (0: NaN) (measured)",
+        "{:.2f}",
+        colour="#c44e52",
+    )
+    _footer(fig, f"measured on a {CPU}", "early_stopping.json")
+    return fig
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One picture: its file under ``docs/img``, the page(s) that link it, how it is drawn."""
+
+    name: str
+    pages: tuple[str, ...]
+    draw: Callable[[], Any]
+
+    @property
+    def path(self) -> Path:
+        return IMG / f"{self.name}.svg"
+
+
+CHARTS = [
+    Chart("readme_gpt2_24gib", ("README.md",), readme),
+    Chart("activation_checkpointing_memory", ("docs/activation_checkpointing.md",), checkpointing),
+    Chart("optimizers_memory", ("docs/optimizers.md",), optimizers),
+    Chart("chunked_loss_memory", ("docs/chunked_loss.md",), chunked_loss),
+    Chart("planner_rungs", ("docs/planner.md",), planner),
+    Chart("precision_memory", ("docs/precision.md",), precision),
+    Chart("memory_estimate", ("docs/memory.md",), memory),
+    Chart("scale_out_state", ("docs/scale_out.md", "docs/fsdp.md"), scale_out),
+    Chart("zero_offload_ladder", ("docs/zero_offload.md",), zero_offload),
+    Chart("batch_size_largest", ("docs/batch_size.md",), batch_size),
+    Chart("auto_decisions", ("docs/auto.md",), auto),
+    Chart("speed_levers", ("docs/profiling.md", "docs/compile.md"), speed_levers),
+    Chart("compile_steps", ("docs/compile.md",), compile_steps),
+    Chart("profiler_overhead", ("docs/profiling.md",), profiler_overhead),
+    Chart("dataloading_workers", ("docs/dataloading.md",), loader),
+    Chart("curriculum_curves", ("docs/curriculum.md",), curriculum),
+    Chart("early_stopping_runs", ("docs/early_stopping.md",), early_stopping),
+]
+
+
+def render_chart(chart: Chart) -> bytes:
+    """The chart's SVG, the same bytes for the same JSON (fixed hash salt, no date)."""
+    plt = _plt()
+    with plt.rc_context(_RC):
+        fig = chart.draw()
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        buf = io.BytesIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_charts() -> list[Path]:
+    """Write every chart to ``docs/img``; returns the paths written."""
+    IMG.mkdir(parents=True, exist_ok=True)
+    out = []
+    for chart in CHARTS:
+        chart.path.write_bytes(render_chart(chart))
+        out.append(chart.path)
+    return out
+
+
+def stale_charts() -> list[str]:
+    """The charts whose committed file is missing or differs from what the JSON draws now."""
+    return [c.name for c in CHARTS if not c.path.exists() or c.path.read_bytes() != render_chart(c)]

@@ -1,0 +1,132 @@
+"""Run the tutorials in their short mode and commit them with their outputs (charts included).
+
+Each ``notebooks/*.ipynb`` runs from a clean kernel with ``SHORT = True`` (as
+``tests/test_notebooks.py`` runs it), from a temporary working folder, and is written back with
+its outputs: text, and each chart as a PNG at 100 dpi (the notebooks' ``show``). The ``parameters``
+cell keeps its source (``SHORT = False``: a reader who runs it gets the full mode) and shows one
+line saying where the outputs come from. Stripped: stderr (warnings, progress), timing metadata,
+widget state; the temporary folder's path is written ``$TMPDIR`` and the repository's path is
+dropped (``configs/tiny.yaml``, not ``/home/me/lightning-efficient/configs/tiny.yaml``).
+
+    python benchmarks/make_notebooks.py                  # every notebook (minutes on 2 cores)
+    python benchmarks/make_notebooks.py 03_speed 04_fewer_steps
+
+Re-run it after a change to a notebook or to what it prints; the test checks that every chart
+cell holds an image and that the outputs have the structure a run gives now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+__all__ = ["NOTE", "clean", "execute_short", "output_kinds", "main"]
+
+#: The line the parameters cell shows in a committed notebook.
+NOTE = (
+    "The outputs below come from the short mode (SHORT = True, small models on a CPU: "
+    "python benchmarks/make_notebooks.py); run with SHORT = False for the full figures.\n"
+)
+
+
+def _parameters(nb: Any) -> Any:
+    return next(c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
+
+
+def execute_short(path: Path, workdir: Path, timeout: int = 900) -> Any:
+    """``path`` run in its short mode from ``workdir`` (its kernel's working folder and
+    ``TMPDIR``): the executed notebook, cleaned (``clean``), its parameters cell as committed."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    params = _parameters(nb)
+    source = params.source
+    params.source = "SHORT = True"
+    cwd = workdir / "cwd"
+    cwd.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(workdir)  # the kernel's tempfile.gettempdir()
+    try:
+        NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            record_timing=False,
+            resources={"metadata": {"path": str(cwd)}},
+        ).execute()
+    finally:
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
+    params.source = source
+    params.outputs = [nbformat.v4.new_output("stream", name="stdout", text=NOTE)]
+    return clean(nb, str(workdir))
+
+
+def clean(nb: Any, tmp: str | None = None) -> Any:
+    """Drop stderr, timing and widget metadata; write the temporary folder as ``$TMPDIR`` and the
+    repository's files relative to it."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.outputs:
+            if out.output_type == "stream" and out.name == "stderr":
+                continue
+            if out.output_type == "stream":
+                out.text = out.text.replace(f"{ROOT}/", "")
+                out.text = out.text.replace(tmp, "$TMPDIR") if tmp else out.text
+            kept.append(out)
+        cell.outputs = kept
+    return nb
+
+
+def output_kinds(nb: Any) -> list[list[str]]:
+    """Per code cell, the kinds of its outputs (``stdout``, ``image/png``, ``text/plain``...)."""
+    kinds = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        got = []
+        for out in cell.outputs:
+            if out.output_type == "stream":
+                got.append(out.name)
+            elif out.output_type in ("display_data", "execute_result"):
+                got.append("image/png" if "image/png" in out.data else "text/plain")
+            else:
+                got.append(out.output_type)
+        kinds.append(sorted(set(got)))
+    return kinds
+
+
+def main(argv: list[str] | None = None) -> int:
+    import nbformat
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="notebook stems (default: all)")
+    args = parser.parse_args(argv)
+    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    if args.names:
+        paths = [p for p in paths if p.stem in args.names]
+    for path in paths:
+        with tempfile.TemporaryDirectory() as tmp:
+            nb = execute_short(path, Path(tmp))
+        nbformat.write(nb, path)
+        images = sum(k.count("image/png") for k in output_kinds(nb))
+        print(f"wrote {path.relative_to(ROOT)}: {images} charts, {path.stat().st_size:,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

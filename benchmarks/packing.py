@@ -190,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     ratio_wall = packed["tokens_per_s"] / padded["tokens_per_s"]
     rows = [
         (
-            name, r["steps"], f"{r['tokens']:,}", f"{r['fill']:.1%}", f"{r['tokens_per_s']:,.0f}",
-            f"{r['tokens_per_cpu_s']:,.0f}", f"{r['held_out_loss']:.3f}",
+            name,
+            r["steps"],
+            f"{r['tokens']:,}",
+            f"{r['fill']:.1%}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_cpu_s']:,.0f}",
+            f"{r['held_out_loss']:.3f}",
         )  # fmt: skip
         for name, r in runs.items()
     ]
@@ -212,8 +217,17 @@ def main(argv: list[str] | None = None) -> int:
             f"Llama (GQA, RoPE) of {sum(p.numel() for p in net.parameters()):,} parameters, fp32 "
             "AdamW, 1 thread.\n",
             table(
-                ["loader", "steps", "real tokens", "fill", "tokens/s", "tokens/CPU-s", "held-out loss"],
-                rows, align="lrrrrrr",
+                [
+                    "loader",
+                    "steps",
+                    "real tokens",
+                    "fill",
+                    "tokens/s",
+                    "tokens/CPU-s",
+                    "held-out loss",
+                ],
+                rows,
+                align="lrrrrrr",
             ),  # fmt: skip
             f"\nPacked / padded: {ratio_wall:.2f}x tokens/s (wall), {ratio_cpu:.2f}x tokens per "
             f"CPU-second. Best-fit decreasing fill of the packed rows: "
@@ -225,8 +239,14 @@ def main(argv: list[str] | None = None) -> int:
             "tokens (another optimisation: more updates).\n",
             "Training loss by tenth of the epoch's tokens:\n",
             table(
-                ["tokens seen", f"padded, {same_steps} a batch", "packed", f"padded, {ROWS} a batch"],
-                curve, align="lrrr",
+                [
+                    "tokens seen",
+                    f"padded, {same_steps} a batch",
+                    "packed",
+                    f"padded, {ROWS} a batch",
+                ],
+                curve,
+                align="lrrr",
             ),  # fmt: skip
             "\n" + provenance(env, command),
         ]

@@ -128,7 +128,9 @@ def test_fill_on_a_long_tail_corpus_against_padded_batches() -> None:
     lengths = [len(p.encode()) for p in text.split("\n\n") if p.strip()]
     assert max(lengths) > 20 * sorted(lengths)[len(lengths) // 2]  # a long tail
     rows = pack_rows(lengths, 1024)
-    padded = sum(max(lengths[i : i + 8]) * len(lengths[i : i + 8]) for i in range(0, len(lengths), 8))
+    padded = sum(
+        max(lengths[i : i + 8]) * len(lengths[i : i + 8]) for i in range(0, len(lengths), 8)
+    )
     assert fill(rows, 1024) >= 0.95 and sum(lengths) / padded < 0.6
 
 
@@ -293,7 +295,9 @@ def test_fit_packs_keeps_documents_apart_and_reports(tmp_path) -> None:
     per_epoch = len(packing.loader)
     assert trainer.global_step == 2 * per_epoch and per_epoch < 24 // 2  # fewer batches than padded
     for epoch in range(2):
-        docs = [d for step in module.seen[epoch * per_epoch : (epoch + 1) * per_epoch] for d in step]
+        docs = [
+            d for step in module.seen[epoch * per_epoch : (epoch + 1) * per_epoch] for d in step
+        ]
         assert sorted(docs) == list(range(24))  # every document once per epoch
     assert module.seen[:per_epoch] != module.seen[per_epoch:]  # shuffled per epoch
     # the first step's loss is the token mean of its documents run one by one
@@ -331,6 +335,7 @@ def test_resume_mid_epoch_continues_bit_identically(tmp_path) -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # two processes that each import Lightning and torch: ~30 s on 2 idle cores
 def test_ddp_two_processes_each_document_once(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_packing.py"), str(tmp_path)],

@@ -119,11 +119,15 @@ def _sdpa(original: Callable[..., Any], session: DocumentAttention) -> Any:
         **kwargs: Any,
     ) -> torch.Tensor:
         if session.position_ids is None:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
+            )
         q_len, k_len = query.shape[-2], key.shape[-2]
         if query.dim() != 4 or q_len != k_len or not session.matches(query.shape[0], q_len):
             session.unmatched += 1
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
+            )
         mask = document_mask(session.position_ids.to(query.device), causal=is_causal)
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:

@@ -38,7 +38,9 @@ IGNORE_INDEX = -100
 def read_document(item: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(input_ids, labels or None)`` of one dataset item, as 1-D int64 tensors."""
     if not isinstance(item, Mapping) or "input_ids" not in item:
-        kind = f"a dict with keys {sorted(item)}" if isinstance(item, Mapping) else type(item).__name__
+        kind = (
+            f"a dict with keys {sorted(item)}" if isinstance(item, Mapping) else type(item).__name__
+        )
         raise TypeError(
             f"sequence packing reads dataset items that are dicts with `input_ids` (and optionally "
             f"`labels`); got {kind}."

@@ -115,11 +115,9 @@ def train(net: torch.nn.Module, loader: DataLoader, packed: bool) -> dict[str, A
     wall, cpu = 0.0, 0.0
     try:
         for batch in loader:
-            if packed:  # the padding ending a row (byte 0, never in the text) is not counted
-                tokens = int(batch["input_ids"].ne(0).sum())
+            tokens = int(batch["attention_mask"].sum())  # packed rows mark their padding too
+            if packed:
                 change.value.current(batch["position_ids"])
-            else:
-                tokens = int(batch["attention_mask"].sum())
             t0, c0 = time.perf_counter(), time.process_time()
             kwargs = {} if packed else {"attention_mask": batch["attention_mask"]}
             loss = net(input_ids=batch["input_ids"], labels=batch["labels"], **kwargs).loss

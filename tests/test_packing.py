@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.measure.tokens import count_tokens
 from lightning_efficient.techniques.packing import (
     PackedRowSampler,
     SequencePacking,
@@ -88,6 +89,9 @@ def test_a_row_restarts_positions_and_masks_targets_across_documents() -> None:
     assert row["input_ids"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
     assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     assert row["labels"].tolist() == [-100, 6, 7, -100, 9, -100, -100, -100]
+    assert row["attention_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    # the instrument's one definition of a token count sees the real tokens, not the slots
+    assert count_tokens({k: v[None] for k, v in row.items()}) == 5
     shifted = build_row([(a, a + 1), (b, b + 1)], 8, shifted_labels=True)
     assert shifted["labels"].tolist() == [6, 7, 8, 9, 10, -100, -100, -100]
     mask = document_mask(row["position_ids"][None])[0, 0]
@@ -259,7 +263,8 @@ class DocsModule(pl.LightningModule):
         if isinstance(self.model, PlainLM):
             loss = self.model(batch["input_ids"], batch["labels"])  # positions from arange
         else:
-            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            keys = ("input_ids", "labels", "attention_mask")  # no position_ids
+            loss = self.model(**{k: batch[k] for k in keys}).loss
         if torch.is_grad_enabled():
             self.losses.append(float(loss.detach()))
         self.log("loss", loss)

@@ -32,6 +32,7 @@ TUTORIALS = {
     "03_speed": "precision, compile (regional vs whole), data loading: step time by phase",
     "04_fewer_steps": "early stopping, divergence guard, sequence-length warmup, curriculum",
     "05_cli_and_scale_out": "one yaml from the command line, on one device and under DDP",
+    "06_packing": "padded against packed fill on Python's own text; a packed Llama fit",
 }
 
 
@@ -254,6 +255,17 @@ def _curriculum(variant: str, label: str = "") -> tuple[str, str]:
     )
 
 
+def _packing() -> tuple[str, str]:
+    data = load("packing")
+    padded, packed = data["runs"]["padded"], data["runs"]["packed"]
+    return (
+        f"{data['ratio_tokens_per_s']:.2f}x tokens/s at the same slots per step; fill "
+        f"{padded['fill']:.1%} -> {packed['fill']:.1%} (Llama, long-tail paragraphs, CPU)",
+        "documents must be kept apart: HF models or F.scaled_dot_product_attention; "
+        "checked before training",
+    )
+
+
 def _early() -> tuple[str, str]:
     plateau = load("early_stopping")["plateau"]
     r = row(plateau["replays"], setting=plateau["chosen"])
@@ -340,6 +352,7 @@ ENTRIES = [
         "curriculum",
         lambda: _curriculum("warmup-reshape", "reshape mode: "),
     ),
+    Entry("SequencePacking", "packing", ("06_packing",), "packing", _packing),
     Entry("ZeROOffload", "zero_offload", ("02_fit_a_bigger_model",), "zero_offload", _zero),
     Entry("FullyShardedStrategy", "fsdp", ("05_cli_and_scale_out",), "scale_out", _fsdp),
     Entry("EarlyStopper", "early_stopping", ("04_fewer_steps",), "early_stopping", _early),

@@ -115,11 +115,9 @@ def train(net: torch.nn.Module, loader: DataLoader, packed: bool) -> dict[str, A
     wall, cpu = 0.0, 0.0
     try:
         for batch in loader:
-            if packed:  # the padding ending a row (byte 0, never in the text) is not counted
-                tokens = int(batch["input_ids"].ne(0).sum())
+            tokens = int(batch["attention_mask"].sum())  # packed rows mark their padding too
+            if packed:
                 change.value.current(batch["position_ids"])
-            else:
-                tokens = int(batch["attention_mask"].sum())
             t0, c0 = time.perf_counter(), time.process_time()
             kwargs = {} if packed else {"attention_mask": batch["attention_mask"]}
             loss = net(input_ids=batch["input_ids"], labels=batch["labels"], **kwargs).loss
@@ -190,8 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     ratio_wall = packed["tokens_per_s"] / padded["tokens_per_s"]
     rows = [
         (
-            name, r["steps"], f"{r['tokens']:,}", f"{r['fill']:.1%}", f"{r['tokens_per_s']:,.0f}",
-            f"{r['tokens_per_cpu_s']:,.0f}", f"{r['held_out_loss']:.3f}",
+            name,
+            r["steps"],
+            f"{r['tokens']:,}",
+            f"{r['fill']:.1%}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_cpu_s']:,.0f}",
+            f"{r['held_out_loss']:.3f}",
         )  # fmt: skip
         for name, r in runs.items()
     ]
@@ -212,8 +215,17 @@ def main(argv: list[str] | None = None) -> int:
             f"Llama (GQA, RoPE) of {sum(p.numel() for p in net.parameters()):,} parameters, fp32 "
             "AdamW, 1 thread.\n",
             table(
-                ["loader", "steps", "real tokens", "fill", "tokens/s", "tokens/CPU-s", "held-out loss"],
-                rows, align="lrrrrrr",
+                [
+                    "loader",
+                    "steps",
+                    "real tokens",
+                    "fill",
+                    "tokens/s",
+                    "tokens/CPU-s",
+                    "held-out loss",
+                ],
+                rows,
+                align="lrrrrrr",
             ),  # fmt: skip
             f"\nPacked / padded: {ratio_wall:.2f}x tokens/s (wall), {ratio_cpu:.2f}x tokens per "
             f"CPU-second. Best-fit decreasing fill of the packed rows: "
@@ -225,8 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             "tokens (another optimisation: more updates).\n",
             "Training loss by tenth of the epoch's tokens:\n",
             table(
-                ["tokens seen", f"padded, {same_steps} a batch", "packed", f"padded, {ROWS} a batch"],
-                curve, align="lrrr",
+                [
+                    "tokens seen",
+                    f"padded, {same_steps} a batch",
+                    "packed",
+                    f"padded, {ROWS} a batch",
+                ],
+                curve,
+                align="lrrr",
             ),  # fmt: skip
             "\n" + provenance(env, command),
         ]

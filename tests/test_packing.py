@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.measure.tokens import count_tokens
 from lightning_efficient.techniques.packing import (
     PackedRowSampler,
     SequencePacking,
@@ -88,6 +89,9 @@ def test_a_row_restarts_positions_and_masks_targets_across_documents() -> None:
     assert row["input_ids"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
     assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     assert row["labels"].tolist() == [-100, 6, 7, -100, 9, -100, -100, -100]
+    assert row["attention_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    # the instrument's one definition of a token count sees the real tokens, not the slots
+    assert count_tokens({k: v[None] for k, v in row.items()}) == 5
     shifted = build_row([(a, a + 1), (b, b + 1)], 8, shifted_labels=True)
     assert shifted["labels"].tolist() == [6, 7, 8, 9, 10, -100, -100, -100]
     mask = document_mask(row["position_ids"][None])[0, 0]
@@ -128,7 +132,9 @@ def test_fill_on_a_long_tail_corpus_against_padded_batches() -> None:
     lengths = [len(p.encode()) for p in text.split("\n\n") if p.strip()]
     assert max(lengths) > 20 * sorted(lengths)[len(lengths) // 2]  # a long tail
     rows = pack_rows(lengths, 1024)
-    padded = sum(max(lengths[i : i + 8]) * len(lengths[i : i + 8]) for i in range(0, len(lengths), 8))
+    padded = sum(
+        max(lengths[i : i + 8]) * len(lengths[i : i + 8]) for i in range(0, len(lengths), 8)
+    )
     assert fill(rows, 1024) >= 0.95 and sum(lengths) / padded < 0.6
 
 
@@ -257,7 +263,8 @@ class DocsModule(pl.LightningModule):
         if isinstance(self.model, PlainLM):
             loss = self.model(batch["input_ids"], batch["labels"])  # positions from arange
         else:
-            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            keys = ("input_ids", "labels", "attention_mask")  # no position_ids
+            loss = self.model(**{k: batch[k] for k in keys}).loss
         if torch.is_grad_enabled():
             self.losses.append(float(loss.detach()))
         self.log("loss", loss)
@@ -293,7 +300,9 @@ def test_fit_packs_keeps_documents_apart_and_reports(tmp_path) -> None:
     per_epoch = len(packing.loader)
     assert trainer.global_step == 2 * per_epoch and per_epoch < 24 // 2  # fewer batches than padded
     for epoch in range(2):
-        docs = [d for step in module.seen[epoch * per_epoch : (epoch + 1) * per_epoch] for d in step]
+        docs = [
+            d for step in module.seen[epoch * per_epoch : (epoch + 1) * per_epoch] for d in step
+        ]
         assert sorted(docs) == list(range(24))  # every document once per epoch
     assert module.seen[:per_epoch] != module.seen[per_epoch:]  # shuffled per epoch
     # the first step's loss is the token mean of its documents run one by one
@@ -331,6 +340,7 @@ def test_resume_mid_epoch_continues_bit_identically(tmp_path) -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # two processes that each import Lightning and torch: ~30 s on 2 idle cores
 def test_ddp_two_processes_each_document_once(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_packing.py"), str(tmp_path)],

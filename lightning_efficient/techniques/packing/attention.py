@@ -6,8 +6,8 @@ the ``DocumentAttention`` session that the caller points at each packed batch, w
 
 - ``"hf-position-ids"``: the model holds Hugging Face models. Their ``forward`` is wrapped: while
   a packed batch is current, a call on inputs of the batch's shape gets the batch's restarting
-  ``position_ids`` (when it was not given them), ``use_cache=False`` and no all-ones
-  ``attention_mask``: transformers then builds its sdpa/eager/flex masks per document
+  ``position_ids`` (when it was not given them), ``use_cache=False`` and no ``attention_mask``
+  (the rows' own marks only the padding at the end, a document of its own): transformers then builds its sdpa/eager/flex masks per document
   (``masking_utils.find_packed_sequence_indices``, which it skips when a cache is in use or a
   mask is passed). Under flash-attention (``attn_implementation="flash_attention_*"``) the
   call also gets ``cu_seq_lens_q/k`` and ``max_length_q/k``, its variable-length path
@@ -88,11 +88,13 @@ def _hf_forward(original: Callable[..., Any], session: DocumentAttention, flash:
                 kwargs["position_ids"] = pos
             mask = kwargs.get("attention_mask")
             if isinstance(mask, torch.Tensor):
-                if not bool(mask.all()):
+                # the rows' own mask (the padding at the end of each row) is not needed: the
+                # padding is a document of its own, after every real token
+                if mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
                     raise ValueError(
-                        "a packed batch reached the model with an attention_mask that masks "
-                        "tokens; packed rows carry no mask (their padding is a document of its "
-                        "own): do not build one in training_step."
+                        "a packed batch reached the model with an attention_mask that is not "
+                        "the rows' own (ones, then zeros on the padding at the end); packed rows "
+                        "keep their documents apart by position_ids: pass the batch's mask or none."
                     )
                 kwargs["attention_mask"] = None
             kwargs["use_cache"] = False
@@ -119,11 +121,15 @@ def _sdpa(original: Callable[..., Any], session: DocumentAttention) -> Any:
         **kwargs: Any,
     ) -> torch.Tensor:
         if session.position_ids is None:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
+            )
         q_len, k_len = query.shape[-2], key.shape[-2]
         if query.dim() != 4 or q_len != k_len or not session.matches(query.shape[0], q_len):
             session.unmatched += 1
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
+            )
         mask = document_mask(session.position_ids.to(query.device), causal=is_causal)
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:

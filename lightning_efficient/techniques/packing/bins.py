@@ -10,7 +10,8 @@
 - ``pack_rows(lengths, row_length, ...)``: both, for an epoch order, with the number of rows
   made a multiple of the number of ranks (a piece moved out of the fullest row into a new row)
   so that every rank gets as many rows.
-- ``fill(rows, row_length)``: the share of the slots that hold tokens.
+- ``fill(rows, row_length)``: the share of the slots that hold tokens; ``padded_fill_of`` the
+  same for batches padded to their longest document.
 
 A row is a tuple of pieces ``(document index, start, stop)``.
 """
@@ -20,7 +21,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-__all__ = ["Piece", "Row", "OVERSIZE", "split_documents", "best_fit_decreasing", "pack_rows", "fill"]
+__all__ = [
+    "Piece",
+    "Row",
+    "OVERSIZE",
+    "split_documents",
+    "best_fit_decreasing",
+    "pack_rows",
+    "fill",
+]
 
 #: One piece of a document: ``(document index, start token, stop token)``.
 Piece = tuple[int, int, int]
@@ -110,6 +119,16 @@ def pack_rows(
         rows[longest] = [(doc, start, cut)]
         rows.append([(doc, cut, stop)])
     return [tuple(r) for r in rows]
+
+
+def padded_fill_of(lengths: Sequence[int], batch_size: int) -> float:
+    """Tokens over slots when batches of ``batch_size`` documents (in the given order) are padded
+    to their longest document."""
+    slots = sum(
+        max(lengths[i : i + batch_size]) * len(lengths[i : i + batch_size])
+        for i in range(0, len(lengths), batch_size)
+    )
+    return sum(lengths) / slots if slots else 0.0
 
 
 def fill(rows: Sequence[Row], row_length: int) -> float:

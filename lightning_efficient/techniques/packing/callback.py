@@ -19,7 +19,7 @@ from lightning_efficient.techniques.packing.attention import (
     apply_document_attention,
     packing_error,
 )
-from lightning_efficient.techniques.packing.bins import OVERSIZE, fill
+from lightning_efficient.techniques.packing.bins import OVERSIZE, fill, padded_fill_of
 from lightning_efficient.techniques.packing.sampler import (
     PackedRowSampler,
     document_lengths,
@@ -73,7 +73,9 @@ class SequencePacking(Technique):
     ) -> None:
         super().__init__()
         self.row_length = check_int("row_length", row_length, minimum=2, allow_none=True)
-        self.rows_per_batch = check_int("rows_per_batch", rows_per_batch, minimum=1, allow_none=True)
+        self.rows_per_batch = check_int(
+            "rows_per_batch", rows_per_batch, minimum=1, allow_none=True
+        )
         self.seed = check_int("seed", seed, minimum=0)
         self.oversize = check_choice("oversize", oversize, OVERSIZE)
         self.pad_id = check_int("pad_id", pad_id, minimum=0)
@@ -137,9 +139,10 @@ class SequencePacking(Technique):
     def _describe(self, loader: DataLoader, lengths: list[int], new: DataLoader) -> None:
         s = self.sampler
         size = loader.batch_size or 1
-        padded = [max(lengths[i : i + size]) * len(lengths[i : i + size]) for i in range(0, len(lengths), size)]
-        padded_fill = sum(lengths) / sum(padded)
-        packed_fill = fill(s.global_rows(0), s.row_length)
+        padded_fill, packed_fill = (
+            padded_fill_of(lengths, size),
+            fill(s.global_rows(0), s.row_length),
+        )
         self._figures = dict(
             documents=len(lengths), rows=len(s) * s.num_replicas, row_length=s.row_length,
             fill=round(packed_fill, 4), padded_fill=round(padded_fill, 4), split_documents=len(s.split),
@@ -159,8 +162,7 @@ class SequencePacking(Technique):
             return
         self._attention = self.record(trainer, apply_document_attention(pl_module))
         self.session = self._attention.value
-        change = self._attention
-        self.note(f"attention path {self.session.path!r}: {change.what}")
+        self.note(f"attention path {self.session.path!r}: {self._attention.what}")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.sampler is None and self.session is not None:  # nothing packed: nothing to serve
@@ -171,10 +173,7 @@ class SequencePacking(Technique):
         row = next((r for r in self.sampler.rank_rows(0) if len(r) > 1), None)
         if row is None:
             return  # every row holds one document: nothing to keep apart
-        data = self.loader.dataset
-        batch = trainer.strategy.batch_to_device
-        packed, alone = batch(_one(data[row])), [batch(_one(data[(p,)])) for p in row]
-        error = _check(trainer, pl_module, packed, alone, self.session)
+        error = _check(trainer, pl_module, self.loader.dataset, row, self.session)
         tolerance = 1e-5 if str(trainer.precision).startswith("32") else 2e-2
         if error > tolerance:
             raise SettingsError(
@@ -193,11 +192,15 @@ class SequencePacking(Technique):
             self.sampler.set_epoch(trainer.current_epoch)
             self._in_epoch = 0
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.session is not None and isinstance(batch, dict):
             self.session.current(batch.get("position_ids"))
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.session is not None:
             self.session.current(None)
         self._batches += 1
@@ -242,13 +245,15 @@ def _unpackable(loader: Any) -> str | None:
     return None
 
 
-def _one(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v[None] for k, v in row.items()}
+def _check(trainer: Any, module: Any, data: Any, row: Any, session: Any) -> float:
+    """``packing_error`` of ``row`` (and of its documents alone) through the user's training
+    step, on the device: no gradients, dropout off, logging silenced, the RNG and the train/eval
+    flags put back."""
 
+    def batch(key: Any) -> Any:
+        return trainer.strategy.batch_to_device({k: v[None] for k, v in data[key].items()})
 
-def _check(trainer: Any, module: Any, packed: Any, alone: list[Any], session: Any) -> float:
-    """``packing_error`` through the user's training step: no gradients, dropout off, logging
-    silenced, the RNG and the train/eval flags put back."""
+    packed, alone = batch(row), [batch((piece,)) for piece in row]
     modes = {m: m.training for m in module.modules()}
     module.eval()
     try:

@@ -3,7 +3,9 @@
 - ``read_document(item)``: ``(input_ids, labels or None)`` of a dataset item (a dict with
   ``input_ids`` and optionally ``labels``, as Hugging Face datasets give them).
 - ``build_row(documents, row_length, ...)``: the documents one after another, then padding:
-  ``input_ids``, ``labels`` and ``position_ids`` of ``row_length`` tokens. ``position_ids``
+  ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` of ``row_length`` tokens
+  (the mask: 1 on the documents, 0 on the padding, so that ``measure/tokens.py`` counts the real
+  tokens; the attention paths do not need it and drop it). ``position_ids``
   restart at 0 for every document (and for the padding, which is its own document); ``labels``
   are ``-100`` on the padding and, for labels the model shifts itself (Hugging Face's causal
   LMs: the logits at ``t`` predict ``labels[t + 1]``), on each document's first token, the one
@@ -38,7 +40,9 @@ IGNORE_INDEX = -100
 def read_document(item: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(input_ids, labels or None)`` of one dataset item, as 1-D int64 tensors."""
     if not isinstance(item, Mapping) or "input_ids" not in item:
-        kind = f"a dict with keys {sorted(item)}" if isinstance(item, Mapping) else type(item).__name__
+        kind = (
+            f"a dict with keys {sorted(item)}" if isinstance(item, Mapping) else type(item).__name__
+        )
         raise TypeError(
             f"sequence packing reads dataset items that are dicts with `input_ids` (and optionally "
             f"`labels`); got {kind}."
@@ -82,7 +86,9 @@ def build_row(
         positions[at : at + n] = torch.arange(n)
         at += n
     positions[at:] = torch.arange(row_length - at)  # the padding: a document of its own
-    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+    mask = torch.zeros(row_length, dtype=torch.long)
+    mask[:at] = 1
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -184,9 +184,7 @@ def pack_dataloader(
         "rows_per_batch", rows_per_batch or loader.batch_size or 1, minimum=1
     )
     lengths = list(lengths) if lengths is not None else document_lengths(loader.dataset)
-    sampler = PackedRowSampler(
-        lengths, row_length, shuffle=shuffle, seed=seed, oversize=oversize
-    )
+    sampler = PackedRowSampler(lengths, row_length, shuffle=shuffle, seed=seed, oversize=oversize)
     kwargs: dict[str, Any] = dict(
         num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
@@ -195,5 +193,7 @@ def pack_dataloader(
         kwargs.update(
             persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor
         )
-    packed = PackedDocuments(loader.dataset, row_length, pad_id=pad_id, shifted_labels=shifted_labels)
+    packed = PackedDocuments(
+        loader.dataset, row_length, pad_id=pad_id, shifted_labels=shifted_labels
+    )
     return DataLoader(packed, batch_size=rows_per_batch, sampler=sampler, **kwargs)

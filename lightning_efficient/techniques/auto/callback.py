@@ -19,12 +19,7 @@ from lightning_efficient.core.validate import (
     parse_bytes,
 )
 from lightning_efficient.techniques.auto import fit as on_fit
-from lightning_efficient.techniques.auto.decide import (
-    GOALS,
-    Decision,
-    divisors,
-    rung_from_state,
-)
+from lightning_efficient.techniques.auto.decide import GOALS, Decision, decision_from_state
 from lightning_efficient.techniques.batch_size.choice import read_batch_size
 
 __all__ = ["AutoEfficient"]
@@ -95,13 +90,19 @@ class AutoEfficient(Technique):
         return {"decision": self.decision.state() if self.decision is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # restored after every `setup`, before the strategy's setup (optimizers, loaders): the
-        # checkpoint's decision is used, and its stack is put in place now, so that Lightning
-        # restores the state of the stack's callbacks next
-        trainer = self._trainer() if self._trainer is not None else None
-        saved = self._from_state(state_dict.get("decision"), trainer)
-        if saved is None or trainer is None or self._module is None:
+        """Nothing: the decision is read in :meth:`on_load_checkpoint`, which Lightning calls
+        first, so that the stack it puts in place gets its own ``on_load_checkpoint`` and
+        ``load_state_dict`` (OptimizerSwap's 8-bit state) like a callback given by hand."""
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # after every `setup`, before the strategy's setup (optimizers, loaders). Lightning calls
+        # this hook, then `load_state_dict`, on each callback of the list as it stands: the
+        # checkpoint's stack, put right after this callback now, is restored next
+        entry = (checkpoint.get("callbacks") or {}).get(self.state_key) or {}
+        saved = entry.get("decision") if isinstance(entry, dict) else None
+        if not saved or self._trainer is None or self._module is None:
             return
+        saved = decision_from_state(saved, trainer.world_size, self.goal)
         if self.decision is not None:  # a strategy that restores after its setup (rare)
             if (self.decision.rung.name, self.decision.micro) != (saved.rung.name, saved.micro):
                 self.warn(
@@ -109,7 +110,7 @@ class AutoEfficient(Technique):
                     f"strategy's setup; training goes on with {self.decision.describe()}."
                 )
             return
-        self._settle(trainer, self._module(), saved)
+        self._settle(trainer, pl_module, saved)
 
     # -- hooks ------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -211,36 +212,13 @@ class AutoEfficient(Technique):
             )
         return decision
 
-    def _from_state(self, saved: dict[str, Any] | None, trainer: Any) -> Decision | None:
-        if not saved or trainer is None:
-            return None
-        world = trainer.world_size
-        micro = int(saved["micro_batch"])
-        effective = micro * int(saved["accumulation"]) * int(saved.get("world_size", 1))
-        per_rank = effective // world
-        if per_rank % micro:  # another world size: the largest divisor not above the saved one
-            micro = max(d for d in divisors(per_rank) if d <= micro)
-        return Decision(
-            rung_from_state(saved),
-            micro,
-            per_rank // micro,
-            world,
-            str(saved.get("goal", self.goal)),
-            int(saved.get("budget_bytes", 0)),
-            str(saved.get("target", "")),
-            estimate_bytes=saved.get("estimate_bytes"),
-            trial_bytes=saved.get("trial_bytes"),
-            seconds=float(saved.get("seconds", 0.0)),
-            restored=True,
-        )
-
     def _same_on_every_rank(self, trainer: Any, decision: Decision) -> Decision:
         if trainer.world_size == 1:
             return decision
         state = trainer.strategy.broadcast(decision.state(), src=0)
         if state == decision.state():
             return decision
-        shared = self._from_state(state, trainer)
+        shared = decision_from_state(state, trainer.world_size, self.goal)
         shared.restored = False
         return shared
 

@@ -22,11 +22,12 @@ from lightning_efficient.core.change import Change
 from lightning_efficient.measure.estimate import EstimateError, estimate_memory
 from lightning_efficient.measure.settings import (
     configured_optimizer,
+    configured_optimizer_class,
     estimate_settings,
     strategy_sharding,
 )
 from lightning_efficient.measure.trial import trial_within
-from lightning_efficient.techniques._ladder import Rung, default_ladder
+from lightning_efficient.techniques._ladder import Rung, default_ladder, without_configured
 from lightning_efficient.techniques.auto.decide import Decision, decide
 from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
 
@@ -50,12 +51,17 @@ def ladder_for(
     bf16: bool,
     world_size: int = 1,
     sharding: str | None = None,
+    configured: Sequence[Any] = (),
 ) -> list[Rung]:
-    """The planner's ladder for ``model``. The optimizer-in-backward rung is left out (the
-    micro-batch may need accumulation, which it cannot do)."""
+    """The planner's ladder for ``model``, its 8-bit rungs in the family of the optimizer the
+    module configures (none for SGD). The optimizer-in-backward rung is left out (the
+    micro-batch may need accumulation, which it cannot do). ``configured``: the techniques the
+    fit already has; a rung's part of the same class is left out (the configured one is used
+    as given)."""
     from lightning_efficient.techniques.chunked_loss import worth_chunking
 
-    return default_ladder(
+    optimizer = configured_optimizer_class(model)
+    ladder = default_ladder(
         budget_bytes,
         precision=precision,
         bf16=bf16,
@@ -63,7 +69,9 @@ def ladder_for(
         world_size=world_size,
         configured_sharding=sharding,
         chunked_loss=worth_chunking(model),
+        optimizer=optimizer if optimizer is not None else "adamw",
     )
+    return without_configured(ladder, configured)
 
 
 def estimate_measure(
@@ -225,6 +233,7 @@ def decide_for(
         bf16=bf16 and not trainer_fixed,
         world_size=trainer.world_size,
         sharding=settings.get("sharding"),
+        configured=settings["callbacks"],
     )
     measure = estimate_measure(module, make_batch, budget_bytes, effective, settings)
     device = trainer.strategy.root_device

@@ -21,6 +21,7 @@ from lightning_efficient.core.validate import (
 from lightning_efficient.techniques.auto import fit as on_fit
 from lightning_efficient.techniques.auto.decide import GOALS, Decision, decision_from_state
 from lightning_efficient.techniques.batch_size.choice import read_batch_size
+from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 
 __all__ = ["AutoEfficient"]
 
@@ -69,7 +70,9 @@ class AutoEfficient(Technique):
         self.budget = budget
         self._budget_bytes = parse_bytes("budget", budget, allow_none=True)
         self.goal = check_choice("goal", goal, GOALS)
-        self.target_batch = check_int("target_batch", target_batch, minimum=1, allow_none=True)
+        self.target_batch = check_int(
+            "target_batch", target_batch, minimum=1, maximum=MAX_TARGET_BATCH, allow_none=True
+        )
         self.trial = check_bool("trial", trial)
         if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
             raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
@@ -117,6 +120,12 @@ class AutoEfficient(Technique):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        sizers = on_fit.other_sizers(trainer, self)
+        if sizers:
+            raise SettingsError(
+                f"{self.name} sets the micro-batch and the accumulation itself; "
+                f"{', '.join(sizers)} would set the batch size too. Keep one of them."
+            )
         if self._added is not None:  # a previous fit's stack on this trainer
             self._added.undo()
         self.decision, self._added = None, None
@@ -151,10 +160,12 @@ class AutoEfficient(Technique):
             decision = self._decide(trainer, pl_module, self._effective // trainer.world_size)
             decision = self._same_on_every_rank(trainer, decision)
         self.decision = decision
-        why = on_fit.fixed_by_trainer(decision.rung, str(trainer.precision))
-        if why:  # a decision made for another trainer (fit --auto, a checkpoint)
+        why = on_fit.not_applied_by(trainer, decision.rung)
+        if why:  # a decision made for another trainer (a checkpoint)
             self.warn(f"cannot apply {decision.rung.name} here: {why}")
-        callbacks, _ = decision.rung.build()
+        # a technique the fit already has is used as given (never added twice)
+        have = {type(cb) for cb in trainer.callbacks}
+        callbacks = [cb for cb in decision.rung.build()[0] if type(cb) not in have]
         self.record(
             trainer,
             on_fit.apply_batch(
@@ -164,7 +175,8 @@ class AutoEfficient(Technique):
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
         for callback in callbacks:
             callback.setup(trainer, pl_module, "fit")
-        self.note(decision.summary())
+        if decision is not self._preset:  # fit --auto printed its decision already
+            self.note(decision.summary())
         if trainer.is_global_zero and not decision.restored:
             holder = "data" if trainer.datamodule is not None else "model"
             rank_zero_info(
@@ -205,6 +217,8 @@ class AutoEfficient(Technique):
         )
         for note in decision.notes:
             self.note(note)
+        for warning in decision.warnings:
+            self.warn(warning)
         if str(trainer.precision) == "32-true":
             self.note(
                 "the ladder's bf16-mixed stacks need the trainer's precision "

@@ -107,6 +107,7 @@ class Decision:
     estimates: int = 0
     tried: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     restored: bool = False
 
     @property

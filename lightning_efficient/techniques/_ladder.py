@@ -165,7 +165,9 @@ def offloadable(optimizer: Any) -> bool:
 
 def optimizer_swap(name: str, *, in_backward: bool = False) -> Part:
     """``OptimizerSwap(name)`` (stepped in backward when ``in_backward``)."""
-    return Part("OptimizerSwap", {"name": name, **({"optimizer_in_backward": True} if in_backward else {})})
+    return Part(
+        "OptimizerSwap", {"name": name, **({"optimizer_in_backward": True} if in_backward else {})}
+    )
 
 
 def checkpoint_fewest(budget_bytes: int) -> Part:
@@ -308,9 +310,19 @@ def without_configured(rungs: Sequence[Rung], configured: Sequence[Any]) -> list
     seen: set[str] = set()
     for rung in rungs:
         parts = tuple(p for p in rung.callbacks if p.class_path not in have)
-        strategy = rung.strategy if rung.strategy is None or rung.strategy.class_path not in have else None
+        strategy = (
+            rung.strategy if rung.strategy is None or rung.strategy.class_path not in have else None
+        )
         if parts != rung.callbacks or strategy is not rung.strategy:
-            rung = Rung(rung.name, rung.precision, parts, strategy, rung.cost, rung.sharding, rung.configured)
+            rung = Rung(
+                rung.name,
+                rung.precision,
+                parts,
+                strategy,
+                rung.cost,
+                rung.sharding,
+                rung.configured,
+            )
         key = repr((rung.precision, rung.callbacks, rung.strategy, rung.configured))
         if key not in seen:
             seen.add(key)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_efficient.core.change import Change, patch_attribute
@@ -140,6 +139,8 @@ class AutoEfficient(Technique):
             raise SettingsError(
                 f"{self.name}: target_batch={self._effective} is not a multiple of {world} ranks."
             )
+        if trainer.ckpt_path is not None:  # the checkpoint's stack is added in on_load_checkpoint
+            self.record(trainer, on_fit.quiet_restore_warning())
         # decide after a checkpoint's state is restored (a resume keeps its decision) and before
         # the strategy moves the module and builds the optimizers and the LR schedule
         strategy = trainer.strategy
@@ -158,7 +159,7 @@ class AutoEfficient(Technique):
         passed)."""
         if decision is None:
             decision = self._decide(trainer, pl_module, self._effective // trainer.world_size)
-            decision = self._same_on_every_rank(trainer, decision)
+            decision = on_fit.same_on_every_rank(trainer, decision)
         self.decision = decision
         why = on_fit.not_applied_by(trainer, decision.rung)
         if why:  # a decision made for another trainer (a checkpoint)
@@ -194,13 +195,7 @@ class AutoEfficient(Technique):
         """``budget`` in bytes; ``None``: the CUDA device's total memory (said once)."""
         if self._budget_bytes is not None:
             return self._budget_bytes
-        device = trainer.strategy.root_device
-        if device.type != "cuda":
-            raise SettingsError(
-                f"{self.name}: on a {device.type} device the budget cannot be read; pass "
-                "`budget=` (e.g. '4GiB')."
-            )
-        total = int(torch.cuda.get_device_properties(device).total_memory)
+        total = on_fit.device_memory(trainer, self.name)
         self.note(f"budget: the device's total memory, {format_bytes(total)}")
         return total
 
@@ -225,16 +220,6 @@ class AutoEfficient(Technique):
                 "(`trainer.precision: bf16-mixed`, or `lightning-efficient fit --auto`)"
             )
         return decision
-
-    def _same_on_every_rank(self, trainer: Any, decision: Decision) -> Decision:
-        if trainer.world_size == 1:
-            return decision
-        state = trainer.strategy.broadcast(decision.state(), src=0)
-        if state == decision.state():
-            return decision
-        shared = decision_from_state(state, trainer.world_size, self.goal)
-        shared.restored = False
-        return shared
 
     def preset(self, decision: Decision) -> AutoEfficient:
         """Use ``decision`` (made before the Trainer was built: ``fit --auto``) instead of

@@ -311,6 +311,22 @@ def decision_from_state(saved: Any, world_size: int, goal: str = "speed") -> Dec
     )
 
 
+def _weights_alone(estimates: Any, budget_bytes: int) -> str:
+    """ " (the weights alone need X ...)" when every estimate's weights exceed the budget."""
+    weights = [
+        est.by_category.get("parameters", 0)
+        for _, _, est in estimates
+        if isinstance(getattr(est, "by_category", None), dict)
+    ]
+    if not weights or min(weights) < budget_bytes:
+        return ""
+    return (
+        f" (the model's weights alone need {format_bytes(int(min(weights)))}, more than the "
+        "budget: no stack of one device shrinks them; more devices with `lightning-efficient "
+        "plan`, or a larger budget)"
+    )
+
+
 def decide(
     rungs: Sequence[Rung],
     measure: Measure,
@@ -450,6 +466,7 @@ def decide(
             raise ValueError(
                 f"no usable stack fits {format_bytes(budget_bytes)} even at micro-batch 1"
                 + (" in real steps" if excluded else "")
+                + _weights_alone(cache.values(), budget_bytes)
                 + ": "
                 + "; ".join(f"{name}: {why}" for name, why in tried)
             )

@@ -34,7 +34,7 @@ from lightning_efficient.techniques._ladder import (
     technique_class,
     without_configured,
 )
-from lightning_efficient.techniques.auto.decide import Decision, decide
+from lightning_efficient.techniques.auto.decide import Decision, decide, decision_from_state
 from lightning_efficient.techniques.batch_size.choice import set_batch_size, worst_case_sampler
 from lightning_efficient.techniques.batch_size.sizing import epoch_end_step
 
@@ -42,12 +42,15 @@ __all__ = [
     "add_callbacks",
     "apply_batch",
     "decide_for",
+    "device_memory",
     "estimate_failure",
     "estimate_measure",
     "fixed_by_trainer",
     "ladder_for",
     "not_applied_by",
     "other_sizers",
+    "quiet_restore_warning",
+    "same_on_every_rank",
     "own_accumulation",
     "trial_runner",
 ]
@@ -222,6 +225,30 @@ def own_accumulation(rung: Rung) -> str:
     )
 
 
+def device_memory(trainer: Any, who: str) -> int:
+    """The total memory of the trainer's CUDA device (a budget of ``None``); elsewhere it cannot
+    be read: a clear error asking for ``budget=``."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        raise SettingsError(
+            f"{who}: on a {device.type} device the budget cannot be read; pass "
+            "`budget=` (e.g. '4GiB')."
+        )
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def same_on_every_rank(trainer: Any, decision: Decision) -> Decision:
+    """Rank zero's decision on every rank (device trials may differ slightly between ranks)."""
+    if trainer.world_size == 1:
+        return decision
+    state = trainer.strategy.broadcast(decision.state(), src=0)
+    if state == decision.state():
+        return decision
+    shared = decision_from_state(state, trainer.world_size, decision.goal)
+    shared.restored = False
+    return shared
+
+
 def other_sizers(trainer: Any, me: Any) -> list[str]:
     """The callbacks of ``trainer`` other than ``me`` that set the batch size (EfficientBatchSize,
     with or without a target; Lightning's BatchSizeFinder), by class name."""
@@ -252,6 +279,32 @@ def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: 
         undo,
         figures={"micro_batch": micro, "accumulation": accumulation},
     )
+
+
+#: The callbacks a ladder rung adds (their default ``state_key`` is the class name).
+_STACK_CALLBACKS = ("ActivationCheckpointing", "ChunkedCrossEntropy", "OptimizerSwap")
+
+
+def quiet_restore_warning() -> Change:
+    """Lightning warns, before any callback's ``on_load_checkpoint``, of the checkpoint's
+    callback entries that no given callback has ("Please add the following callbacks"): the
+    stack AutoEfficient puts in place in its own ``on_load_checkpoint`` is not there yet. The
+    warning is silenced while it names the ladder's callbacks alone; undo removes the filter."""
+    import warnings
+
+    names = "|".join(_STACK_CALLBACKS)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Be aware that when using `ckpt_path`.*Please add the following callbacks: "
+        rf"\[(?:'(?:{names})'(?:, )?)+\]\.?$",
+    )
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
+
+    return Change("the restore warning about the stack's own callbacks silenced", undo)
 
 
 def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:

@@ -139,8 +139,8 @@ class AutoEfficient(Technique):
             raise SettingsError(
                 f"{self.name}: target_batch={self._effective} is not a multiple of {world} ranks."
             )
-        if trainer.ckpt_path is not None:  # the checkpoint's stack is added in on_load_checkpoint
-            self.record(trainer, on_fit.quiet_restore_warning())
+        # a checkpoint's stack is added in on_load_checkpoint (the path is not known here yet)
+        self.record(trainer, on_fit.quiet_restore_warning())
         # decide after a checkpoint's state is restored (a resume keeps its decision) and before
         # the strategy moves the module and builds the optimizers and the LR schedule
         strategy = trainer.strategy

@@ -33,7 +33,7 @@ from lightning_efficient.measure.estimate import (
     estimate_memory,
 )
 from lightning_efficient.measure.per_rank import SHARDINGS
-from lightning_efficient.measure.settings import strategy_sharding
+from lightning_efficient.measure.settings import configured_optimizer_class, strategy_sharding
 from lightning_efficient.measure.targets import resolve_target
 from lightning_efficient.measure.trial import stack_trial
 from lightning_efficient.techniques._ladder import (  # noqa: F401  (re-exported: the ladder's home)
@@ -227,6 +227,7 @@ def plan_stack(
             world_size=world_size,
             configured_sharding=sharding,
             chunked_loss=worth_chunking(model),
+            optimizer=optimizer if optimizer is not None else configured_optimizer_class(model),
         )
     )
     target = resolve_target(device)

@@ -59,18 +59,16 @@ def _plan_config(decision: Any, folder: Path) -> Path:
 
 
 def _batch_size(model: Any, datamodule: Any, name: str) -> int:
-    """The batch size where Lightning's BatchSizeFinder looks for it (before the fit)."""
-    for holder in (
-        model,
-        getattr(model, "hparams", None),
-        datamodule,
-        getattr(datamodule, "hparams", None),
-    ):
-        value = getattr(holder, name, None) if holder is not None else None
-        if value is None and isinstance(holder, dict):
-            value = holder.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
+    """The batch size where ``train_dataloader()`` reads it (before the fit; the same reading
+    as the callback's: the datamodule's attribute first, an hparams entry last)."""
+    from lightning_efficient.techniques.batch_size.choice import batch_size_holders
+
+    holders = batch_size_holders(datamodule, model, name)
+    value = holders[0][name] if holders and isinstance(holders[0], dict) else None
+    if holders and not isinstance(holders[0], dict):
+        value = getattr(holders[0], name)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
     fail(
         f"fit --auto: no `{name}` on the model, the datamodule or their hparams; the micro-batch "
         "is set there (add a `batch_size` attribute that `train_dataloader()` uses)"
@@ -78,9 +76,22 @@ def _batch_size(model: Any, datamodule: Any, name: str) -> int:
     raise AssertionError  # fail exits
 
 
+def _checkpoint_error(path: str | None) -> str:
+    """Why ``--ckpt_path`` cannot be resumed from ("" when it can, or Lightning resolves it:
+    ``last``, ``best``, ``hpc``, ``registry``, a URL)."""
+    if path is None or path in ("last", "best", "hpc", "registry") or "://" in path:
+        return ""
+    if not Path(path).exists():
+        return f"fit --auto: --ckpt_path {path!r} does not exist"
+    if not Path(path).is_file():
+        return f"fit --auto: --ckpt_path {path!r} is not a file (give the .ckpt file)"
+    return ""
+
+
 def auto_fit_command(argv: Sequence[str]) -> int:
     """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``)."""
     from lightning_efficient.core.validate import parse_bytes
+    from lightning_efficient.measure.estimate import EstimateError
     from lightning_efficient.techniques.auto import AutoEfficient
     from lightning_efficient.techniques.auto.fit import decide_for
     from lightning_efficient.techniques.precision import best_precision
@@ -94,7 +105,14 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             trial=not args.no_trial,
         )
     except (TypeError, ValueError) as err:
-        fail(str(err).replace("`budget`", "--budget").replace("`goal`", "--goal"))
+        fail(
+            str(err)
+            .replace("`budget`", "--budget")
+            .replace("`goal`", "--goal")
+            .replace("`target_batch`", "--target-batch")
+        )
+    if _checkpoint_error(args.ckpt_path):
+        fail(_checkpoint_error(args.ckpt_path))
     first = _cli(rest)
     trainer, model = first.trainer, first.model
     source = first.datamodule if first.datamodule is not None else model
@@ -122,11 +140,13 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             bf16=str(trainer.precision) == "32-true" and best_precision(device) == "bf16-mixed",
             trainer_fixed=False,
         )
-    except ValueError as err:
+    except (ValueError, EstimateError) as err:  # nothing fits, the data, the estimate
         fail(f"fit --auto: {err}")
     print(f"AutoEfficient (fit --auto): {decision.summary()}")
     for note in decision.notes:
         print(f"AutoEfficient: {note}")
+    for warning in decision.warnings:
+        print(f"AutoEfficient: warning: {warning}")
     with tempfile.TemporaryDirectory() as folder:
         plan = _plan_config(decision, Path(folder))
         final = _cli([*rest, "--config", str(plan)])

@@ -152,15 +152,15 @@ def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> str | N
         )
     if sizers and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
         problems.append(
-            "EfficientBatchSize(target_batch_size=...) sets accumulate_grad_batches to keep the "
-            "effective batch, and GradientAccumulationScheduler changes it per epoch. Remove one of them."
+            f"{_names(sizers)} sets accumulate_grad_batches to keep the effective batch, and "
+            "GradientAccumulationScheduler changes it per epoch. Remove one of them."
         )
     if sizers and getattr(trainer.strategy, "handles_gradient_accumulation", False):
         problems.append(
-            f"EfficientBatchSize(target_batch_size=...) cannot set the accumulation of "
+            f"{_names(sizers)} cannot set the accumulation of "
             f"{type(trainer.strategy).__name__}, which handles gradient accumulation itself (e.g. "
             "DeepSpeed's gradient_accumulation_steps). Set the accumulation in the strategy's config "
-            "and leave target_batch_size=None."
+            "(and leave EfficientBatchSize's target_batch_size=None, or AutoEfficient out)."
         )
     recoveries = [t for t in techniques if getattr(t, "recovers_from_oom", False)]
     if len(recoveries) > 1:
@@ -187,8 +187,8 @@ def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> str | Non
         problems.append(
             f"{_names(raisers)}, which sets accumulate_grad_batches during the fit: gradients "
             "cannot be accumulated over micro-batches because each one is used and freed as soon "
-            "as backward produces it. Leave EfficientBatchSize's target_batch_size=None or set "
-            "optimizer_in_backward=False"
+            "as backward produces it. Leave EfficientBatchSize's target_batch_size=None (or "
+            "AutoEfficient out) or set optimizer_in_backward=False"
         )
     elif accumulate > 1:
         problems.append(

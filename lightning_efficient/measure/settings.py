@@ -22,6 +22,7 @@ from lightning_efficient.measure.types import PRECISIONS
 
 __all__ = [
     "configured_optimizer",
+    "configured_optimizer_class",
     "estimate_settings",
     "optimizer_factory_like",
     "strategy_sharding",
@@ -111,6 +112,19 @@ def configured_optimizer(
         return None, "configure_optimizers returned no optimizer"
     factory = optimizer_factory_like(optimizer, model, foreach_default=foreach_default)
     return factory, f"optimizer as configured: {type(optimizer).__name__}"
+
+
+def configured_optimizer_class(model: nn.Module) -> type | None:
+    """The class of the first optimizer the module's ``configure_optimizers`` builds (``None``:
+    none, or it needs a trainer): the family a swap must keep."""
+    configure = getattr(model, "configure_optimizers", None)
+    if configure is None:
+        return None
+    try:
+        optimizer = _first_optimizer(configure())
+    except Exception:  # noqa: BLE001 - e.g. it reads self.trainer, which is not attached
+        return None
+    return type(optimizer) if optimizer is not None else None
 
 
 def strategy_sharding(strategy: Any) -> str | None:

@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lightning_efficient.core.validate import check_int
 
 __all__ = [
     "ADAMW8BIT",
+    "ADAM8BIT",
     "ADAMW8BIT_IN_BACKWARD",
     "CHECKPOINT_ALL",
     "CHUNKED_LOSS",
@@ -27,6 +30,10 @@ __all__ = [
     "Rung",
     "checkpoint_fewest",
     "default_ladder",
+    "eight_bit_form",
+    "offloadable",
+    "optimizer_swap",
+    "without_configured",
 ]
 
 
@@ -106,8 +113,9 @@ class Rung:
         return callbacks, (self.strategy.spec() if self.strategy is not None else None)
 
 
-#: The parts of the ladder (``checkpoint_fewest`` takes the budget).
+#: The parts of the ladder (``checkpoint_fewest`` takes the budget, ``optimizer_swap`` the name).
 ADAMW8BIT = Part("OptimizerSwap", {"name": "adamw8bit"})
+ADAM8BIT = Part("OptimizerSwap", {"name": "adam8bit"})
 ADAMW8BIT_IN_BACKWARD = Part("OptimizerSwap", {"name": "adamw8bit", "optimizer_in_backward": True})
 CHECKPOINT_ALL = Part("ActivationCheckpointing")
 ZERO2_OFFLOAD = Part("ZeROOffload", {"stage": 2, "offload_optimizer": "cpu"})
@@ -117,6 +125,49 @@ ZERO3_OFFLOAD = Part(
 FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
 FSDP_FULL = Part("FullyShardedStrategy")
 CHUNKED_LOSS = Part("ChunkedCrossEntropy")
+
+
+def _optimizer_type(optimizer: Any) -> type | None:
+    """The class of ``optimizer``: a name as ``OptimizerSwap`` takes it (or a class path), a
+    class, or an instance; ``None`` when it cannot be told (a factory)."""
+    from lightning_efficient.measure.optimizer_models import optimizer_class
+
+    if isinstance(optimizer, str):
+        return optimizer_class(optimizer)
+    if isinstance(optimizer, type):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer)
+    return None
+
+
+def eight_bit_form(optimizer: Any) -> str | None:
+    """The ``OptimizerSwap`` name of the 8-bit form of ``optimizer``'s family (a name, a class
+    path, a class or an instance), so a swap keeps the user's maths: AdamW -> ``"adamw8bit"``,
+    Adam -> ``"adam8bit"``. ``None``: no 8-bit form keeps it (SGD, with or without momentum,
+    and any other family), or it is 8-bit already: the ladder offers no swap."""
+    cls = _optimizer_type(optimizer)
+    if cls is None:
+        return None
+    if issubclass(cls, torch.optim.AdamW):
+        return "adamw8bit"
+    if issubclass(cls, torch.optim.Adam):
+        return "adam8bit"
+    return None
+
+
+def offloadable(optimizer: Any) -> bool:
+    """Whether ZeRO offload keeps ``optimizer``'s family (DeepSpeed's CPU Adam/AdamW/Adagrad run
+    the host step; any other optimizer would be replaced)."""
+    cls = _optimizer_type(optimizer)
+    return cls is not None and issubclass(cls, (torch.optim.Adam, torch.optim.Adagrad))
+
+
+def optimizer_swap(name: str, *, in_backward: bool = False) -> Part:
+    """``OptimizerSwap(name)`` (stepped in backward when ``in_backward``)."""
+    return Part(
+        "OptimizerSwap", {"name": name, **({"optimizer_in_backward": True} if in_backward else {})}
+    )
 
 
 def checkpoint_fewest(budget_bytes: int) -> Part:
@@ -134,21 +185,29 @@ def default_ladder(
     world_size: int = 1,
     configured_sharding: str | None = None,
     chunked_loss: bool = False,
+    optimizer: Any = "adamw",
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
     and strategy) the config already has; the first rung, "as configured", estimates them.
 
+    ``optimizer``: the user's optimizer (a name, class path, class or instance; a factory
+    counts as AdamW, the estimate's default). The 8-bit rungs swap it for the 8-bit form of its
+    own family (:func:`eight_bit_form`: AdamW -> adamw8bit, Adam -> adam8bit); a family with
+    none (SGD) gets no 8-bit rung, and no ZeRO offload rung unless DeepSpeed's CPU optimizer
+    keeps its family (:func:`offloadable`). Checkpointing rungs come without the swap too.
+
     One device (``world_size=1``): as configured, bf16, 8-bit optimizer states, checkpointing
-    (fewest blocks, then all), optimizer in backward, then ZeRO offload to the host.
+    the fewest blocks, then with 8-bit states, every block, then with 8-bit states, optimizer in
+    backward, then ZeRO offload to the host.
 
     Several ranks: as configured, bf16, then sharding across the ranks before anything lossy
     or slow: ``FullyShardedStrategy(sharding="grad_op")`` (the same communication volume as
     DDP), ``FullyShardedStrategy()`` (full sharding, +50% communication), full sharding with
-    the fewest checkpointed blocks, then all blocks, then ZeRO offload to the host. The 8-bit
-    rungs are left out: bitsandbytes cannot step sharded parameters, and full sharding divides
-    the optimizer state by the rank count where 8-bit states divide it by 4.
-    ``configured_sharding``: how the configured strategy divides the state (a sharding rung
-    that divides no more than it is left out).
+    the fewest checkpointed blocks, then all blocks; then, under the configured strategy (what
+    a callback can apply to a built Trainer), checkpointing the fewest and every block, and
+    (under DDP, where the parameters are not sharded) 8-bit states with every block; then ZeRO
+    offload to the host. ``configured_sharding``: how the configured strategy divides the state
+    (a sharding rung that divides no more than it is left out).
 
     ``chunked_loss``: the model's logits are wide (``chunked_loss.worth_chunking``):
     ``ChunkedCrossEntropy`` gets a rung right after the precision (the same maths, about as
@@ -156,6 +215,9 @@ def default_ladder(
     cannot serve it).
     """
     check_int("world_size", world_size, minimum=1)
+    family = optimizer if _optimizer_type(optimizer) is not None else "adamw"
+    eight = eight_bit_form(family)
+    swap = (optimizer_swap(eight),) if eight else ()
     low = "bf16-mixed" if bf16 and precision == "32-true" else precision
     fewest = checkpoint_fewest(budget_bytes)
     loss = (CHUNKED_LOSS,) if chunked_loss else ()
@@ -165,55 +227,107 @@ def default_ladder(
         rungs.append(Rung(low, low, cost="none on bf16 hardware; loss within ~2% of fp32"))
     if chunked_loss:
         rungs.append(Rung(name, low, loss, cost="none: the same maths without the full logits"))
+    lossy = "8-bit optimizer states (lossy, small)"
     if world_size > 1:
         rungs += _sharding_rungs(name, low, fewest, configured_sharding, loss)
+        rungs += _checkpoint_rungs(name, low, fewest, loss, ())
+        if swap and configured_sharding in (None, "ddp"):  # bitsandbytes steps whole tensors
+            rungs.append(
+                Rung(f"{name} + {eight} + checkpoint all blocks", low,
+                     (*loss, *swap, CHECKPOINT_ALL), cost=f"{lossy}; recompute every block")
+            )  # fmt: skip
     else:
-        rungs += [
-            Rung(
-                f"{name} + adamw8bit",
-                low,
-                (*loss, ADAMW8BIT),
-                cost="8-bit optimizer states (lossy, small)",
-            ),
-            Rung(
-                f"{name} + adamw8bit + checkpoint fewest blocks",
-                low,
-                (*loss, ADAMW8BIT, fewest),
-                cost="recompute some blocks' forward",
-            ),
-            Rung(
-                f"{name} + adamw8bit + checkpoint all blocks",
-                low,
-                (*loss, ADAMW8BIT, CHECKPOINT_ALL),
-                cost="recompute every block's forward (~+30% step time)",
-            ),
-        ]
-    if accumulate_grad_batches == 1 and world_size == 1:
+        if swap:
+            rungs.append(Rung(f"{name} + {eight}", low, (*loss, *swap), cost=lossy))
+        plain_fewest, plain_all = _checkpoint_rungs(name, low, fewest, loss, ())
+        rungs.append(plain_fewest)
+        if swap:
+            rungs.append(_checkpoint_rungs(name, low, fewest, loss, swap, eight)[0])
+        rungs.append(plain_all)
+        if swap:
+            rungs.append(_checkpoint_rungs(name, low, fewest, loss, swap, eight)[1])
+    if accumulate_grad_batches == 1 and world_size == 1 and eight:
         rungs.append(
             Rung(
-                f"{name} + adamw8bit in backward + checkpoint all blocks",
+                f"{name} + {eight} in backward + checkpoint all blocks",
                 low,
-                (*loss, ADAMW8BIT_IN_BACKWARD, CHECKPOINT_ALL),
+                (*loss, optimizer_swap(eight, in_backward=True), CHECKPOINT_ALL),
                 cost="no gradient clipping or accumulation",
             )
         )
-    rungs += [
+    if offloadable(family):
+        rungs += [
+            Rung(
+                f"{name} + checkpoint all blocks + ZeRO-2 optimizer offload",
+                low,
+                (*loss, CHECKPOINT_ALL),
+                ZERO2_OFFLOAD,
+                cost="optimizer step on the host (PCIe traffic every step)",
+            ),
+            Rung(
+                f"{low} + checkpoint all blocks + ZeRO-3 parameter offload",
+                low,
+                (CHECKPOINT_ALL,),
+                ZERO3_OFFLOAD,
+                cost="weights streamed from the host for every layer (slowest)",
+            ),
+        ]
+    return rungs
+
+
+def _checkpoint_rungs(
+    name: str,
+    low: str,
+    fewest: Part,
+    loss: tuple[Part, ...],
+    swap: tuple[Part, ...],
+    eight: str | None = None,
+) -> list[Rung]:
+    """Checkpointing the fewest blocks, then every block (with ``swap``'s 8-bit states, if any)."""
+    with_swap = f" + {eight}" if swap else ""
+    return [
         Rung(
-            f"{name} + checkpoint all blocks + ZeRO-2 optimizer offload",
+            f"{name}{with_swap} + checkpoint fewest blocks",
             low,
-            (*loss, CHECKPOINT_ALL),
-            ZERO2_OFFLOAD,
-            cost="optimizer step on the host (PCIe traffic every step)",
+            (*loss, *swap, fewest),
+            cost="recompute some blocks' forward",
         ),
         Rung(
-            f"{low} + checkpoint all blocks + ZeRO-3 parameter offload",
+            f"{name}{with_swap} + checkpoint all blocks",
             low,
-            (CHECKPOINT_ALL,),
-            ZERO3_OFFLOAD,
-            cost="weights streamed from the host for every layer (slowest)",
+            (*loss, *swap, CHECKPOINT_ALL),
+            cost="recompute every block's forward (~+30% step time)",
         ),
     ]
-    return rungs
+
+
+def without_configured(rungs: Sequence[Rung], configured: Sequence[Any]) -> list[Rung]:
+    """``rungs`` with every part whose technique the fit already has taken out (the configured
+    one is used as given: a technique given twice is refused), and the rungs that become the
+    same stack as an earlier one dropped."""
+    have = {type(obj).__name__ for obj in configured}
+    out: list[Rung] = []
+    seen: set[str] = set()
+    for rung in rungs:
+        parts = tuple(p for p in rung.callbacks if p.class_path not in have)
+        strategy = (
+            rung.strategy if rung.strategy is None or rung.strategy.class_path not in have else None
+        )
+        if parts != rung.callbacks or strategy is not rung.strategy:
+            rung = Rung(
+                rung.name,
+                rung.precision,
+                parts,
+                strategy,
+                rung.cost,
+                rung.sharding,
+                rung.configured,
+            )
+        key = repr((rung.precision, rung.callbacks, rung.strategy, rung.configured))
+        if key not in seen:
+            seen.add(key)
+            out.append(rung)
+    return out
 
 
 #: Shardings that divide at least the optimizer state, gradients and parameters in flight as

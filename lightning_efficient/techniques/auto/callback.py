@@ -5,7 +5,6 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_efficient.core.change import Change, patch_attribute
@@ -19,13 +18,9 @@ from lightning_efficient.core.validate import (
     parse_bytes,
 )
 from lightning_efficient.techniques.auto import fit as on_fit
-from lightning_efficient.techniques.auto.decide import (
-    GOALS,
-    Decision,
-    divisors,
-    rung_from_state,
-)
+from lightning_efficient.techniques.auto.decide import GOALS, Decision, decision_from_state
 from lightning_efficient.techniques.batch_size.choice import read_batch_size
+from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 
 __all__ = ["AutoEfficient"]
 
@@ -74,7 +69,9 @@ class AutoEfficient(Technique):
         self.budget = budget
         self._budget_bytes = parse_bytes("budget", budget, allow_none=True)
         self.goal = check_choice("goal", goal, GOALS)
-        self.target_batch = check_int("target_batch", target_batch, minimum=1, allow_none=True)
+        self.target_batch = check_int(
+            "target_batch", target_batch, minimum=1, maximum=MAX_TARGET_BATCH, allow_none=True
+        )
         self.trial = check_bool("trial", trial)
         if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
             raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
@@ -95,13 +92,19 @@ class AutoEfficient(Technique):
         return {"decision": self.decision.state() if self.decision is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # restored after every `setup`, before the strategy's setup (optimizers, loaders): the
-        # checkpoint's decision is used, and its stack is put in place now, so that Lightning
-        # restores the state of the stack's callbacks next
-        trainer = self._trainer() if self._trainer is not None else None
-        saved = self._from_state(state_dict.get("decision"), trainer)
-        if saved is None or trainer is None or self._module is None:
+        """Nothing: the decision is read in :meth:`on_load_checkpoint`, which Lightning calls
+        first, so that the stack it puts in place gets its own ``on_load_checkpoint`` and
+        ``load_state_dict`` (OptimizerSwap's 8-bit state) like a callback given by hand."""
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # after every `setup`, before the strategy's setup (optimizers, loaders). Lightning calls
+        # this hook, then `load_state_dict`, on each callback of the list as it stands: the
+        # checkpoint's stack, put right after this callback now, is restored next
+        entry = (checkpoint.get("callbacks") or {}).get(self.state_key) or {}
+        saved = entry.get("decision") if isinstance(entry, dict) else None
+        if not saved or self._trainer is None or self._module is None:
             return
+        saved = decision_from_state(saved, trainer.world_size, self.goal)
         if self.decision is not None:  # a strategy that restores after its setup (rare)
             if (self.decision.rung.name, self.decision.micro) != (saved.rung.name, saved.micro):
                 self.warn(
@@ -109,13 +112,19 @@ class AutoEfficient(Technique):
                     f"strategy's setup; training goes on with {self.decision.describe()}."
                 )
             return
-        self._settle(trainer, self._module(), saved)
+        self._settle(trainer, pl_module, saved)
 
     # -- hooks ------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        sizers = on_fit.other_sizers(trainer, self)
+        if sizers:
+            raise SettingsError(
+                f"{self.name} sets the micro-batch and the accumulation itself; "
+                f"{', '.join(sizers)} would set the batch size too. Keep one of them."
+            )
         if self._added is not None:  # a previous fit's stack on this trainer
             self._added.undo()
         self.decision, self._added = None, None
@@ -130,6 +139,8 @@ class AutoEfficient(Technique):
             raise SettingsError(
                 f"{self.name}: target_batch={self._effective} is not a multiple of {world} ranks."
             )
+        # a checkpoint's stack is added in on_load_checkpoint (the path is not known here yet)
+        self.record(trainer, on_fit.quiet_restore_warning())
         # decide after a checkpoint's state is restored (a resume keeps its decision) and before
         # the strategy moves the module and builds the optimizers and the LR schedule
         strategy = trainer.strategy
@@ -148,12 +159,14 @@ class AutoEfficient(Technique):
         passed)."""
         if decision is None:
             decision = self._decide(trainer, pl_module, self._effective // trainer.world_size)
-            decision = self._same_on_every_rank(trainer, decision)
+            decision = on_fit.same_on_every_rank(trainer, decision)
         self.decision = decision
-        why = on_fit.fixed_by_trainer(decision.rung, str(trainer.precision))
-        if why:  # a decision made for another trainer (fit --auto, a checkpoint)
+        why = on_fit.not_applied_by(trainer, decision.rung)
+        if why:  # a decision made for another trainer (a checkpoint)
             self.warn(f"cannot apply {decision.rung.name} here: {why}")
-        callbacks, _ = decision.rung.build()
+        # a technique the fit already has is used as given (never added twice)
+        have = {type(cb) for cb in trainer.callbacks}
+        callbacks = [cb for cb in decision.rung.build()[0] if type(cb) not in have]
         self.record(
             trainer,
             on_fit.apply_batch(
@@ -163,7 +176,8 @@ class AutoEfficient(Technique):
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
         for callback in callbacks:
             callback.setup(trainer, pl_module, "fit")
-        self.note(decision.summary())
+        if decision is not self._preset:  # fit --auto printed its decision already
+            self.note(decision.summary())
         if trainer.is_global_zero and not decision.restored:
             holder = "data" if trainer.datamodule is not None else "model"
             rank_zero_info(
@@ -181,13 +195,7 @@ class AutoEfficient(Technique):
         """``budget`` in bytes; ``None``: the CUDA device's total memory (said once)."""
         if self._budget_bytes is not None:
             return self._budget_bytes
-        device = trainer.strategy.root_device
-        if device.type != "cuda":
-            raise SettingsError(
-                f"{self.name}: on a {device.type} device the budget cannot be read; pass "
-                "`budget=` (e.g. '4GiB')."
-            )
-        total = int(torch.cuda.get_device_properties(device).total_memory)
+        total = on_fit.device_memory(trainer, self.name)
         self.note(f"budget: the device's total memory, {format_bytes(total)}")
         return total
 
@@ -204,45 +212,14 @@ class AutoEfficient(Technique):
         )
         for note in decision.notes:
             self.note(note)
+        for warning in decision.warnings:
+            self.warn(warning)
         if str(trainer.precision) == "32-true":
             self.note(
                 "the ladder's bf16-mixed stacks need the trainer's precision "
                 "(`trainer.precision: bf16-mixed`, or `lightning-efficient fit --auto`)"
             )
         return decision
-
-    def _from_state(self, saved: dict[str, Any] | None, trainer: Any) -> Decision | None:
-        if not saved or trainer is None:
-            return None
-        world = trainer.world_size
-        micro = int(saved["micro_batch"])
-        effective = micro * int(saved["accumulation"]) * int(saved.get("world_size", 1))
-        per_rank = effective // world
-        if per_rank % micro:  # another world size: the largest divisor not above the saved one
-            micro = max(d for d in divisors(per_rank) if d <= micro)
-        return Decision(
-            rung_from_state(saved),
-            micro,
-            per_rank // micro,
-            world,
-            str(saved.get("goal", self.goal)),
-            int(saved.get("budget_bytes", 0)),
-            str(saved.get("target", "")),
-            estimate_bytes=saved.get("estimate_bytes"),
-            trial_bytes=saved.get("trial_bytes"),
-            seconds=float(saved.get("seconds", 0.0)),
-            restored=True,
-        )
-
-    def _same_on_every_rank(self, trainer: Any, decision: Decision) -> Decision:
-        if trainer.world_size == 1:
-            return decision
-        state = trainer.strategy.broadcast(decision.state(), src=0)
-        if state == decision.state():
-            return decision
-        shared = self._from_state(state, trainer)
-        shared.restored = False
-        return shared
 
     def preset(self, decision: Decision) -> AutoEfficient:
         """Use ``decision`` (made before the Trainer was built: ``fit --auto``) instead of

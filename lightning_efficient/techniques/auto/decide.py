@@ -38,7 +38,10 @@ __all__ = [
     "GOALS",
     "Decision",
     "Option",
+    "CHECKPOINT_OPTIMIZERS",
+    "DecisionStateError",
     "decide",
+    "decision_from_state",
     "divisors",
     "measured_as",
     "rung_from_state",
@@ -104,6 +107,7 @@ class Decision:
     estimates: int = 0
     tried: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     restored: bool = False
 
     @property
@@ -193,18 +197,133 @@ class Decision:
         }
 
 
+#: The ``OptimizerSwap`` names a checkpoint's decision may carry: the ladder's own (never a class
+#: path: a name in a file is not imported).
+CHECKPOINT_OPTIMIZERS = ("adamw8bit", "adam8bit")
+
+
+class DecisionStateError(ValueError):
+    """A checkpoint's AutoEfficient decision that cannot be used (what is wrong, and what to do)."""
+
+
+def _bad(what: str) -> DecisionStateError:
+    return DecisionStateError(
+        f"AutoEfficient: the checkpoint's decision is not valid: {what}. Resume without "
+        "AutoEfficient, or start the fit afresh (no ckpt_path) so that it decides again."
+    )
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.isprintable() or len(value) > 200:
+        raise _bad(f"`{key}` must be printable text; got {value!r}")
+    return value
+
+
+def _count(state: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = state.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(f"`{key}` must be a positive int; got {value!r}")
+    return value
+
+
+def _part(spec: Any) -> Part:
+    """A ladder part from a checkpoint: its class on the ladder's allowlist, its arguments plain
+    data, an optimizer name from the ladder's own (checked before anything is built)."""
+    from lightning_efficient.techniques._ladder import technique_class
+
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        raise _bad(f"a technique must be {{class_path, init_args}}; got {spec!r}")
+    args = spec.get("init_args") or {}
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise _bad(f"`init_args` of {spec['class_path']!r} must be a dict; got {args!r}")
+    name = args.get("name")
+    if spec["class_path"] == "OptimizerSwap" and name not in CHECKPOINT_OPTIMIZERS:
+        raise _bad(
+            f"OptimizerSwap `name` must be one of {', '.join(CHECKPOINT_OPTIMIZERS)}; got {name!r}"
+        )
+    try:
+        technique_class(spec["class_path"])
+        part = Part(spec["class_path"], dict(args))
+        part.build()  # the constructor's own checks
+    except (TypeError, ValueError) as err:
+        raise _bad(str(err)) from None
+    return part
+
+
 def rung_from_state(state: dict[str, Any]) -> Rung:
-    """The rung a :meth:`Decision.state` names."""
+    """The rung a :meth:`Decision.state` names, every value checked (:class:`DecisionStateError`)."""
+    from lightning_efficient.measure.estimate import PRECISIONS
 
-    def part(spec: dict[str, Any]) -> Part:
-        return Part(spec["class_path"], dict(spec.get("init_args") or {}))
-
+    precision = state.get("precision", "32-true")
+    if precision not in PRECISIONS:
+        raise _bad(f"`precision` must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    callbacks = state.get("callbacks") or ()
+    if not isinstance(callbacks, (list, tuple)):
+        raise _bad(f"`callbacks` must be a list; got {callbacks!r}")
     strategy = state.get("strategy")
     return Rung(
-        str(state.get("rung", "restored")),
-        str(state.get("precision", "32-true")),
-        tuple(part(s) for s in state.get("callbacks") or ()),
-        part(strategy) if strategy else None,
+        _text(state.get("rung", "restored"), "rung"),
+        precision,
+        tuple(_part(s) for s in callbacks),
+        _part(strategy) if strategy else None,
+    )
+
+
+def decision_from_state(saved: Any, world_size: int, goal: str = "speed") -> Decision:
+    """The decision a checkpoint holds (:meth:`Decision.state`), for ``world_size`` ranks: the
+    same effective batch (on another world size, the largest micro-batch not above the saved one
+    that divides one rank's share). Every value is checked first: a
+    :class:`DecisionStateError` says what is wrong."""
+    if not isinstance(saved, dict):
+        raise _bad(f"expected a dict; got {type(saved).__name__}")
+    micro = _count(saved, "micro_batch")
+    effective = micro * _count(saved, "accumulation") * _count(saved, "world_size", 1)
+    if effective % world_size:
+        raise _bad(
+            f"its effective batch {effective} is not a multiple of this run's {world_size} ranks"
+        )
+    per_rank = effective // world_size
+    if per_rank % micro:
+        micro = max(d for d in divisors(per_rank) if d <= micro)
+    figures = {}
+    for key in ("estimate_bytes", "trial_bytes", "seconds", "budget_bytes"):
+        value = saved.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+        ):
+            raise _bad(f"`{key}` must be a number >= 0; got {value!r}")
+        figures[key] = value
+    saved_goal = saved.get("goal", goal)
+    if saved_goal not in GOALS:
+        raise _bad(f"`goal` must be one of {', '.join(GOALS)}; got {saved_goal!r}")
+    return Decision(
+        rung_from_state(saved),
+        micro,
+        per_rank // micro,
+        world_size,
+        saved_goal,
+        int(figures["budget_bytes"] or 0),
+        _text(saved.get("target", ""), "target"),
+        estimate_bytes=figures["estimate_bytes"],
+        trial_bytes=None if figures["trial_bytes"] is None else int(figures["trial_bytes"]),
+        seconds=float(figures["seconds"] or 0.0),
+        restored=True,
+    )
+
+
+def _weights_alone(estimates: Any, budget_bytes: int) -> str:
+    """ " (the weights alone need X ...)" when every estimate's weights exceed the budget."""
+    weights = [
+        est.by_category.get("parameters", 0)
+        for _, _, est in estimates
+        if isinstance(getattr(est, "by_category", None), dict)
+    ]
+    if not weights or min(weights) < budget_bytes:
+        return ""
+    return (
+        f" (the model's weights alone need {format_bytes(int(min(weights)))}, more than the "
+        "budget: no stack of one device shrinks them; more devices with `lightning-efficient "
+        "plan`, or a larger budget)"
     )
 
 
@@ -347,6 +466,7 @@ def decide(
             raise ValueError(
                 f"no usable stack fits {format_bytes(budget_bytes)} even at micro-batch 1"
                 + (" in real steps" if excluded else "")
+                + _weights_alone(cache.values(), budget_bytes)
                 + ": "
                 + "; ".join(f"{name}: {why}" for name, why in tried)
             )

@@ -19,24 +19,38 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.change import Change
+from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.measure.estimate import EstimateError, estimate_memory
 from lightning_efficient.measure.settings import (
     configured_optimizer,
+    configured_optimizer_class,
     estimate_settings,
     strategy_sharding,
 )
 from lightning_efficient.measure.trial import trial_within
-from lightning_efficient.techniques._ladder import Rung, default_ladder
-from lightning_efficient.techniques.auto.decide import Decision, decide
-from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
+from lightning_efficient.techniques._ladder import (
+    Rung,
+    default_ladder,
+    technique_class,
+    without_configured,
+)
+from lightning_efficient.techniques.auto.decide import Decision, decide, decision_from_state
+from lightning_efficient.techniques.batch_size.choice import set_batch_size, worst_case_sampler
+from lightning_efficient.techniques.batch_size.sizing import epoch_end_step
 
 __all__ = [
     "add_callbacks",
     "apply_batch",
     "decide_for",
+    "device_memory",
+    "estimate_failure",
     "estimate_measure",
     "fixed_by_trainer",
     "ladder_for",
+    "not_applied_by",
+    "other_sizers",
+    "quiet_restore_warning",
+    "same_on_every_rank",
     "own_accumulation",
     "trial_runner",
 ]
@@ -50,12 +64,17 @@ def ladder_for(
     bf16: bool,
     world_size: int = 1,
     sharding: str | None = None,
+    configured: Sequence[Any] = (),
 ) -> list[Rung]:
-    """The planner's ladder for ``model``. The optimizer-in-backward rung is left out (the
-    micro-batch may need accumulation, which it cannot do)."""
+    """The planner's ladder for ``model``, its 8-bit rungs in the family of the optimizer the
+    module configures (none for SGD). The optimizer-in-backward rung is left out (the
+    micro-batch may need accumulation, which it cannot do). ``configured``: the techniques the
+    fit already has; a rung's part of the same class is left out (the configured one is used
+    as given)."""
     from lightning_efficient.techniques.chunked_loss import worth_chunking
 
-    return default_ladder(
+    optimizer = configured_optimizer_class(model)
+    ladder = default_ladder(
         budget_bytes,
         precision=precision,
         bf16=bf16,
@@ -63,7 +82,10 @@ def ladder_for(
         world_size=world_size,
         configured_sharding=sharding,
         chunked_loss=worth_chunking(model),
+        optimizer=optimizer if optimizer is not None else "adamw",
     )
+    # DeepSpeed's ZeRO sets the accumulation itself: never AutoEfficient's (`plan` offers it)
+    return [r for r in without_configured(ladder, configured) if not own_accumulation(r)]
 
 
 def estimate_measure(
@@ -90,11 +112,40 @@ def estimate_measure(
         techniques = [*existing, *callbacks, *([strategy] if strategy is not None else [])]
         try:
             est = estimate_memory(model, make_batch(micro), callbacks=techniques, **kwargs)
-        except (EstimateError, ValueError) as err:  # e.g. no checkpointing budget is reached
-            return False, math.inf, err
+        except Exception as err:
+            if not rung.callbacks and rung.strategy is None:  # the fit's own step: not memory
+                raise estimate_failure(err) from None
+            if isinstance(err, (EstimateError, ValueError)):  # what the rung adds cannot serve
+                return False, math.inf, err
+            raise
         return est.fits(budget_bytes), float(est.required_bytes), est
 
     return measure
+
+
+def estimate_failure(err: BaseException) -> BaseException:
+    """What to raise when the estimate of the fit's own step (no technique added) fails: that is
+    never "does not fit". The user's own error (raised in their code or by torch on their
+    tensors, e.g. a shape mismatch) as it is; the estimate's refusal (a step that reads tensor
+    values, manual optimization) as "the estimate cannot run this step because ...", with the
+    fallback."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
+        tb = tb.tb_next
+    refused = isinstance(err, EstimateError) or (
+        bool(frames) and "/lightning_efficient/" in frames[-1]
+    )
+    if not refused:
+        err.add_note("(raised by the module's own step, run by AutoEfficient's memory estimate)")
+        return err
+    return EstimateError(
+        f"AutoEfficient: the estimate cannot run this step because {err} Fallback: configure "
+        "the techniques and the batch size by hand (`lightning-efficient plan --config ...` "
+        "prints a stack for a budget; `EfficientBatchSize` sizes the batch with real steps on a "
+        "GPU)."
+    )
 
 
 def trial_runner(
@@ -146,6 +197,21 @@ def fixed_by_trainer(rung: Rung, precision: str) -> str:
     return "needs yaml (" + "; ".join(lines) + "), or `lightning-efficient fit --auto`"
 
 
+def not_applied_by(trainer: Any, rung: Rung) -> str:
+    """What of ``rung`` the built ``trainer`` does not have ("" when it has it all: a Trainer
+    built from the plan by ``fit --auto`` has its precision and strategy)."""
+    lines = []
+    if rung.precision != str(trainer.precision):
+        lines.append(f"trainer.precision: {rung.precision}")
+    if rung.strategy is not None and not isinstance(
+        trainer.strategy, technique_class(rung.strategy.class_path)
+    ):
+        lines.append(f"trainer.strategy: {{class_path: {rung.strategy.class_path}}}")
+    if not lines:
+        return ""
+    return "needs yaml (" + "; ".join(lines) + "), or `lightning-efficient fit --auto`"
+
+
 def own_accumulation(rung: Rung) -> str:
     """Why ``rung`` cannot be AutoEfficient's even in a Trainer built from the plan ("" when it
     can): its strategy sets the accumulation itself (DeepSpeed's ZeRO), so the micro-batch and
@@ -159,25 +225,86 @@ def own_accumulation(rung: Rung) -> str:
     )
 
 
-def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: int) -> Change:
-    """Set the batch size where Lightning's BatchSizeFinder finds it (the module, its hparams,
-    the datamodule or its hparams) and ``trainer.accumulate_grad_batches``; undo puts both
-    back."""
-    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+def device_memory(trainer: Any, who: str) -> int:
+    """The total memory of the trainer's CUDA device (a budget of ``None``); elsewhere it cannot
+    be read: a clear error asking for ``budget=``."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        raise SettingsError(
+            f"{who}: on a {device.type} device the budget cannot be read; pass "
+            "`budget=` (e.g. '4GiB')."
+        )
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
-    before = (lightning_getattr(module, name), trainer.accumulate_grad_batches)
-    lightning_setattr(module, name, micro)
+
+def same_on_every_rank(trainer: Any, decision: Decision) -> Decision:
+    """Rank zero's decision on every rank (device trials may differ slightly between ranks)."""
+    if trainer.world_size == 1:
+        return decision
+    state = trainer.strategy.broadcast(decision.state(), src=0)
+    if state == decision.state():
+        return decision
+    shared = decision_from_state(state, trainer.world_size, decision.goal)
+    shared.restored = False
+    return shared
+
+
+def other_sizers(trainer: Any, me: Any) -> list[str]:
+    """The callbacks of ``trainer`` other than ``me`` that set the batch size (EfficientBatchSize,
+    with or without a target; Lightning's BatchSizeFinder), by class name."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    from lightning_efficient.techniques.batch_size import EfficientBatchSize
+
+    return [
+        type(cb).__name__
+        for cb in trainer.callbacks
+        if cb is not me and isinstance(cb, (EfficientBatchSize, BatchSizeFinder))
+    ]
+
+
+def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: int) -> Change:
+    """Set the batch size in every place it lives (the datamodule, the module, their hparams)
+    and ``trainer.accumulate_grad_batches``; undo puts each back."""
+    batch = set_batch_size(trainer, module, name, micro)
+    before = trainer.accumulate_grad_batches
     trainer.accumulate_grad_batches = accumulation
 
     def undo() -> None:
-        lightning_setattr(module, name, before[0])
-        trainer.accumulate_grad_batches = before[1]
+        trainer.accumulate_grad_batches = before
+        batch.undo()
 
     return Change(
-        f"{name} {before[0]} -> {micro}, accumulation {before[1]} -> {accumulation}",
+        f"{batch.what}, accumulation {before} -> {accumulation}",
         undo,
         figures={"micro_batch": micro, "accumulation": accumulation},
     )
+
+
+#: The callbacks a ladder rung adds (their default ``state_key`` is the class name).
+_STACK_CALLBACKS = ("ActivationCheckpointing", "ChunkedCrossEntropy", "OptimizerSwap")
+
+
+def quiet_restore_warning() -> Change:
+    """Lightning warns, before any callback's ``on_load_checkpoint``, of the checkpoint's
+    callback entries that no given callback has ("Please add the following callbacks"): the
+    stack AutoEfficient puts in place in its own ``on_load_checkpoint`` is not there yet. The
+    warning is silenced while it names the ladder's callbacks alone; undo removes the filter."""
+    import warnings
+
+    names = "|".join(_STACK_CALLBACKS)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Be aware that when using `ckpt_path`.*Please add the following callbacks: "
+        rf"\[(?:'(?:{names})'(?:, )?)+\]\.?$",
+    )
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
+
+    return Change("the restore warning about the stack's own callbacks silenced", undo)
 
 
 def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:
@@ -215,7 +342,17 @@ def decide_for(
     (a callback), so rungs that need another precision or a strategy are not usable and the
     ladder keeps the trainer's precision (``bf16`` is ignored); otherwise (``fit --auto``) every
     rung is usable, and ``bf16`` adds the bf16-mixed rungs."""
-    make_batch, _ = worst_case_sampler(source.train_dataloader(), 10_000)
+    loader = source.train_dataloader()
+    make_batch, n_data = worst_case_sampler(loader, 10_000)
+    world = trainer.world_size
+    share = None if n_data is None else n_data // world
+    if share is not None and effective > share:  # a step would take more than the data holds
+        raise SettingsError(
+            f"AutoEfficient: the effective batch {effective * world} (micro-batch x accumulation "
+            f"x {world} rank(s)) needs {effective} samples per rank for each step; the training "
+            f"set has {n_data} ({share} per rank). Lower target_batch (or the batch size x "
+            f"accumulate_grad_batches) to at most {share * world}."
+        )
     settings = estimate_settings(trainer, exclude=list(exclude))
     precision = str(trainer.precision)
     rungs = ladder_for(
@@ -225,6 +362,7 @@ def decide_for(
         bf16=bf16 and not trainer_fixed,
         world_size=trainer.world_size,
         sharding=settings.get("sharding"),
+        configured=settings["callbacks"],
     )
     measure = estimate_measure(module, make_batch, budget_bytes, effective, settings)
     device = trainer.strategy.root_device
@@ -234,7 +372,7 @@ def decide_for(
         if trial
         else None
     )
-    return decide(
+    decision = decide(
         rungs,
         measure,
         budget_bytes,
@@ -247,3 +385,14 @@ def decide_for(
         trial=runner,
         target=getattr(settings.get("device"), "label", device.type),
     )
+    if share is not None:
+        drop_last = bool(getattr(loader, "drop_last", False))
+        last = epoch_end_step(share, decision.micro, decision.accumulation, drop_last)
+        if last is not None:
+            decision.warnings.append(
+                f"the effective batch is not kept at epoch ends: {share} samples per rank give "
+                f"steps of {decision.micro * decision.accumulation} and a last step of {last} "
+                "(Lightning steps at every epoch end); an effective batch that divides the "
+                "samples per rank keeps it"
+            )
+    return decision

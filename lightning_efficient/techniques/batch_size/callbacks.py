@@ -28,7 +28,7 @@ from lightning_efficient.techniques.batch_size.choice import (
     read_batch_size,
 )
 from lightning_efficient.techniques.batch_size.guard import OOMGuard
-from lightning_efficient.techniques.batch_size.sizing import accumulation_for
+from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH, accumulation_for
 
 __all__ = ["EfficientBatchSize", "OOMRecovery"]
 
@@ -158,8 +158,9 @@ class EfficientBatchSize(Technique):
         self.loss_weighting, self.ignore_index = loss_weighting, ignore_index
         self.token_counter = token_counter
         self.target_batch_size = check_int(
-            "target_batch_size", target_batch_size, minimum=1, allow_none=True
-        )
+            "target_batch_size", target_batch_size, minimum=1, maximum=MAX_TARGET_BATCH,
+            allow_none=True,
+        )  # fmt: skip
         if multiple_of != "auto":
             if isinstance(multiple_of, str):
                 raise ValueError(

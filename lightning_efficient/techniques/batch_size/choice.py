@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.estimate import estimate_memory
 from lightning_efficient.measure.settings import estimate_settings
@@ -22,6 +23,7 @@ from lightning_efficient.measure.trial import throughput, trial_within
 from lightning_efficient.techniques.batch_size.sizing import (
     candidate_sizes,
     choose_micro_batch,
+    epoch_end_step,
     fastest,
     first_fitting,
     largest_fitting_batch,
@@ -35,10 +37,12 @@ from lightning_efficient.techniques.batch_size.split import OutOfMemoryRecoveryE
 
 __all__ = [
     "Choice",
+    "batch_size_holders",
     "SizingSettings",
     "available_host_memory",
     "choose_batch_size",
     "read_batch_size",
+    "set_batch_size",
     "worst_case_sampler",
 ]
 
@@ -71,15 +75,66 @@ class Choice:
     warnings: list[str] = field(default_factory=list)
 
 
+def _holders(trainer: Any, pl_module: Any, name: str) -> list[Any]:
+    return batch_size_holders(getattr(trainer, "datamodule", None), pl_module, name)
+
+
+def batch_size_holders(datamodule: Any, pl_module: Any, name: str) -> list[Any]:
+    """Where ``name`` lives, the one ``train_dataloader()`` reads first: the datamodule's
+    attribute, its hparams, then the module's attribute, its hparams (without a datamodule, the
+    module's alone). Lightning's ``lightning_getattr`` reads the last holder (an hparams entry
+    that a later change of the attribute left stale)."""
+    owners = [datamodule, pl_module]
+    found: list[Any] = []
+    for owner in owners:
+        if owner is None:
+            continue
+        if hasattr(owner, name):
+            found.append(owner)
+        hparams = getattr(owner, "hparams", None)
+        if hparams is not None and name in hparams:
+            found.append(hparams)
+    return found
+
+
+def _get(holder: Any, name: str) -> Any:
+    return holder[name] if isinstance(holder, dict) else getattr(holder, name)
+
+
+def _put(holder: Any, name: str, value: Any) -> None:
+    if isinstance(holder, dict):
+        holder[name] = value
+    else:
+        setattr(holder, name, value)
+
+
+def set_batch_size(trainer: Any, pl_module: Any, name: str, value: int) -> Change:
+    """Set ``name`` to ``value`` in every place it lives (as Lightning's BatchSizeFinder does);
+    undo puts each place's own value back."""
+    holders = _holders(trainer, pl_module, name)
+    before = [(holder, _get(holder, name)) for holder in holders]
+    for holder in holders:
+        _put(holder, name, value)
+
+    def undo() -> None:
+        for holder, old in before:
+            _put(holder, name, old)
+
+    old = before[0][1] if before else None
+    return Change(f"{name} {old} -> {value}", undo, figures={name: value})
+
+
 def read_batch_size(
     trainer: Any, pl_module: Any, name: str, who: str = "EfficientBatchSize"
 ) -> int:
-    """The current batch size where Lightning's BatchSizeFinder finds it; a clear error when
-    there is none, or when the train DataLoader cannot be rebuilt with a new one."""
+    """The current batch size where ``train_dataloader()`` reads it (the datamodule's attribute
+    first, an hparams entry last: one changed after construction is read as it is now); a
+    clear error when there is none, or when the train DataLoader cannot be rebuilt with a new
+    one."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
-    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-    if not lightning_hasattr(pl_module, name):
+    holders = _holders(trainer, pl_module, name)
+    if not holders:
         where = (
             type(trainer.datamodule).__name__ if trainer.datamodule is not None else "no datamodule"
         )
@@ -95,7 +150,7 @@ def read_batch_size(
             "it cannot be rebuilt with a new batch size. Build it in a LightningDataModule's or "
             "the LightningModule's `train_dataloader()` from its `batch_size` attribute."
         )
-    value = lightning_getattr(pl_module, name)
+    value = _get(holders[0], name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{who}: `{name}` is {value!r}; expected a positive int.")
     return value
@@ -208,6 +263,16 @@ def choose_batch_size(
             f"{world} and a micro-batch <= {largest}; using micro-batch {micro} x accumulation "
             f"{accumulation} x world size {world} = {effective}, the nearest."
         )
+    if n_data is not None:
+        share = n_data // world
+        last = epoch_end_step(share, micro, accumulation, bool(getattr(loader, "drop_last", False)))
+        if last is not None:
+            warnings.append(
+                f"the effective batch {effective} is not kept at epoch ends: {share} samples per "
+                f"rank give steps of {micro * accumulation} and a last step of {last} (Lightning "
+                "steps at every epoch end); an effective batch that divides the samples per rank "
+                "keeps it."
+            )
     if s.target_batch_size is not None and trainer.accumulate_grad_batches not in (1, accumulation):
         warnings.append(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is replaced by {accumulation}."

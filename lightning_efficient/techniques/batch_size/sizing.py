@@ -31,6 +31,8 @@ __all__ = [
     "first_fitting",
     "fastest",
     "search_cap",
+    "epoch_end_step",
+    "MAX_TARGET_BATCH",
     "batch_length",
     "sample_size",
     "longest_sample",
@@ -234,6 +236,25 @@ def search_cap(
     if target is not None:
         cap = min(cap, max(1, target // world_size))
     return cap
+
+
+#: The largest effective batch the sizers take (a bound on the search: far above any real one).
+MAX_TARGET_BATCH = 2**24
+
+
+def epoch_end_step(samples: int, micro: int, accumulation: int, drop_last: bool) -> int | None:
+    """Samples in an epoch's last optimizer step when it is short of ``micro * accumulation``
+    (``None`` when every step holds the whole effective batch). Lightning steps at every epoch
+    end, so an accumulation window that the epoch's micro-batches do not fill is cut there (and
+    without ``drop_last`` the last micro-batch itself may be short). ``samples``: one rank's."""
+    batches = samples // micro if drop_last else -(-samples // micro)
+    if batches == 0:
+        return 0
+    in_epoch = batches * micro if drop_last else samples
+    per_step = micro * accumulation
+    steps = -(-batches // accumulation)
+    last = in_epoch - (steps - 1) * per_step
+    return None if last == per_step else last
 
 
 def first_fitting(

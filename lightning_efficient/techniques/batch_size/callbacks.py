@@ -290,16 +290,13 @@ class EfficientBatchSize(Technique):
         from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
         name = self.batch_arg_name
-        before = (lightning_getattr(pl_module, name), trainer.accumulate_grad_batches)
+        before = lightning_getattr(pl_module, name)
         lightning_setattr(pl_module, name, self.micro_batch_size)
+        undo = lambda: lightning_setattr(pl_module, name, before)  # noqa: E731
+        self.record(trainer, Change(f"{name} {before} -> {self.micro_batch_size}", undo))
+        # the accumulation is the trainer's setting for this fit (not the user's module): it
+        # stays as the fit ran, as the trainer's optimizers do
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
-
-        def undo() -> None:
-            lightning_setattr(pl_module, name, before[0])
-            trainer.accumulate_grad_batches = before[1]
-
-        what = f"{name} {before[0]} -> {self.micro_batch_size}"
-        self.record(trainer, Change(what, undo))  # the given batch size back after fit
         if note:
             self._change = (
                 f"{self.batch_arg_name} {self.micro_batch_size}, accumulation "

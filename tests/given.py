@@ -11,6 +11,8 @@ Captured (what a technique might change and forget to undo):
   (post-accumulate-grad, backward); buffers: class, dtype, device, shape. Values are not
   compared: the steps before the error train them;
 - the datamodule's instance callables (wrapped ``train_dataloader``, ``on_after_batch_transfer``);
+- the module's and the datamodule's public attributes of simple values and their
+  hyperparameters (a ``batch_size`` set where Lightning's BatchSizeFinder finds it);
 - global flags: float32 matmul precision, cuDNN and CUDA matmul flags, deterministic algorithms,
   default dtype, grad mode, saved-tensor hooks, Dynamo's compile callbacks and module-wide hooks.
 
@@ -21,6 +23,7 @@ strategy that shards leaves its sharding: compare with a model only it has shard
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +86,18 @@ def _param(p: torch.Tensor) -> tuple[Any, ...]:
     return (id(p), *_tensor(p), p.requires_grad, hooks)
 
 
+_SIMPLE = (int, float, str, bool)  # None is left out: a datamodule fills its sets in setup
+
+
+def _attributes(obj: Any) -> dict[str, Any]:
+    """Public attributes of ``obj`` with simple values, and its hyperparameters."""
+    out = {k: v for k, v in vars(obj).items() if not k.startswith("_") and isinstance(v, _SIMPLE)}
+    hparams = vars(obj).get("_hparams")  # Lightning's store behind ``hparams``
+    if isinstance(hparams, Mapping):
+        out.update({f"hparams.{k}": v for k, v in hparams.items() if isinstance(v, _SIMPLE)})
+    return out
+
+
 def _global_flags() -> dict[str, Any]:
     from torch._dynamo.callback import callback_handler
     from torch.nn.modules import module as nn_module
@@ -122,6 +137,7 @@ class Snapshot:
     parameters: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     buffers: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     datamodule: dict[str, int] = field(default_factory=dict)
+    attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
     flags: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -134,8 +150,10 @@ class Snapshot:
             snap.instance[key] = _instance_callables(m)
         snap.parameters = {n: _param(p) for n, p in model.named_parameters(remove_duplicate=False)}
         snap.buffers = {n: _tensor(b) for n, b in model.named_buffers(remove_duplicate=False)}
+        snap.attributes["module"] = _attributes(model)
         if datamodule is not None:
             snap.datamodule = _instance_callables(datamodule)
+            snap.attributes["datamodule"] = _attributes(datamodule)
         snap.flags = _global_flags()
         return snap
 
@@ -148,6 +166,7 @@ class Snapshot:
             parameters={k: v[1:] for k, v in self.parameters.items()},
             buffers=dict(self.buffers),
             datamodule=dict.fromkeys(self.datamodule, 0),
+            attributes={k: dict(v) for k, v in self.attributes.items()},
             flags=dict(self.flags),
         )
 
@@ -156,7 +175,7 @@ class Snapshot:
         out: list[str] = []
         for part in ("modules", "parameters", "buffers", "datamodule", "flags"):
             out += _diff(part, getattr(self, part), getattr(after, part))
-        for part in ("hooks", "instance"):
+        for part in ("hooks", "instance", "attributes"):
             given, now = getattr(self, part), getattr(after, part)
             for key in sorted(set(given) | set(now)):
                 out += _diff(f"{part}[{key}]", given.get(key, {}), now.get(key, {}))

@@ -430,7 +430,8 @@ def test_target_batch_with_accumulation_matches_full_batch(tmp_path) -> None:
         limit_val_batches=0,
     )
     assert (cb.micro_batch_size, trainer.accumulate_grad_batches) == (4, 2)
-    assert trainer.train_dataloader.batch_size == 4 and trainer.datamodule.batch_size == 4
+    assert trainer.train_dataloader.batch_size == 4
+    assert trainer.datamodule.batch_size == 2  # the given batch size back after fit (its undo)
     assert count.samples == 3 * 8
     assert_same_updates(plain, model)
 

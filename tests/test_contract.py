@@ -26,6 +26,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping
 
 from lightning_efficient.cli import EfficientCLI
+from lightning_efficient.core.change import changes_for
 from lightning_efficient.core.environ import LAUNCHER_VARIABLES
 from lightning_efficient.core.report import report_for
 
@@ -869,15 +870,28 @@ def test_reports_once_not_per_step(case: Case, tmp_path, caplog, capsys) -> None
 
 # -- a fit that raises leaves the module, its data hooks and the global flags as given --------
 class _RaiseAt(pl.Callback):
-    """Raises ``error`` in optimizer step ``step``, after its forward (before its backward)."""
+    """Raises ``error`` in optimizer step ``step``, after its forward (before its backward).
 
-    def __init__(self, step: int, error: type[BaseException]) -> None:
+    With ``through_the_log`` it first undoes the trainer's change log (``core.change``: what the
+    ``Technique`` base records) and keeps the snapshot of the module then in ``self.undone``: a
+    change made outside the log shows there, before any technique's own exception handling."""
+
+    def __init__(self, step: int, error: type[BaseException], through_the_log: Any = None) -> None:
         self.step, self.error, self.raised = step, error, False
+        self.through_the_log, self.undone = through_the_log, None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if trainer.global_step == self.step:
             self.raised = True
+            if self.through_the_log is not None:
+                changes_for(trainer).undo_all()
+                self.undone = Snapshot.take(pl_module, self.through_the_log)
             raise self.error(f"raised by the test at step {self.step}")
+
+
+#: The data of the raise tests: batches of 2, which the batch-size techniques change (their
+#: cases allow up to 4), so the given ``batch_size`` must come back.
+RAISE_DATA = {"batch_size": 2}
 
 
 def test_the_snapshot_sees_what_a_fit_could_leave() -> None:
@@ -893,6 +907,7 @@ def test_the_snapshot_sees_what_a_fit_could_leave() -> None:
         (apply_compile(model, backend="eager"), "instance[blocks.1]: _compiled_call_impl added"),
         (patch_attribute(data, "train_dataloader", lambda: None), "datamodule: train_dataloader"),
         (patch_attribute(torch.backends.cudnn, "benchmark", True), "cudnn.benchmark False -> True"),
+        (patch_attribute(data, "batch_size", 8), "attributes[datamodule]: batch_size 4 -> 8"),
     ]
     handle = model.head.register_forward_hook(lambda *args: None)
     hook = model.head.weight.register_post_accumulate_grad_hook(lambda p: None)
@@ -911,7 +926,7 @@ def test_fit_that_raises_leaves_what_was_given(case: Case, tmp_path) -> None:
     # an exception propagates; a KeyboardInterrupt is caught by Lightning, which ends the process
     # with SystemExit after the callbacks' on_exception (and ignores Ctrl+C from then on)
     for error, seen in ((RuntimeError, RuntimeError), (KeyboardInterrupt, SystemExit)):
-        model, data = tiny_model(), tiny_data()
+        model, data = tiny_model(), tiny_data(**RAISE_DATA)
         given = Snapshot.take(model, data)
         raiser = _RaiseAt(2, error)
         sigint = signal.getsignal(signal.SIGINT)
@@ -926,8 +941,34 @@ def test_fit_that_raises_leaves_what_was_given(case: Case, tmp_path) -> None:
         assert raiser.raised
         after = Snapshot.take(model, data)
         if case.keeps is not None:  # the strategy's own result, and nothing else
-            alike = tiny_model()
-            case.keeps(alike)
-            given, after = Snapshot.take(alike, data).layout(), after.layout()
+            given, after = _kept(case, data).layout(), after.layout()
         left = given.diff(after)
         assert not left, f"{case.id} after {error.__name__} at step 2:\n" + "\n".join(left)
+
+
+def _kept(case: Case, data: Any) -> Snapshot:
+    alike = tiny_model()
+    case.keeps(alike)
+    return Snapshot.take(alike, data)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in ALL if c.kind == "callback"],
+    ids=[c.id for c in ALL if c.kind == "callback"],
+)
+def test_every_change_goes_through_the_one_log(case: Case, tmp_path) -> None:
+    """Mid-fit, undoing the trainer's change log alone puts the module, its datamodule and the
+    global flags back: no technique changes anything outside the log (and so outside the one
+    undo path). Strategies undo their changes in their ``teardown``, which Lightning calls on
+    every path (``core/environ.py``); the raise test above checks them."""
+    model, data = tiny_model(), tiny_data(**RAISE_DATA)
+    given = Snapshot.take(model, data)
+    raiser = _RaiseAt(2, RuntimeError, through_the_log=data)
+    with pytest.raises(RuntimeError):
+        case.fit(
+            tmp_path, model=model, data=data, callbacks=[raiser], max_steps=4, limit_val_batches=0
+        )
+    assert raiser.undone is not None
+    left = given.diff(raiser.undone)
+    assert not left, f"{case.id}: changed outside the change log:\n" + "\n".join(left)

@@ -18,8 +18,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import fit, interleaved_data, subprocess_timeout, tiny_model
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_efficient.core import compat
+from lightning_efficient.core.environ import launcher_environ_change
 from lightning_efficient.core.technique import techniques_of
 from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.techniques import ActivationCheckpointing, OptimizerSwap
@@ -195,6 +197,35 @@ def test_a_one_process_fit_leaves_no_launcher_variables(tmp_path, monkeypatch) -
     trainer, _, _ = fit(tmp_path, [], strategy=FullyShardedStrategy(), max_steps=2)
     assert trainer.global_step == 2
     assert {k: v for k, v in os.environ.items() if k in LAUNCHER_VARIABLES} == {}
+
+
+class _RaiseAtStep(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 1:
+            raise RuntimeError("raised by the test")
+
+
+def test_a_one_process_fit_that_raises_leaves_no_launcher_variables(tmp_path, monkeypatch) -> None:
+    """The strategy's change (the launcher variables) is undone in its teardown, which Lightning
+    calls when a fit raises too, and even when the parent's teardown raises."""
+    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+
+    for key in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    strategy = FullyShardedStrategy()
+    with pytest.raises(RuntimeError, match="raised by the test"):
+        fit(tmp_path, [_RaiseAtStep()], strategy=strategy, max_steps=3)
+    assert {k: v for k, v in os.environ.items() if k in LAUNCHER_VARIABLES} == {}
+    os.environ["LOCAL_RANK"] = "0"  # as a launch leaves it; the parent's teardown then fails
+    strategy._environ = launcher_environ_change({k: None for k in LAUNCHER_VARIABLES})
+    monkeypatch.setattr(ModelParallelStrategy, "teardown", _fails)
+    with pytest.raises(OSError):
+        strategy.teardown()
+    assert "LOCAL_RANK" not in os.environ
+
+
+def _fails(self) -> None:
+    raise OSError("the parent's teardown failed")
 
 
 # -- pure functions ------------------------------------------------------------------------------

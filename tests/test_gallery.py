@@ -22,10 +22,10 @@ from torch import nn
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.techniques.activation_checkpointing import BlockRanking
 from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques.activation_checkpointing import (
     ActivationCheckpointing,
+    BlockRanking,
     apply_activation_checkpointing,
     rank_blocks,
     remove_activation_checkpointing,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -11,7 +11,41 @@ from lightning_efficient.core import compat
 from lightning_efficient.core.change import Change, changes_for, undo_last_first
 from lightning_efficient.core.report import report_for
 
-__all__ = ["NoEffectWarning", "Technique", "techniques_of"]
+__all__ = [
+    "NoEffectWarning",
+    "Technique",
+    "techniques_of",
+    "ChangesEstimate",
+    "ReportsCompile",
+    "ReportsCheckpointing",
+]
+
+
+@runtime_checkable
+class ChangesEstimate(Protocol):
+    """Takes part in the memory estimate (a technique or a strategy): ``configure_estimate(plan)``
+    changes the estimate's plan as the fit would (the optimizer, the blocks checkpointed, the
+    sharding, ...) and undoes its changes to the plan's model with ``plan.on_exit``. The
+    estimate and ``measure.settings`` ask for it with ``isinstance``."""
+
+    def configure_estimate(self, plan: Any) -> None: ...
+
+
+@runtime_checkable
+class ReportsCompile(Protocol):
+    """Compiles during the fit and says what: ``compile_state()`` -> ``scope`` (``"regional"``,
+    ``"whole"`` or ``None``), ``mode`` and the steady step of each scope measured. Read by the
+    profiler's summary."""
+
+    def compile_state(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ReportsCheckpointing(Protocol):
+    """Recomputes activations during the fit and says how much: ``checkpoint_state()`` ->
+    ``{"blocks": checkpointed, "of": selected}``. Read by the profiler's advice."""
+
+    def checkpoint_state(self) -> dict[str, int]: ...
 
 
 class NoEffectWarning(UserWarning):
@@ -38,7 +72,10 @@ class Technique(Callback):
 
     What the compatibility rules (and the profiler's advice) need to know about a technique is
     declared here, as class attributes or properties that subclasses override (never read from
-    private state):
+    private state). The methods the instrument asks some techniques for are declared as
+    protocols of this module, checked with ``isinstance``: ``ChangesEstimate``
+    (``configure_estimate(plan)``, strategies too), ``ReportsCompile`` (``compile_state()``) and
+    ``ReportsCheckpointing`` (``checkpoint_state()``).
     """
 
     #: Two instances may be used in one fit (False: the second would replace the first).

@@ -27,6 +27,7 @@ from lightning_efficient.core._internals import (
     fake_tensor_errors,
     module_tensor_slots,
 )
+from lightning_efficient.core.technique import ChangesEstimate
 from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
 from lightning_efficient.measure.hf_masks import hf_mask_checks_on_values
@@ -284,9 +285,8 @@ def estimate_memory(
         )
         try:
             for cb in callbacks:
-                hook = getattr(cb, "configure_estimate", None)
-                if hook is not None:
-                    hook(plan)
+                if isinstance(cb, ChangesEstimate):
+                    cb.configure_estimate(plan)
             tracker = StorageTracker(
                 rounding=cuda_round if cuda_rounding else None,
                 fake=True,

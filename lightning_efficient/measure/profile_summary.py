@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.technique import ReportsCheckpointing, ReportsCompile
 from lightning_efficient.measure.advice import Findings, advise
 from lightning_efficient.measure.flops import (
     FlopCount,
@@ -74,9 +75,8 @@ def compile_state(trainer: Any) -> dict[str, Any]:
     it, e.g. ``TorchCompile``): ``scope`` (``"regional"``, ``"whole"`` or None), ``mode``, and
     the steady step of each scope where ``scope="auto"`` measured them; ``{}`` without one."""
     for cb in trainer.callbacks:
-        state = getattr(cb, "compile_state", None)
-        if callable(state):
-            return dict(state())
+        if isinstance(cb, ReportsCompile):
+            return dict(cb.compile_state())
     return {}
 
 
@@ -85,9 +85,8 @@ def checkpointed_share(trainer: Any) -> float | None:
     (``checkpoint_state()`` of a callback that has it, e.g. ``ActivationCheckpointing``);
     ``None`` without one or with no block checkpointed."""
     for cb in trainer.callbacks:
-        state = getattr(cb, "checkpoint_state", None)
-        if callable(state):
-            figures = state()
+        if isinstance(cb, ReportsCheckpointing):
+            figures = cb.checkpoint_state()
             blocks, total = figures.get("blocks", 0), figures.get("of", 0)
             return blocks / total if blocks and total else None
     return None

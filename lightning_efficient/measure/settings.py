@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core.technique import ChangesEstimate
 from lightning_efficient.measure.targets import resolve_target
 from lightning_efficient.measure.types import PRECISIONS
 
@@ -176,10 +177,10 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
     callbacks = [
         cb
         for cb in getattr(trainer, "callbacks", [])
-        if hasattr(cb, "configure_estimate") and id(cb) not in skip
+        if isinstance(cb, ChangesEstimate) and id(cb) not in skip
     ]
     strategy = getattr(trainer, "strategy", None)
-    if hasattr(strategy, "configure_estimate") and id(strategy) not in skip:
+    if isinstance(strategy, ChangesEstimate) and id(strategy) not in skip:
         callbacks.append(strategy)
     root = getattr(strategy, "root_device", None)
     device = getattr(root, "type", "cpu")

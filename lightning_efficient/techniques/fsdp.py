@@ -30,7 +30,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_efficient.core import _internals
-from lightning_efficient.core.environ import launcher_environ, restore_environ
+from lightning_efficient.core.change import Change
+from lightning_efficient.core.environ import launcher_environ, launcher_environ_change
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import techniques_of
 from lightning_efficient.core.validate import check_bool, check_choice
@@ -194,11 +195,14 @@ class FullyShardedStrategy(ModelParallelStrategy):
         self.sharded_blocks: list[str] = []
         # as they were before the launch (which runs before any hook) writes them
         self._environ_before = launcher_environ()
+        self._environ = Change("launcher variables untouched")
 
     def setup_environment(self) -> None:
         # one data-parallel dimension over every rank (the parent's default is nodes x devices)
         world = max(1, self.num_nodes * self.num_processes)
         _internals.set_model_parallel_sizes(self, data_parallel=world, tensor_parallel=1)
+        if world == 1:  # one process: the launch's variables go back at teardown
+            self._environ = launcher_environ_change(self._environ_before)
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
@@ -276,12 +280,17 @@ class FullyShardedStrategy(ModelParallelStrategy):
         return checkpoint
 
     def teardown(self) -> None:
-        super().teardown()
-        # one process: put the launcher variables back, so a process started later does not
-        # think it was launched; the process group itself stays for the next fit here (a group
-        # destroyed under DeepSpeed's cached groups breaks a later ZeRO fit in this process)
-        if self.world_size == 1:
-            restore_environ(self._environ_before)
+        # Lightning calls a strategy's teardown after a fit, on an exception and on an interrupt
+        # (``core/environ.py``), so the strategy undoes its change here, even if the parent's
+        # teardown raises. One process: the launcher variables go back, so a process started
+        # later does not think it was launched; the process group itself stays for the next fit
+        # here (a group destroyed under DeepSpeed's cached groups breaks a later ZeRO fit). The
+        # sharded module stays sharded, as Lightning's own FSDP strategies leave it: unsharding
+        # needs every rank to gather every parameter, which an exception on one rank cannot join.
+        try:
+            super().teardown()
+        finally:
+            self._environ.undo()
 
     def on_train_end(self) -> None:
         super().on_train_end()

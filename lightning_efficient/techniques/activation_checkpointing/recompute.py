@@ -15,7 +15,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from lightning_efficient.techniques.activation_checkpointing.offload import pack_to_host, unpack_from_host
+from lightning_efficient.techniques.activation_checkpointing.offload import (
+    pack_to_host,
+    unpack_from_host,
+)
 
 __all__ = ["OnceStats", "shallow_copy", "SELECTIVE_SAVE_OPS", "ATTR", "wrap_block", "unwrap_block"]
 

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     check_bool,
@@ -287,9 +288,15 @@ class EfficientBatchSize(Technique):
         self.note(self._change)
 
     def _apply(self, trainer: Any, pl_module: Any, note: str | None = None) -> None:
-        from lightning.pytorch.utilities.parsing import lightning_setattr
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
-        lightning_setattr(pl_module, self.batch_arg_name, self.micro_batch_size)
+        name = self.batch_arg_name
+        before = lightning_getattr(pl_module, name)
+        lightning_setattr(pl_module, name, self.micro_batch_size)
+        undo = lambda: lightning_setattr(pl_module, name, before)  # noqa: E731
+        self.record(trainer, Change(f"{name} {before} -> {self.micro_batch_size}", undo))
+        # the accumulation is the trainer's setting for this fit (not the user's module): it
+        # stays as the fit ran, as the trainer's optimizers do
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
         if note:
             self._change = (

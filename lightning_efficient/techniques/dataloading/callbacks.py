@@ -21,7 +21,7 @@ from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
 from lightning_efficient.measure.host import available_bytes
 from lightning_efficient.techniques.dataloading.in_fit import StepClock, TunedInFit, WorkerChoice
-from lightning_efficient.techniques.dataloading.preload import PreloadRefused, apply_device_preload
+from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preloaded_loader
 from lightning_efficient.techniques.dataloading.rebuild import (
     _check_num_workers,
     _check_pin,
@@ -318,7 +318,7 @@ class DevicePreload(_LoaderRebuilder):
         used = sum(b for h, b in self._used.items() if h != hook)
         device = trainer.strategy.root_device
         try:
-            change = apply_device_preload(loader, device, max(1, limit - used))
+            change = preloaded_loader(loader, device, max(1, limit - used))
         except PreloadRefused as err:
             if "more than max_bytes" in str(err):
                 raise PreloadRefused(f"DevicePreload ({hook}): {err}") from err

@@ -7,6 +7,7 @@ only the batch's indices to the device per step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,13 @@ from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_int, format_bytes, parse_bytes
 from lightning_efficient.techniques.dataloading.rebuild import _check_sampler_fits
 
-__all__ = ["PreloadRefused", "PreloadedBatches", "apply_device_preload", "preload_to_device"]
+__all__ = [
+    "PreloadRefused",
+    "PreloadedBatches",
+    "preloaded_loader",
+    "apply_device_preload",
+    "preload_to_device",
+]
 
 
 class PreloadedBatches(Dataset):
@@ -72,11 +79,12 @@ def _leaves_of(batch: Any, n: int) -> tuple[list[torch.Tensor], Any]:
     return leaves, spec
 
 
-def apply_device_preload(
+def preloaded_loader(
     loader: DataLoader, device: torch.device | str, max_bytes: int | str = "2GiB"
 ) -> Change:
-    """:func:`preload_to_device` as a change: its ``value`` is the preloaded loader, its figures
-    the bytes preloaded. ``loader`` itself is not changed, so there is nothing to undo."""
+    """:func:`preload_to_device` with its report line: a ``Change`` whose ``value`` is the new,
+    preloaded loader and whose figures are the bytes preloaded. ``loader`` itself is not
+    changed, so there is nothing to undo (not an ``apply_*``: it applies nothing)."""
     new = preload_to_device(loader, device, max_bytes)
     nbytes = new.dataset.nbytes
     return Change(
@@ -84,6 +92,18 @@ def apply_device_preload(
         figures={"preloaded_bytes": nbytes},
         value=new,
     )
+
+
+def apply_device_preload(
+    loader: DataLoader, device: torch.device | str, max_bytes: int | str = "2GiB"
+) -> Change:
+    """Deprecated name of :func:`preloaded_loader` (it changes nothing, so it is no ``apply_*``)."""
+    warnings.warn(
+        "apply_device_preload is deprecated: use preloaded_loader (the loader is not changed)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return preloaded_loader(loader, device, max_bytes)
 
 
 def preload_to_device(

@@ -10,6 +10,7 @@ like the user's with one thing changed (a sampler, a worker count) build on it.
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import torch
@@ -21,7 +22,13 @@ from lightning_efficient.core.validate import check_bool, check_choice, check_in
 from lightning_efficient.measure.host import usable_cores
 from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler
 
-__all__ = ["WorkerSeeder", "apply_dataloader_tuning", "auto_num_workers", "rebuild_dataloader"]
+__all__ = [
+    "WorkerSeeder",
+    "tuned_loader",
+    "apply_dataloader_tuning",
+    "auto_num_workers",
+    "rebuild_dataloader",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +206,17 @@ def _rebuild_kwargs(
     return kwargs
 
 
-def apply_dataloader_tuning(
+def apply_dataloader_tuning(loader: DataLoader, **settings: Any) -> Change:
+    """Deprecated name of :func:`tuned_loader` (it changes nothing, so it is no ``apply_*``)."""
+    warnings.warn(
+        "apply_dataloader_tuning is deprecated: use tuned_loader (the loader is not changed)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return tuned_loader(loader, **settings)
+
+
+def tuned_loader(
     loader: DataLoader,
     *,
     num_workers: int | None = None,
@@ -208,9 +225,10 @@ def apply_dataloader_tuning(
     prefetch_factor: int | None = None,
     rank: int = 0,
 ) -> Change:
-    """:func:`rebuild_dataloader` as a change: its ``value`` is the rebuilt loader (the same
-    samples in the same order), its ``what`` the settings that changed. ``loader`` itself is
-    not changed, so there is nothing to undo."""
+    """:func:`rebuild_dataloader` with its report line: a ``Change`` whose ``value`` is the new
+    loader (the same samples in the same order) and whose ``what`` is the settings that
+    differ. ``loader`` itself is not changed, so there is nothing to undo (not an ``apply_*``:
+    it applies nothing)."""
     new = rebuild_dataloader(
         loader,
         num_workers=num_workers,

@@ -340,20 +340,44 @@ def apply_optimizer_swap(
     *,
     schedulers: Iterable[Any] = (),
     keep_32bit: Iterable[torch.Tensor] = (),
+    model: nn.Module | None = None,
+    in_backward: bool = False,
     **overrides: Any,
 ) -> Change:
-    """:func:`swap_optimizer`, with the LR ``schedulers`` that drive ``optimizer`` pointed at the
-    new one. The change's ``value`` is the new optimizer; its ``undo()`` points the schedulers
-    back at ``optimizer`` (which the swap did not change)."""
+    """:func:`replace_optimizer` (``in_backward`` needs ``model``), with the LR ``schedulers``
+    that drive ``optimizer`` pointed at the new one. The change's ``value`` is the new optimizer
+    and ``figures["dropped"]`` the old options it does not take; its ``undo()`` points the
+    schedulers back at ``optimizer`` (which the swap did not change) and takes an in-backward
+    optimizer's gradient hooks off the parameters."""
     from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers
 
-    new = swap_optimizer(optimizer, name, keep_32bit=keep_32bit, **overrides)
+    if in_backward and model is None:
+        raise TypeError("`model` is needed with `in_backward=True` (its parameters get the hooks).")
+    new, dropped = replace_optimizer(
+        optimizer,
+        name,
+        model,  # type: ignore[arg-type]  # only read with in_backward
+        keep_32bit=keep_32bit,
+        overrides=overrides,
+        in_backward=in_backward,
+    )
     schedulers = list(schedulers)
     moved = rebind_schedulers(schedulers, optimizer, new)
+
+    def undo() -> None:
+        if moved:
+            rebind_schedulers(schedulers, new, optimizer)
+        if in_backward:
+            new.detach()  # type: ignore[attr-defined]
+
     return Change(
-        f"{type(optimizer).__name__} -> {name}",
-        (lambda: rebind_schedulers(schedulers, new, optimizer)) if moved else None,
-        figures={"param_groups": len(new.param_groups), "schedulers": moved},
+        f"{type(optimizer).__name__} -> {name}" + (" (stepped in backward)" if in_backward else ""),
+        undo if moved or in_backward else None,
+        figures={
+            "param_groups": len(new.param_groups),
+            "schedulers": moved,
+            "dropped": sorted(dropped),
+        },
         value=new,
     )
 

@@ -8,24 +8,21 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice
 from lightning_efficient.measure.optimizer_models import optimizer_class, optimizer_state_bytes
 from lightning_efficient.techniques.optimizers.build import (
     EIGHT_BIT_NAMES,
+    apply_optimizer_swap,
     check_overrides,
     embedding_parameters,
     estimate_optimizer,
-    replace_optimizer,
 )
 from lightning_efficient.techniques.optimizers.checkpoint import (
     portable_state,
     reconcile_optimizer_states,
     swapped_classes,
 )
-from lightning_efficient.techniques.optimizers.in_backward import InBackwardOptimizer
-from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers
 
 __all__ = ["OptimizerSwap"]
 
@@ -135,28 +132,27 @@ class OptimizerSwap(Technique):
             self.no_effect("the module configured no optimizer; nothing to swap.")
             return
         keep = self._keep_32bit(pl_module)
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         new, dropped = [], set()
         for opt in old:
-            swapped, gone = replace_optimizer(
+            change = apply_optimizer_swap(
                 opt,
                 self.optimizer_name,
-                pl_module,
+                schedulers=schedulers,
                 keep_32bit=keep,
-                overrides=self.overrides,
+                model=pl_module,
                 in_backward=self.optimizer_in_backward,
+                **self.overrides,
             )
-            new.append(swapped)
-            dropped |= gone
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        for opt, swapped in zip(old, new):
-            rebind_schedulers(schedulers, opt, swapped)
+            if self.optimizer_in_backward:  # its gradient hooks off the parameters after fit
+                self.record(trainer, change)
+            # otherwise no object of the user's changed: the optimizers and LR schedulers are the
+            # trainer's, built anew by `configure_optimizers` at every fit, and after the fit
+            # they stay as trained (the swapped optimizer, its schedulers pointed at it)
+            new.append(change.value)
+            dropped |= set(change.figures["dropped"])
         trainer.optimizers = new
         self._originals, self._swapped = old, new
-        for opt in new:
-            if isinstance(
-                opt, InBackwardOptimizer
-            ):  # its gradient hooks off the parameters after fit
-                self.record(trainer, Change("optimizer stepped in backward", opt.detach))
         self._prepare_restore()
         if self.optimizer_name == "adamw_fused" and not all(
             p.is_cuda for o in new for g in o.param_groups for p in g["params"]

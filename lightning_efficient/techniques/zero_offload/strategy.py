@@ -13,7 +13,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch.optim import Optimizer
 
 from lightning_efficient.core._internals import DeepSpeedStrategyHooks
-from lightning_efficient.core.environ import launcher_environ, restore_environ
+from lightning_efficient.core.change import Change
+from lightning_efficient.core.environ import launcher_environ, launcher_environ_change
 from lightning_efficient.core.validate import check_choice
 from lightning_efficient.techniques.zero_offload.config import (
     ESTIMATE_TRACKS,
@@ -109,6 +110,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         self._converted = ""
         # as they were before fit's launch writes them (the same timing as FullyShardedStrategy)
         self._env_before = launcher_environ()
+        self._environ = Change("launcher variables untouched")
 
     @property
     def gathers_parameters_per_call(self) -> bool:
@@ -156,19 +158,24 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         from lightning.pytorch.strategies import DDPStrategy
 
         ensure_extensions(["shm_comm"])  # DeepSpeed's process group loads it
+        if self.world_size == 1:  # one process: the launch's variables go back at teardown
+            self._environ = launcher_environ_change(self._env_before)
         if isinstance(self.accelerator, CPUAccelerator):
             DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check
         else:
             super().setup_environment()
 
     def teardown(self) -> None:
-        release_engine(self.model)  # before the parent unwraps the module from the engine
-        super().teardown()
-        if self.world_size == 1:
-            # one process: the launcher and DeepSpeed exported the group's address, port and
-            # ranks to os.environ, where processes started later (a DDP launch, tests) would
-            # inherit a port this process still listens on. Put the environment back.
-            restore_environ(self._env_before)
+        # Lightning calls a strategy's teardown after a fit, on an exception and on an interrupt
+        # (``core/environ.py``), so the strategy undoes its change here, even if releasing the
+        # engine raises. One process: the launcher and DeepSpeed exported the group's address,
+        # port and ranks to os.environ, where processes started later (a DDP launch, tests)
+        # would inherit a port this process still listens on.
+        try:
+            release_engine(self.model)  # before the parent unwraps the module from the engine
+            super().teardown()
+        finally:
+            self._environ.undo()
 
     def setup(self, trainer: Any) -> None:
         if self.config is not None and self.lightning_module is not None:

@@ -222,3 +222,13 @@ def test_scratch_reraises_and_still_puts_back() -> None:
         raise ZeroDivisionError
     assert module.seen == 0 and all(p.grad is None for p in module.parameters())
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_estimate_of_an_uninitialised_lazy_module_says_what_to_do() -> None:
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 1))
+    batch = (torch.randn(4, 5),)
+    with pytest.raises(ValueError, match=r"LazyLinear at '0'.*forward on a real example batch"):
+        estimate_memory(model, batch, loss_fn=lambda mod, b: mod(b[0]).mean())
+    with torch.no_grad():
+        model(batch[0])  # initialised: the estimate runs
+    assert estimate_memory(model, batch, loss_fn=lambda mod, b: mod(b[0]).mean()).peak_bytes > 0

@@ -453,3 +453,25 @@ def test_optimizer_phase_counts_every_gradient_of_an_in_place_sgd_step() -> None
     est = estimate_memory(model, (torch.randn(8, 256),), device="cpu")
     assert est.phase_by_category["optimizer"]["gradients"] == weights  # both, not one
     assert est.phase_peaks["optimizer"] >= 2 * weights
+
+
+def test_estimate_plan_keeps_its_changes_on_the_one_log() -> None:
+    """issue 38: the plan records ``Change``s (core/change.py), undone last first; an undo that
+    raises does not stop the others."""
+    from lightning_efficient.core.change import Change
+    from lightning_efficient.measure.types import EstimatePlan
+
+    plan = EstimatePlan(model=torch.nn.Linear(2, 2), batch=None, optimizer=lambda g: None)
+    order: list[str] = []
+
+    def fails() -> None:
+        order.append("b")
+        raise RuntimeError("b failed")
+
+    first = plan.record(Change("a", lambda: order.append("a")))
+    plan.on_exit(fails)
+    plan.record(Change("c", lambda: order.append("c")))
+    assert [c.what for c in plan.changes] == ["a", "estimate plan change", "c"]
+    with pytest.raises(RuntimeError, match="b failed"):
+        plan.undo()
+    assert order == ["c", "b", "a"] and first.undone and not len(plan.changes)

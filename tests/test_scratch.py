@@ -206,6 +206,7 @@ def test_keep_module_state_puts_back_everything_in_place() -> None:
         module.extra = nn.Linear(2, 2)
         module.register_forward_hook(lambda *a: None)
         module.net[0].weight.requires_grad_(False)
+        module.sums = module.sums + 1  # rebound (as .to(device) rebinds buffers)
         torch.rand(3)
     assert module.seen == 0 and not hasattr(module, "extra") and not module._forward_hooks
     assert module.net[0].weight is weight and module.net[0].weight.grad is grad

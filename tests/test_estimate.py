@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import fit, tiny_model
@@ -429,3 +430,48 @@ def test_estimate_falls_back_when_configure_needs_a_trainer() -> None:
     est = estimate_memory(model, _batch())
     assert len(est.notes) == 1 and est.notes[0].startswith("optimizer 'adamw' (configure_optim")
     assert est.peak_bytes == estimate_memory(model, _batch(), optimizer="adamw").peak_bytes
+
+
+class _TwoLinear(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(256, 256, bias=False)
+        self.b = torch.nn.Linear(256, 256, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        return self.b(self.a(batch[0])).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)  # in place: allocates nothing
+
+
+def test_optimizer_phase_counts_every_gradient_of_an_in_place_sgd_step() -> None:
+    """issue 37: the phase's figure is what is live when it starts (weights and every
+    gradient), not what was left after the first free (it read one gradient short)."""
+    model = _TwoLinear()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    est = estimate_memory(model, (torch.randn(8, 256),), device="cpu")
+    assert est.phase_by_category["optimizer"]["gradients"] == weights  # both, not one
+    assert est.phase_peaks["optimizer"] >= 2 * weights
+
+
+def test_estimate_plan_keeps_its_changes_on_the_one_log() -> None:
+    """issue 38: the plan records ``Change``s (core/change.py), undone last first; an undo that
+    raises does not stop the others."""
+    from lightning_efficient.core.change import Change
+    from lightning_efficient.measure.types import EstimatePlan
+
+    plan = EstimatePlan(model=torch.nn.Linear(2, 2), batch=None, optimizer=lambda g: None)
+    order: list[str] = []
+
+    def fails() -> None:
+        order.append("b")
+        raise RuntimeError("b failed")
+
+    first = plan.record(Change("a", lambda: order.append("a")))
+    plan.on_exit(fails)
+    plan.record(Change("c", lambda: order.append("c")))
+    assert [c.what for c in plan.changes] == ["a", "estimate plan change", "c"]
+    with pytest.raises(RuntimeError, match="b failed"):
+        plan.undo()
+    assert order == ["c", "b", "a"] and first.undone and not len(plan.changes)

@@ -206,6 +206,7 @@ def test_keep_module_state_puts_back_everything_in_place() -> None:
         module.extra = nn.Linear(2, 2)
         module.register_forward_hook(lambda *a: None)
         module.net[0].weight.requires_grad_(False)
+        module.sums = module.sums + 1  # rebound (as .to(device) rebinds buffers)
         torch.rand(3)
     assert module.seen == 0 and not hasattr(module, "extra") and not module._forward_hooks
     assert module.net[0].weight is weight and module.net[0].weight.grad is grad
@@ -222,3 +223,62 @@ def test_scratch_reraises_and_still_puts_back() -> None:
         raise ZeroDivisionError
     assert module.seen == 0 and all(p.grad is None for p in module.parameters())
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_estimate_of_an_uninitialised_lazy_module_says_what_to_do() -> None:
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 1))
+    batch = (torch.randn(4, 5),)
+    with pytest.raises(ValueError, match=r"LazyLinear at '0'.*forward on a real example batch"):
+        estimate_memory(model, batch, loss_fn=lambda mod, b: mod(b[0]).mean())
+    with torch.no_grad():
+        model(batch[0])  # initialised: the estimate runs
+    assert estimate_memory(model, batch, loss_fn=lambda mod, b: mod(b[0]).mean()).peak_bytes > 0
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, batch: torch.Tensor) -> None:
+        self.rows = batch
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows[i]
+
+
+@pytest.mark.parametrize("technique", ["ActivationCheckpointing", "AutoEfficient"])
+def test_litgpt_lora_learns_under_the_techniques_that_estimate(technique: str, tmp_path) -> None:
+    """The fake-tensor paths of a fit (checkpointing's budget mode, AutoEfficient's plan): the
+    LoRA weights after 3 steps are the plain run's, and lora_B moved from 0 (issue 39)."""
+    from lightning_efficient.techniques import ActivationCheckpointing, AutoEfficient
+
+    rows = torch.randint(0, 100, (6, 17), generator=torch.Generator().manual_seed(1))
+    made = {
+        "ActivationCheckpointing": lambda: ActivationCheckpointing(budget="4GiB"),
+        "AutoEfficient": lambda: AutoEfficient(budget="4GiB", trial=False),
+    }
+
+    def lora_after_fit(callbacks: list) -> dict[str, torch.Tensor]:
+        module = _litgpt_lora()
+        module.batch_size = 2
+        module.train_dataloader = lambda: torch.utils.data.DataLoader(
+            _Tokens(rows), batch_size=module.batch_size
+        )
+        trainer = pl.Trainer(
+            max_steps=3,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            accelerator="cpu",
+        )
+        trainer.fit(module)
+        return {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
+
+    ref = lora_after_fit([])
+    got = lora_after_fit([made[technique]()])
+    assert any("lora_B" in n and p.abs().max() > 0 for n, p in got.items())
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=0)

@@ -204,6 +204,26 @@ def explain_fake_failure(err: BaseException) -> EstimateError:
 
 
 # -- the estimate ----------------------------------------------------------------------------------
+def _check_initialised(model: nn.Module) -> None:
+    """Lazy modules (``nn.LazyLinear``, ...) not initialised yet have no shapes to estimate."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [
+        f"{type(mod).__name__} at {name or '<model>'!r}"
+        for name, mod in model.named_modules()
+        if any(is_lazy(t) for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)))
+    ]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ValueError(
+            f"`model` has lazy modules not initialised yet ({shown}): their weights have no "
+            "shape until a first forward, so the estimate cannot count them. Run one forward on "
+            "a real example batch first (e.g. `with torch.no_grad(): model(x)`, or "
+            "`model.training_step(batch, 0)` for a LightningModule), or give the layer its "
+            "input size (`nn.Linear(in_features, out_features)`)."
+        )
+
+
 def estimate_memory(
     model: nn.Module,
     batch: Any,
@@ -260,6 +280,7 @@ def estimate_memory(
         cuda_rounding = target.cuda
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     check_sharding(world_size, sharding)
+    _check_initialised(model)
     notes = []
     if optimizer is None and hasattr(model, "configure_optimizers"):
         optimizer, note = configured_optimizer(model, foreach_default=True)

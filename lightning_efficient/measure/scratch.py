@@ -91,10 +91,9 @@ def _containers(value: Any) -> Any:
 
 
 def _refill(obj: Any, items: Any) -> None:
-    if isinstance(obj, dict):
-        if dict(obj) != items or list(obj) != list(items):
-            obj.clear()
-            obj.update(items)
+    if isinstance(obj, dict):  # (never compared with ==: tensor values would be compared)
+        obj.clear()
+        obj.update(items)
     elif isinstance(obj, list):
         obj[:] = items
     else:
@@ -148,10 +147,11 @@ def keep_module_state(module: nn.Module, *, values: bool = True, rng: bool = Tru
                     state[name] = value
                 if name in items:
                     _refill(value, items[name])
+        for p, _ in grads:  # the step's gradients go first (they may live on another device)
+            p.grad = None
         kept.restore()
         for p, grad in grads:
-            if p.grad is not grad:
-                p.grad = grad
+            p.grad = grad
         if rng_change is not None:
             rng_change.undo()
 

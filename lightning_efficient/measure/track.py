@@ -138,11 +138,22 @@ class StorageTracker(TorchDispatchMode):
         self.rounding = rounding
         self.fake = fake
         self.op_hook = op_hook
-        self.phase = "forward"
         self._held: dict[Any, _Storage] = {}
         self._live: dict[int, _Storage] = {}
         self._refs: dict[int, Any] = {}
-        self._events: list[tuple[_Storage, int, str]] = []
+        self._events: list[tuple[_Storage | None, int, str]] = []
+        self._phase = "forward"
+
+    @property
+    def phase(self) -> str:
+        """The phase of the step now (``"forward"``, ``"backward"``, ``"optimizer"``)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        if phase != self._phase:  # the bytes live on entering a phase are part of its peak
+            self._events.append((None, 0, phase))
+        self._phase = phase
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _storage(self, t: torch.Tensor, category: str) -> _Storage | None:
@@ -254,7 +265,7 @@ class StorageTracker(TorchDispatchMode):
         return [
             (rec, sign, rec.requested)
             for rec, sign, _ in self._events
-            if not offload.get(rec.category, False)
+            if rec is not None and not offload.get(rec.category, False)
         ]
 
     def summary(self, offload: dict[str, bool] | None = None) -> MemoryEstimate:
@@ -270,6 +281,11 @@ class StorageTracker(TorchDispatchMode):
         phase_by_category: dict[str, dict[str, int]] = {}
         levels: dict[int, dict[str, int]] = {}  # backward: gradient bytes -> the most at that level
         for rec, sign, phase in self._events:
+            if rec is None:  # entering ``phase``: what is live now counts for it
+                if device > phase_peaks.get(phase, -1):
+                    phase_peaks[phase] = device
+                    phase_by_category[phase] = dict(current)
+                continue
             n = sign * rec.nbytes
             if offload.get(rec.category, False):
                 host += n

@@ -37,11 +37,13 @@ from lightning_efficient.techniques.dataloading.workers import tune_num_workers
 from lightning_efficient.techniques.early_stopping import DivergenceDetector, PlateauTracker
 from lightning_efficient.techniques.optimizers.build import apply_optimizer_swap
 from lightning_efficient.techniques.optimizers.in_backward import apply_optimizer_in_backward
+from lightning_efficient.techniques.kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.precision import (
     apply_float8,
     apply_matmul_precision,
     best_precision,
 )
+from lightning_efficient.techniques.quantize import apply_frozen_weights_4bit
 from lightning_efficient.techniques.zero_offload import export_fp32, zero_offload_config
 
 __all__ = [
@@ -51,12 +53,14 @@ __all__ = [
     "apply_chunked_cross_entropy",
     "apply_compile",
     "apply_float8",
+    "apply_frozen_weights_4bit",
     "apply_matmul_precision",
     "apply_optimizer_swap",
     "apply_optimizer_in_backward",
     "apply_dataloader_tuning",
     "apply_device_preload",
     "apply_sampler",
+    "apply_training_without_cache",
     # what is applied now
     "checkpointed_blocks",
     "compiled_modules",

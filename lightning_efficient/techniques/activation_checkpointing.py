@@ -58,6 +58,7 @@ from lightning_efficient.techniques._recompute import ATTR as _ATTR
 from lightning_efficient.techniques._recompute import SELECTIVE_SAVE_OPS
 from lightning_efficient.techniques._recompute import unwrap_block as _unwrap
 from lightning_efficient.techniques._recompute import wrap_block as _wrap
+from lightning_efficient.techniques.kv_cache import apply_training_without_cache
 
 __all__ = [
     "ActivationCheckpointing",
@@ -399,6 +400,7 @@ class ActivationCheckpointing(Technique):
         search runs, on the plan's model and batch (nested estimates), so the estimate shows the
         blocks a fit would checkpoint."""
         model = plan.model
+        plan.on_exit(apply_training_without_cache(model).undo)  # no key/value cache (issue 39)
         num_blocks = None
         settings = {k: getattr(plan, k) for k in _PLAN_SETTINGS}
         self._policy = self.policy
@@ -429,6 +431,7 @@ class ActivationCheckpointing(Technique):
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.record(trainer, apply_training_without_cache(pl_module))
         own = [n for n, m in pl_module.named_modules() if _checkpoints_itself(m)]
         if own:
             self.warn(_OWN.format(span=_span(own)))

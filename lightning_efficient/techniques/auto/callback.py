@@ -26,6 +26,7 @@ from lightning_efficient.techniques.auto.decide import (
     rung_from_state,
 )
 from lightning_efficient.techniques.batch_size.choice import read_batch_size
+from lightning_efficient.techniques.kv_cache import apply_training_without_cache
 
 __all__ = ["AutoEfficient"]
 
@@ -161,6 +162,8 @@ class AutoEfficient(Technique):
             ),
         )
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
+        if callbacks:  # a memory stack trains without a Hugging Face key/value cache (issue 39)
+            self.record(trainer, apply_training_without_cache(pl_module))
         for callback in callbacks:
             callback.setup(trainer, pl_module, "fit")
         self.note(decision.summary())

@@ -13,6 +13,7 @@ from lightning_efficient.techniques.chunked_loss.apply import (
     find_output_projection,
     loss_refusal,
 )
+from lightning_efficient.techniques.kv_cache import apply_training_without_cache
 
 __all__ = ["ChunkedCrossEntropy"]
 
@@ -78,6 +79,7 @@ class ChunkedCrossEntropy(Technique):
     def configure_estimate(self, plan: Any) -> None:
         """Make the estimated steps compute the loss from chunks (the chunked backend: the
         library kernels need CUDA, and the estimate's tensors are fake CPU tensors)."""
+        plan.on_exit(apply_training_without_cache(plan.model).undo)  # issue 39
         change = self._apply(plan.model, say=plan.note)
         plan.on_exit(change.undo)
         rows = f"{self._bytes // (4 * change.figures['vocabulary']):,} rows a chunk at most"
@@ -93,6 +95,7 @@ class ChunkedCrossEntropy(Technique):
             raise SettingsError(f"{self.name}: {refusal}")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.record(trainer, apply_training_without_cache(pl_module))
         self._change = self.record(trainer, self._apply(pl_module, say=self.no_effect))
         available = [n for n, ok in self._change.value.available.items() if ok]
         libraries = f"installed: {', '.join(available)}" if available else "no library installed"

@@ -72,7 +72,9 @@ class FrozenWeights4bit(Technique):
         self.double_quant = check_bool("double_quant", double_quant)
         check_int("blocksize", blocksize, minimum=64, maximum=4096)
         if blocksize & (blocksize - 1):
-            raise ValueError(f"`blocksize` must be a power of two from 64 to 4096; got {blocksize}.")
+            raise ValueError(
+                f"`blocksize` must be a power of two from 64 to 4096; got {blocksize}."
+            )
         self.blocksize = blocksize
         self.modules = _patterns("modules", modules, allow_none=True)
         self.skip = _patterns("skip", [] if skip is None else skip, allow_none=False)

@@ -231,7 +231,9 @@ def _quantize_layer(
             return
         with torch.no_grad():
             host.copy_(incoming)
-            new, _, fresh = _quantize(host.to(lin.weight.device), quant_type, double_quant, blocksize)
+            new, _, fresh = _quantize(
+                host.to(lin.weight.device), quant_type, double_quant, blocksize
+            )
             for b, t in fresh.items():
                 if b not in ("code", "code2"):
                     getattr(lin, _PREFIX + b).copy_(t)

@@ -156,6 +156,11 @@ def _mode_of(t: torch.Tensor) -> Any:
 
 def _quantize(w: torch.Tensor, quant_type: str, double_quant: bool, blocksize: int) -> Any:
     bnb = _bitsandbytes()
+    if isinstance(w, FakeTensor):  # bitsandbytes builds (and caches) its code tables from values
+        bnb.functional.quantize_4bit(
+            torch.zeros(blocksize), blocksize=blocksize, compress_statistics=double_quant,
+            quant_type=quant_type,
+        )  # fmt: skip
     with _mode_of(w), torch.no_grad():
         packed, state = bnb.functional.quantize_4bit(
             w, blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type

@@ -26,10 +26,11 @@ TUTORIALS = [
     "03_speed",
     "04_fewer_steps",
     "05_cli_and_scale_out",
+    "07_finetuning",
 ]
 #: Over ~20 s on 2 idle cores in the short mode (many fake-tensor estimates; CLI subprocesses,
 #: two of them DDP ranks); the others stay in the quick loop.
-SLOW = {"01_quickstart", "02_fit_a_bigger_model", "05_cli_and_scale_out"}
+SLOW = {"01_quickstart", "02_fit_a_bigger_model", "05_cli_and_scale_out", "07_finetuning"}
 _SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis"}
 
 

@@ -4,7 +4,7 @@ A model built from its default config keeps ``config.use_cache=True``: every tra
 then builds a cache of all layers' keys and values, which holds them alive (through gradient
 checkpointing too) and is never read. :func:`training_caches` names those models;
 :func:`mark_cache_off` / :func:`unmark_cache_off` are what the techniques' change
-(``techniques.kv_cache.apply_training_without_cache``) records, so that the estimate names only
+(``techniques._kv_cache.apply_training_without_cache``) records, so that the estimate names only
 the caches still built.
 """
 

@@ -13,7 +13,7 @@ from lightning_efficient.techniques.chunked_loss.apply import (
     find_output_projection,
     loss_refusal,
 )
-from lightning_efficient.techniques.kv_cache import apply_training_without_cache
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = ["ChunkedCrossEntropy"]
 

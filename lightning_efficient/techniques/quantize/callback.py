@@ -7,7 +7,7 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int
-from lightning_efficient.techniques.kv_cache import apply_training_without_cache
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.quantize.weights import (
     QUANT_TYPES,
     apply_frozen_weights_4bit,

@@ -16,6 +16,7 @@ Every other helper stays importable from its module (e.g. ``format_bytes`` from
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.optimizer_models import optimizer_state_bytes
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
     blocks_for_budget,
@@ -35,7 +36,6 @@ from lightning_efficient.techniques.dataloading.preload import apply_device_prel
 from lightning_efficient.techniques.dataloading.rebuild import apply_dataloader_tuning
 from lightning_efficient.techniques.dataloading.workers import tune_num_workers
 from lightning_efficient.techniques.early_stopping import DivergenceDetector, PlateauTracker
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.optimizers.build import apply_optimizer_swap
 from lightning_efficient.techniques.optimizers.in_backward import apply_optimizer_in_backward
 from lightning_efficient.techniques.precision import (

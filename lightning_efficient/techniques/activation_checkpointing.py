@@ -54,11 +54,11 @@ from lightning_efficient.techniques._blocks import (
     check_policy,
     select_modules,
 )
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques._recompute import ATTR as _ATTR
 from lightning_efficient.techniques._recompute import SELECTIVE_SAVE_OPS
 from lightning_efficient.techniques._recompute import unwrap_block as _unwrap
 from lightning_efficient.techniques._recompute import wrap_block as _wrap
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = [
     "ActivationCheckpointing",

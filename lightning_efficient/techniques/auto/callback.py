@@ -18,6 +18,7 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.auto import fit as on_fit
 from lightning_efficient.techniques.auto.decide import (
     GOALS,
@@ -26,7 +27,6 @@ from lightning_efficient.techniques.auto.decide import (
     rung_from_state,
 )
 from lightning_efficient.techniques.batch_size.choice import read_batch_size
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = ["AutoEfficient"]
 

@@ -7,13 +7,13 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_choice, parse_bytes
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.apply import (
     apply_chunked_cross_entropy,
     find_output_projection,
     loss_refusal,
 )
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = ["ChunkedCrossEntropy"]
 

@@ -309,3 +309,25 @@ def test_adamw8bit_on_lora_says_it_saves_nothing(tmp_path) -> None:
         trainer.fit(_LoRAModule(), train_dataloaders=_loader())
     said = [w for w in seen if issubclass(w.category, NoEffectWarning)]
     assert len(said) == 1 and "4,096" in str(said[0].message)
+
+
+def test_fsdp_and_deepspeed_refused_ddp_served() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    from lightning_efficient.core import compat
+
+    for strategy, refused in (
+        (DeepSpeedStrategy(), True),
+        (FSDPStrategy(), True),
+        (DDPStrategy(), False),
+    ):
+        assert compat._quantized_weights_sharded in compat.RULES
+        message = compat._quantized_weights_sharded(
+            SimpleNamespace(strategy=strategy), [FrozenWeights4bit()]
+        )
+        problems = [message] if message else []
+        assert bool(problems) is refused, (type(strategy).__name__, problems)
+        if refused:
+            assert "FrozenWeights4bit" in problems[0] and "strategy='ddp'" in problems[0]

@@ -16,6 +16,7 @@ Every other helper stays importable from its module (e.g. ``format_bytes`` from
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.optimizer_models import optimizer_state_bytes
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
     blocks_for_budget,
@@ -48,6 +49,7 @@ from lightning_efficient.techniques.precision import (
     apply_matmul_precision,
     best_precision,
 )
+from lightning_efficient.techniques.quantize import apply_frozen_weights_4bit
 from lightning_efficient.techniques.zero_offload import export_fp32, zero_offload_config
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "apply_chunked_cross_entropy",
     "apply_compile",
     "apply_float8",
+    "apply_frozen_weights_4bit",
     "apply_matmul_precision",
     "apply_optimizer_swap",
     "apply_optimizer_in_backward",
@@ -64,6 +67,7 @@ __all__ = [
     "tuned_loader",
     "preloaded_loader",
     "apply_sampler",
+    "apply_training_without_cache",
     # what is applied now
     "checkpointed_blocks",
     "compiled_modules",

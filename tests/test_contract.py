@@ -545,6 +545,50 @@ CASES.append(
 
 
 # -- spend fewer steps (issue 14): checks every step on the training loss, so the state moves
+# 4-bit frozen weights (issue 39): a technique for frozen weights, so every fit of its case (with
+# and without it) first freezes the blocks' linear weights, as an adapter or frozen-backbone
+# fine-tune has them, and gives them back after the fit
+from lightning_efficient.techniques.quantize import QUANT_TYPES, FrozenWeights4bit  # noqa: E402
+
+
+class _FreezeBlocks(pl.Callback):
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._frozen = [p for n, p in pl_module.named_parameters() if n.startswith("blocks.")]
+        for p in self._frozen:
+            p.requires_grad_(False)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for p in getattr(self, "_frozen", []):
+            p.requires_grad_(True)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+
+class _FrozenBlocksCase(Case):
+    def fit(self, tmp_path: Any, *, with_technique: bool = True, callbacks: Any = (), **kw: Any):
+        extra = [*callbacks, _FreezeBlocks()]
+        return super().fit(tmp_path, with_technique=with_technique, callbacks=extra, **kw)
+
+
+CASES.append(
+    _FrozenBlocksCase(
+        FrozenWeights4bit,
+        bad_args=[
+            ({"quant_type": "int4"}, "quant_type"),
+            ({"blocksize": 100}, "blocksize"),
+            ({"modules": 3}, "modules"),
+        ],
+        fuzz={
+            "quant_type": st.text(max_size=6).filter(lambda s: s not in QUANT_TYPES),
+            "blocksize": st.integers().filter(lambda b: b < 64 or b > 4096 or b & (b - 1)),
+        },
+        same_maths=False,  # lossy: 4-bit weights; the first loss within 2% of the plain run's
+        rtol=0.02,
+        atol=0.0,
+    )
+)
+
 from lightning_efficient.techniques.early_stopping import DivergenceGuard, EarlyStopper  # noqa: E402
 
 CASES += [

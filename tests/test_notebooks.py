@@ -33,10 +33,17 @@ TUTORIALS = [
     "04_fewer_steps",
     "05_cli_and_scale_out",
     "06_packing",
+    "07_finetuning",
 ]
 #: Over ~20 s on 2 idle cores in the short mode (many fake-tensor estimates; CLI subprocesses,
 #: two of them DDP ranks; transformers imported in the kernel); the others stay in the quick loop.
-SLOW = {"01_quickstart", "02_fit_a_bigger_model", "05_cli_and_scale_out", "06_packing"}
+SLOW = {
+    "01_quickstart",
+    "02_fit_a_bigger_model",
+    "05_cli_and_scale_out",
+    "06_packing",
+    "07_finetuning",
+}
 _SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis"}
 #: Limits on what a committed notebook holds: each chart, and the whole file.
 MAX_PNG_BYTES, MAX_NOTEBOOK_BYTES = 150_000, 1_000_000

@@ -297,3 +297,21 @@ def _parameters_after_call(trainer: Any, techniques: Sequence[Any]) -> str | Non
         f"its losses parted from the plain run's). Use stage 2 (or FullyShardedStrategy) with "
         f"{_names(late)}, or remove it."
     )
+
+
+@rule
+def _quantized_weights_sharded(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """Techniques that store frozen weights quantized (``quantizes_frozen_weights``) keep packed
+    uint8 weights with their scales beside them: FSDP and DeepSpeed flatten or shard them."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategy = getattr(trainer, "strategy", None)
+    quantized = [t for t in techniques if getattr(t, "quantizes_frozen_weights", False)]
+    if not quantized or not isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)):
+        return None
+    return (
+        f"{_names(quantized)} under {type(strategy).__name__}: the 4-bit weights are packed "
+        "uint8 tensors whose scales live beside them, which FSDP and DeepSpeed flatten or shard. "
+        "Use strategy='ddp' or a single device (4-bit frozen weights are what lets a model fit "
+        "one GPU), or remove the callback."
+    )

@@ -31,6 +31,7 @@ from lightning_efficient.core.technique import ChangesEstimate
 from lightning_efficient.measure.caching_allocator import replay
 from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
 from lightning_efficient.measure.hf_masks import hf_mask_checks_on_values
+from lightning_efficient.measure.kv_cache import cache_note
 from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
 from lightning_efficient.measure.scratch import keep_module_state
 from lightning_efficient.measure.settings import configured_optimizer
@@ -308,6 +309,8 @@ def estimate_memory(
             for cb in callbacks:
                 if isinstance(cb, ChangesEstimate):
                     cb.configure_estimate(plan)
+            if cache := cache_note(model):  # a cache no technique switched off (issue 39)
+                plan.note(cache)
             tracker = StorageTracker(
                 rounding=cuda_round if cuda_rounding else None,
                 fake=True,

@@ -27,6 +27,7 @@ from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 from lightning_efficient.techniques.optimizers import OptimizerSwap
 from lightning_efficient.techniques.packing import SequencePacking
 from lightning_efficient.techniques.precision import Float8Training, MatmulPrecision
+from lightning_efficient.techniques.quantize import FrozenWeights4bit
 from lightning_efficient.techniques.zero_offload import ZeROOffload
 
 #: Every technique class of the package (callbacks and strategies), in documentation order.
@@ -36,6 +37,7 @@ TECHNIQUES: list[type] = [
     ActivationCheckpointing,
     ChunkedCrossEntropy,
     OptimizerSwap,
+    FrozenWeights4bit,
     MatmulPrecision,
     Float8Training,
     TorchCompile,

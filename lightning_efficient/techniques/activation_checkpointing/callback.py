@@ -12,6 +12,7 @@ from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_int, parse_bytes
 from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.techniques._blocks import check_policy, select_modules
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.activation_checkpointing.apply import (
     apply_activation_checkpointing,
     span,
@@ -108,6 +109,7 @@ class ActivationCheckpointing(Technique):
         """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed:
         ``choose_blocks`` on the plan's model and batch (nested estimates), as at a fit's first
         batch."""
+        plan.on_exit(apply_training_without_cache(plan.model).undo)  # no key/value cache (issue 39)
         settings = {k: getattr(plan, k) for k in PLAN_SETTINGS}
         self._choose(plan.model, plan.batch, settings, rank=False)
         # offload is not run on fake tensors (no streams, no pinned memory): counted on device
@@ -124,6 +126,7 @@ class ActivationCheckpointing(Technique):
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.record(trainer, apply_training_without_cache(pl_module))
         own = [n for n, m in pl_module.named_modules() if _checkpoints_itself(m)]
         if own:
             self.warn(_OWN.format(span=span(own)))

@@ -17,6 +17,7 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.auto import fit as on_fit
 from lightning_efficient.techniques.auto.decide import GOALS, Decision, decision_from_state
 from lightning_efficient.techniques.batch_size.choice import read_batch_size
@@ -174,6 +175,8 @@ class AutoEfficient(Technique):
             ),
         )
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
+        if callbacks:  # a memory stack trains without a Hugging Face key/value cache (issue 39)
+            self.record(trainer, apply_training_without_cache(pl_module))
         for callback in callbacks:
             callback.setup(trainer, pl_module, "fit")
         if decision is not self._preset:  # fit --auto printed its decision already

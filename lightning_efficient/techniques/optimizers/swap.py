@@ -153,6 +153,14 @@ class OptimizerSwap(Technique):
             dropped |= set(change.figures["dropped"])
         trainer.optimizers = new
         self._originals, self._swapped = old, new
+        small = (self.overrides or {}).get("min_8bit_size", 4096)  # bitsandbytes' default
+        sizes = [p.numel() for o in new for g in o.param_groups for p in g["params"]]
+        if self.optimizer_name in EIGHT_BIT_NAMES and sizes and max(sizes) < small:
+            self.no_effect(  # e.g. LoRA adapters (issue 39)
+                f"every trainable tensor has fewer than min_8bit_size={small:,} elements (largest "
+                f"{max(sizes):,}): bitsandbytes keeps their state in 32 bits, so "
+                f"{self.optimizer_name!r} saves no memory here."
+            )
         self._prepare_restore()
         if self.optimizer_name == "adamw_fused" and not all(
             p.is_cuda for o in new for g in o.param_groups for p in g["params"]

@@ -1,0 +1,78 @@
+"""Which Hugging Face models build a key/value cache while they train.
+
+A model built from its default config keeps ``config.use_cache=True``: every training forward
+then builds a cache of all layers' keys and values, which holds them alive (through gradient
+checkpointing too) and is never read. :func:`training_caches` names those models;
+:func:`mark_cache_off` / :func:`unmark_cache_off` are what the techniques' change
+(``techniques._kv_cache.apply_training_without_cache``) records, so that the estimate names only
+the caches still built.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+from torch import nn
+
+__all__ = ["cache_models", "cache_note", "mark_cache_off", "training_caches", "unmark_cache_off"]
+
+_OFF: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cache_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` with a config whose ``use_cache`` is true and a forward that
+    takes ``use_cache`` (a Hugging Face model and its inner base model), outermost first."""
+    out = []
+    for name, mod in model.named_modules():
+        config = getattr(mod, "config", None)
+        if getattr(config, "use_cache", False) is True and _takes_use_cache(mod):
+            out.append((name, mod))
+    return out
+
+
+def mark_cache_off(module: nn.Module) -> None:
+    _OFF[module] = _OFF.get(module, 0) + 1
+
+
+def unmark_cache_off(module: nn.Module) -> None:
+    left = _OFF.get(module, 0) - 1
+    if left > 0:
+        _OFF[module] = left
+    else:
+        _OFF.pop(module, None)
+
+
+def training_caches(model: nn.Module) -> list[str]:
+    """Names of the models in ``model`` that build a key/value cache in a training forward
+    (``config.use_cache`` true, not switched off for training by a technique)."""
+    found = cache_models(model)
+    if any(mod in _OFF for _, mod in found):
+        return []
+    seen: set[int] = set()
+    names = []
+    for name, mod in found:
+        if id(mod.config) not in seen:
+            seen.add(id(mod.config))
+            names.append(name or type(mod).__name__)
+    return names
+
+
+def cache_note(model: Any) -> str | None:
+    """The estimate's line naming the caches a training forward builds, or ``None``."""
+    names = training_caches(model) if isinstance(model, nn.Module) else []
+    if not names:
+        return None
+    return (
+        f"key/value cache built while training: {', '.join(names)} (config.use_cache=True; "
+        "ActivationCheckpointing, ChunkedCrossEntropy, FrozenWeights4bit and AutoEfficient switch "
+        "it off for training, or set model.config.use_cache = False)"
+    )

@@ -1,0 +1,320 @@
+"""Frozen linear weights stored in 4 bits (NF4, double quantization) with bitsandbytes.
+
+The module keeps its class, its ``weight`` Parameter object and its ``state_dict`` keys: only
+the Parameter's storage changes (``weight.data`` becomes bitsandbytes' packed 4-bit tensor, the
+block scales become non-persistent buffers of the layer) and the layer's ``forward`` becomes
+bitsandbytes' ``matmul_4bit`` (which dequantizes one weight at a time, in forward and again in
+backward, and saves only the packed weight for backward). Adapters that call the base layer
+(PEFT's ``lora.Linear.base_layer``, LitGPT's ``LoRALinear.linear``) keep working unchanged.
+
+- :func:`select_frozen_linears`: which layers qualify (a pure rule, with the reason for every
+  layer left alone).
+- :func:`apply_frozen_weights_4bit`: quantize them; the ``Change``'s undo puts the original
+  weights back bit-exactly from the host copy it keeps (the original tensor itself on a CPU).
+- While quantized, ``state_dict()`` returns the original weights (from the host copy) and
+  ``load_state_dict`` re-quantizes what it loads: checkpoints are those of the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_efficient.core._internals import FakeTensor
+from lightning_efficient.core.change import Change, patch_attribute
+from lightning_efficient.core.validate import SettingsError, missing_requirement
+
+__all__ = [
+    "QUANT_TYPES",
+    "Selection",
+    "apply_frozen_weights_4bit",
+    "compute_dtype_for",
+    "linear_weight_bytes",
+    "select_frozen_linears",
+]
+
+QUANT_TYPES = ("nf4", "fp4")
+_BUFFERS = ("absmax", "code", "offset", "absmax2", "code2")
+_PREFIX = "weight_4bit_"
+
+
+def _bitsandbytes() -> Any:
+    try:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional  # noqa: F401
+    except ImportError as err:
+        raise missing_requirement("bitsandbytes", "FrozenWeights4bit") from err
+    return bnb
+
+
+@dataclass
+class Selection:
+    """Which linear layers get 4-bit weights: ``chosen`` (names, in model order), ``left`` (name
+    -> why it stays as it is) and ``refused`` (names a user asked for that hold trainable
+    weights)."""
+
+    chosen: list[str] = field(default_factory=list)
+    left: dict[str, str] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(rows) if rows else None
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def select_frozen_linears(
+    model: nn.Module,
+    *,
+    modules: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
+) -> Selection:
+    """The plain ``nn.Linear`` layers of ``model`` whose weight is frozen, owned by that layer
+    alone, and not the output head (a Linear as wide as the largest Embedding: the chunked loss
+    and most recipes keep it in full precision; name it in ``modules`` to include it).
+
+    Args:
+        model: The module searched.
+        modules: Patterns (``fnmatch``, or a module name and everything under it) of the layers
+            to quantize; ``None``: every qualifying layer. A named layer with a trainable weight
+            is ``refused``.
+        skip: Patterns of layers left in full precision.
+    """
+    owners: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    vocab = _vocabulary(model)
+    out = Selection()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        named = modules is not None and _matches(name, modules)
+        w = mod.weight
+        if modules is not None and not named:
+            continue
+        if skip and _matches(name, skip):
+            out.left[name] = "in `skip`"
+        elif type(mod).forward is not nn.Linear.forward:
+            out.left[name] = f"{type(mod).__name__} has a forward of its own"
+        elif hasattr(mod, _PREFIX + "absmax"):
+            out.left[name] = "already in 4 bits"
+        elif not w.is_floating_point() or w.device.type == "meta":
+            out.left[name] = f"weight is {w.dtype} on {w.device.type}"
+        elif w.requires_grad:
+            if named:
+                out.refused.append(name)
+            else:
+                out.left[name] = "trainable"
+        elif owners.get(id(w), 0) > 1:
+            out.left[name] = "weight shared with another module (tied)"
+        elif vocab is not None and mod.out_features == vocab and not named:
+            out.left[name] = "output head (full precision; name it in `modules` to include it)"
+        else:
+            out.chosen.append(name)
+    return out
+
+
+def compute_dtype_for(precision: Any) -> torch.dtype | None:
+    """The dtype the 4-bit layers compute in for a trainer precision (``"bf16-mixed"`` ->
+    bfloat16, ``"16-mixed"`` -> float16); ``None``: the input's dtype."""
+    text = str(precision)
+    if text.startswith("bf16"):
+        return torch.bfloat16
+    if text.startswith("16") or text.startswith("fp16"):
+        return torch.float16
+    return None
+
+
+def linear_weight_bytes(model: nn.Module, names: Sequence[str] | None = None) -> int:
+    """Bytes held by the weights of ``model``'s Linear layers (``names``: only those), the 4-bit
+    block scales included."""
+    seen: dict[int, int] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and (names is None or name in names):
+            tensors = [mod.weight, *(getattr(mod, _PREFIX + b, None) for b in _BUFFERS)]
+            for t in tensors:
+                if t is not None:  # the code tables are one tensor shared by every layer
+                    seen[id(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _mode_of(t: torch.Tensor) -> Any:
+    """Run the quantization under ``t``'s fake mode when it is fake (the estimate)."""
+    return t.fake_mode if isinstance(t, FakeTensor) else contextlib.nullcontext()
+
+
+def _quantize(w: torch.Tensor, quant_type: str, double_quant: bool, blocksize: int) -> Any:
+    bnb = _bitsandbytes()
+    if isinstance(w, FakeTensor):  # bitsandbytes builds (and caches) its code tables from values
+        bnb.functional.quantize_4bit(
+            torch.zeros(blocksize), blocksize=blocksize, compress_statistics=double_quant,
+            quant_type=quant_type,
+        )  # fmt: skip
+    with _mode_of(w), torch.no_grad():
+        packed, state = bnb.functional.quantize_4bit(
+            w, blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
+        )
+    tensors = {"absmax": state.absmax, "code": state.code}
+    if state.nested:
+        tensors.update(offset=state.offset, absmax2=state.state2.absmax, code2=state.state2.code)
+    return packed, state, tensors
+
+
+def _state_of(lin: nn.Linear, template: Any) -> Any:
+    """bitsandbytes' QuantState from the layer's buffers (which follow ``module.to``)."""
+    bnb = _bitsandbytes()
+    buf = {b: getattr(lin, _PREFIX + b, None) for b in _BUFFERS}
+    state2 = None
+    if template.nested:
+        state2 = bnb.functional.QuantState(
+            absmax=buf["absmax2"],
+            code=buf["code2"],
+            blocksize=template.state2.blocksize,
+            dtype=template.state2.dtype,
+        )
+    return bnb.functional.QuantState(
+        absmax=buf["absmax"],
+        shape=template.shape,
+        code=buf["code"],
+        blocksize=template.blocksize,
+        quant_type=template.quant_type,
+        dtype=template.dtype,
+        offset=buf["offset"],
+        state2=state2,
+    )
+
+
+def _quantize_layer(
+    lin: nn.Linear,
+    shared: dict[str, torch.Tensor],
+    compute_dtype: torch.dtype | None,
+    quant_type: str,
+    double_quant: bool,
+    blocksize: int,
+) -> Change:
+    bnb = _bitsandbytes()
+    w = lin.weight
+    original = w.data
+    device = original.device
+    host = original if device.type == "cpu" else original.to("cpu")  # the undo's copy
+    packed, template, tensors = _quantize(original, quant_type, double_quant, blocksize)
+    names = []
+    for b, t in tensors.items():
+        if b in ("code", "code2"):  # constant tables: one tensor for every layer
+            t = shared.setdefault(f"{b}:{t.device}", t)
+        lin.register_buffer(_PREFIX + b, t, persistent=False)
+        names.append(_PREFIX + b)
+    w.data = packed
+    del original
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype or x.dtype
+        bias = None if lin.bias is None else lin.bias.to(dtype)
+        state = _state_of(lin, template)
+        out = bnb.matmul_4bit(x.to(dtype), lin.weight.t(), bias=bias, quant_state=state)
+        return out if torch.is_autocast_enabled(x.device.type) else out.to(x.dtype)
+
+    def saved(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        if prefix + "weight" in state_dict:  # the original weight, as the plain model has it
+            state_dict[prefix + "weight"] = host
+
+    def loading(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        key = prefix + "weight"
+        incoming = state_dict.get(key)
+        if incoming is None or tuple(incoming.shape) != tuple(template.shape):
+            return
+        with torch.no_grad():
+            host.copy_(incoming)
+            new, _, fresh = _quantize(
+                host.to(lin.weight.device), quant_type, double_quant, blocksize
+            )
+            for b, t in fresh.items():
+                if b not in ("code", "code2"):
+                    getattr(lin, _PREFIX + b).copy_(t)
+        state_dict[key] = new  # what load_state_dict copies into the packed weight
+
+    handles = [
+        lin.register_state_dict_post_hook(saved),
+        lin.register_load_state_dict_pre_hook(loading),
+    ]
+    forward_change = patch_attribute(lin, "forward", forward)
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+        forward_change.undo()
+        for name in names:
+            delattr(lin, name)
+        w.data = host if host.device == w.device else host.to(w.device)
+
+    return Change("4-bit weight", undo)
+
+
+def apply_frozen_weights_4bit(
+    model: nn.Module,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    blocksize: int = 64,
+    modules: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
+) -> Change:
+    """Store the frozen weights of ``model``'s plain Linear layers in 4 bits (see the module
+    docstring); trainable weights, adapters, tied weights and the output head are left alone.
+
+    Args:
+        model: The module changed in place (its class, parameters' identity and state_dict keys
+            are kept).
+        compute_dtype: The dtype the layers compute in (``None``: the input's).
+        quant_type: ``"nf4"`` (NormalFloat4, QLoRA's) or ``"fp4"``.
+        double_quant: Quantize the block scales too (about 0.52 instead of 0.56 bytes per
+            weight).
+        blocksize: Weights per scale (64 as in QLoRA).
+        modules: Patterns of the layers to quantize (``None``: every frozen Linear); a named
+            layer with a trainable weight raises ``SettingsError``.
+        skip: Patterns of layers left in full precision.
+
+    Returns:
+        A ``Change`` whose ``value`` is the :class:`Selection` and whose figures compare the
+        linear weight bytes before and after; ``undo()`` restores the original weights exactly.
+    """
+    selection = select_frozen_linears(model, modules=modules, skip=skip)
+    if selection.refused:
+        names = ", ".join(f"`{n}`" for n in selection.refused)
+        raise SettingsError(
+            f"4-bit weights would be trainable weights: {names} require grad, and a 4-bit "
+            "weight receives no gradient. Freeze them first (e.g. PEFT's get_peft_model, or "
+            "`requires_grad_(False)` on the backbone) or leave them out of `modules`."
+        )
+    layers = dict(model.named_modules())
+    before = linear_weight_bytes(model, selection.chosen)
+    shared: dict[str, torch.Tensor] = {}
+    changes = [
+        _quantize_layer(layers[n], shared, compute_dtype, quant_type, double_quant, blocksize)
+        for n in selection.chosen
+    ]
+    after = linear_weight_bytes(model, selection.chosen)
+    what = (
+        f"{len(changes)} frozen linear weights in 4 bits ({quant_type}"
+        f"{', double quantization' if double_quant else ''})"
+        if changes
+        else "no frozen linear weight to store in 4 bits"
+    )
+    figures = {
+        "layers_4bit": len(changes),
+        "weight_bytes_before": before,
+        "weight_bytes_after": after,
+    }
+    return Change.of(what, changes, figures=figures, value=selection)

@@ -278,10 +278,17 @@ def apply_chunked_cross_entropy(
     session = LossSession(backend=backend, chunk_bytes=chunk_bytes, say=say, head=name)
     original = linear.forward
 
+    def lazy(hidden: torch.Tensor) -> LazyLogits:
+        return LazyLogits.of(LogitsSource(original, hidden, linear.weight, linear.bias, session))
+
+    # Under a compiled model, the lazy logits are made outside the graph (Dynamo cannot trace
+    # a tensor subclass being made): the graph ends at the hidden states, once, silently.
+    lazy_outside_graph = torch.compiler.disable(lazy, recursive=True)
+
     def forward(hidden: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or not _goes_lazy(linear, hidden):
             return original(hidden, *args, **kwargs)
-        return LazyLogits.of(LogitsSource(original, hidden, linear.weight, linear.bias, session))
+        return lazy_outside_graph(hidden)
 
     vocab, width = linear.out_features, linear.in_features
     what = f"cross-entropy from `{name}` ({how}, {width} -> {vocab}) in chunks"

@@ -229,7 +229,7 @@ class LossSession:
                 f"the logits of `{self.head}` were used by {what} during a training step: the "
                 "full logits were computed for that step, exactly as without ChunkedCrossEntropy "
                 "(no memory saved in it). Compute metrics from the logits outside the training "
-                "step (e.g. in validation), or under torch.no_grad() where they are not lazy."
+                "step (e.g. in validation: a forward without grad returns plain logits)."
             )
 
     @property

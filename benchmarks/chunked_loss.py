@@ -28,7 +28,8 @@ vocabulary 128,256 (the estimate, fake tensors), with SGD and AdamW.
 
 Run:  python benchmarks/chunked_loss.py          (~25 minutes on 2 busy cores)
       python benchmarks/chunked_loss.py --quick  (smaller shapes, a few minutes)
-Writes benchmarks/results/chunked_loss{,_quick}.{md,json}.
+      python benchmarks/chunked_loss.py --moderate  (part 4 only, a few minutes)
+Writes benchmarks/results/chunked_loss{,_quick,_moderate}.{md,json}.
 """
 
 from __future__ import annotations
@@ -524,7 +525,7 @@ def render_part4(p4: list) -> str:
                         r["how"],
                         f"{f(r['plain_peak'])} ({r['plain_phase']})",
                         f"{f(r['chunked_peak'])} ({r['chunked_phase']})",
-                        f"{r['ratio']:.2f}x",
+                        f"{r['ratio']:.3f}x",
                     )
                     for r in p4
                 ],
@@ -545,7 +546,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, for a fast check")
     parser.add_argument("--out", default=None, help="result stem")
+    parser.add_argument(
+        "--moderate", action="store_true", help="part 4 only (moderate logits, a few minutes)"
+    )
     args = parser.parse_args()
+    if args.moderate:
+        warnings.filterwarnings("ignore")
+        p4 = part4(args)
+        text = (
+            render_part4(p4)
+            + "\n"
+            + provenance(
+                environment(("torch", "lightning", "transformers")),
+                "python benchmarks/chunked_loss.py --moderate",
+            )
+        )
+        stem = args.out or ROOT / "benchmarks" / "results" / "chunked_loss_moderate"
+        save_results(stem, text, {"moderate_logits": p4})
+        return
     q = args.quick
     args.rows = 512 if q else 4096
     args.vocabs = (50257, 128256)

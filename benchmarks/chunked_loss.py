@@ -22,9 +22,14 @@ CUDA caching allocator under that cap), with the planner's stack (bf16-mixed, 8-
 every block checkpointed), without and with ``ChunkedCrossEntropy``; and the estimate of the
 planner's pick before (micro-batch 30) with and without it, by category and phase.
 
+Part 4, moderate logits (2 x 256 rows, fp32), the whole step's peak: a plain GPT-like module
+with a 64 -> 64,000 head (131 MB of logits; the tracker, two real steps) and a tiny Llama with
+vocabulary 128,256 (the estimate, fake tensors), with SGD and AdamW.
+
 Run:  python benchmarks/chunked_loss.py          (~25 minutes on 2 busy cores)
       python benchmarks/chunked_loss.py --quick  (smaller shapes, a few minutes)
-Writes benchmarks/results/chunked_loss{,_quick}.{md,json}.
+      python benchmarks/chunked_loss.py --moderate  (part 4 only, a few minutes)
+Writes benchmarks/results/chunked_loss{,_quick,_moderate}.{md,json}.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from lightning_efficient.measure.allocator import allocator_step_peak  # noqa: E
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.step import loss_of  # noqa: E402
 from lightning_efficient.measure.timing import time_fn  # noqa: E402
+from lightning_efficient.measure.track import measure_step  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch  # noqa: E402
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy  # noqa: E402
@@ -137,6 +143,77 @@ def part1(args: argparse.Namespace) -> list[dict[str, Any]]:
         for m in ("tracked", "allocator", "estimate_cuda_bf16"):
             row[f"ratio_{m}"] = row[f"plain_{m}"] / row[f"chunked_{m}"]
         out.append(row)
+    return out
+
+
+# -- part 4: moderate logits (issue 37, row 12) -------------------------------------------------------
+class GPTLike(nn.Module):
+    """A plain GPT-like module: embedding, one block, norm, an untied head 64 -> vocabulary."""
+
+    def __init__(self, vocab: int = 64000, width: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.block = nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.emb(x))))
+
+
+def lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+def _llama_128k() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def part4(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Whole-step peaks at moderate logits (2 x 256 rows, fp32): a plain GPT-like module with a
+    64 -> 64,000 head (131 MB of logits), measured by the tracker (``measure_step``, two real
+    steps), and a tiny Llama with Llama 3's 128,256 vocabulary (263 MB), estimated (fake
+    tensors, same tracker); SGD and AdamW."""
+    out = []
+    batch64 = (torch.randint(0, 64000, (2, 256)), torch.randint(0, 64000, (2, 256)))
+    ids = torch.randint(0, 128256, (2, 256))
+    for opt in (SGD, "adamw"):
+        for name, how in (("GPT-like, 64 -> 64,000", "tracker"), ("Llama, 128,256", "estimate")):
+            row: dict[str, Any] = {"model": name, "optimizer": opt, "how": how}
+            for on in (False, True):
+                torch.manual_seed(0)
+                if how == "tracker":
+                    r = measure_step(
+                        GPTLike(), batch64, opt, loss_fn=lm_loss, callbacks=_chunked(on)
+                    )
+                else:
+                    r = estimate_memory(
+                        _llama_128k(),
+                        (ids, ids),
+                        optimizer=opt,
+                        loss_fn=lm_loss,
+                        callbacks=_chunked(on),
+                        device="cpu",
+                    )
+                key = "chunked" if on else "plain"
+                row[f"{key}_peak"], row[f"{key}_phase"] = r.peak_bytes, r.peak_phase
+            row["ratio"] = row["plain_peak"] / row["chunked_peak"]
+            print(f"  {name} {opt}: {row['ratio']:.2f}x", flush=True)
+            out.append(row)
     return out
 
 
@@ -432,11 +509,61 @@ def render(p1: list, p2: list, p3: dict, args: argparse.Namespace, wall: float) 
     return "\n".join(lines)
 
 
+def render_part4(p4: list) -> str:
+    f = format_bytes
+    return "\n".join(
+        [
+            "",
+            "### Moderate logits, 2 x 256 rows, fp32, the whole step's peak (default chunk size)",
+            "",
+            table(
+                ("Model", "Optimizer", "Measured by", "Plain", "Chunked", "Lower by"),
+                [
+                    (
+                        r["model"],
+                        r["optimizer"].rsplit(".", 1)[-1],
+                        r["how"],
+                        f"{f(r['plain_peak'])} ({r['plain_phase']})",
+                        f"{f(r['chunked_peak'])} ({r['chunked_phase']})",
+                        f"{r['ratio']:.3f}x",
+                    )
+                    for r in p4
+                ],
+                "lllrrr",
+            ),
+            "",
+            "A chunk holds at most 1/16 of the logits' rows (here 32 of 512), so moderate logits "
+            "are chunked too (the 128 MiB cap alone would hold all 512 rows in one chunk). With "
+            "AdamW on these narrow models the chunked step's peak is the optimizer step's "
+            "(parameters, gradients, both moments and AdamW's temporaries), the plain step's too "
+            "at that phase: no loss can go lower.",
+            "",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, for a fast check")
     parser.add_argument("--out", default=None, help="result stem")
+    parser.add_argument(
+        "--moderate", action="store_true", help="part 4 only (moderate logits, a few minutes)"
+    )
     args = parser.parse_args()
+    if args.moderate:
+        warnings.filterwarnings("ignore")
+        p4 = part4(args)
+        text = (
+            render_part4(p4)
+            + "\n"
+            + provenance(
+                environment(("torch", "lightning", "transformers")),
+                "python benchmarks/chunked_loss.py --moderate",
+            )
+        )
+        stem = args.out or ROOT / "benchmarks" / "results" / "chunked_loss_moderate"
+        save_results(stem, text, {"moderate_logits": p4})
+        return
     q = args.quick
     args.rows = 512 if q else 4096
     args.vocabs = (50257, 128256)
@@ -456,8 +583,10 @@ def main() -> None:
     p2 = part2(args)
     print("part 3: largest micro-batch, CUDA target", flush=True)
     p3 = part3(args)
+    print("part 4: moderate logits, whole step", flush=True)
+    p4 = part4(args)
     wall = time.perf_counter() - t0
-    text = render(p1, p2, p3, args, wall)
+    text = render(p1, p2, p3, args, wall) + render_part4(p4)
     stem = args.out or ROOT / "benchmarks" / "results" / (
         "chunked_loss_quick" if q else "chunked_loss"
     )
@@ -468,6 +597,7 @@ def main() -> None:
             "loss_phase": p1,
             "step_time": p2,
             "largest_batch": p3,
+            "moderate_logits": p4,
             "env": environment(("torch", "lightning", "transformers")),
             "wall_s": wall,
         },

@@ -172,3 +172,34 @@ def test_a_128k_vocabulary_hugging_face_model_peak_is_three_times_lower() -> Non
         )  # fmt: skip
         peaks[on] = est.peak_bytes
     assert peaks[False] / peaks[True] >= 3
+
+
+# -- row 13: under a compiled whole model -------------------------------------------------------
+def test_a_compiled_whole_model_ends_its_graph_at_the_head_once_silently() -> None:
+    import warnings
+
+    model = _tinygpt()
+    plain = copy.deepcopy(model)
+    change = apply_chunked_cross_entropy(model)
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    model.compile(backend=backend)
+    x, y = _batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = F.cross_entropy(model(x).view(-1, V), y.view(-1))
+        loss.backward()
+    assert len(graphs) == 1  # one graph, up to the hidden states: no break inside the model
+    assert not [w for w in caught if "dynamo" in str(w.message).lower()]  # no raw Dynamo text
+    assert change.value.by_backend == {"chunked": 1} and not change.value.fallbacks
+    ref = F.cross_entropy(plain(x).view(-1, V), y.view(-1))
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(
+            got.grad, want.grad, rtol=1e-5, atol=1e-6 * float(want.grad.abs().max())
+        )

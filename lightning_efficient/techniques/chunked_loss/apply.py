@@ -229,7 +229,7 @@ class LossSession:
                 f"the logits of `{self.head}` were used by {what} during a training step: the "
                 "full logits were computed for that step, exactly as without ChunkedCrossEntropy "
                 "(no memory saved in it). Compute metrics from the logits outside the training "
-                "step (e.g. in validation), or under torch.no_grad() where they are not lazy."
+                "step (e.g. in validation: a forward without grad returns plain logits)."
             )
 
     @property
@@ -278,10 +278,17 @@ def apply_chunked_cross_entropy(
     session = LossSession(backend=backend, chunk_bytes=chunk_bytes, say=say, head=name)
     original = linear.forward
 
+    def lazy(hidden: torch.Tensor) -> LazyLogits:
+        return LazyLogits.of(LogitsSource(original, hidden, linear.weight, linear.bias, session))
+
+    # Under a compiled model, the lazy logits are made outside the graph (Dynamo cannot trace
+    # a tensor subclass being made): the graph ends at the hidden states, once, silently.
+    lazy_outside_graph = torch.compiler.disable(lazy, recursive=True)
+
     def forward(hidden: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or not _goes_lazy(linear, hidden):
             return original(hidden, *args, **kwargs)
-        return LazyLogits.of(LogitsSource(original, hidden, linear.weight, linear.bias, session))
+        return lazy_outside_graph(hidden)
 
     vocab, width = linear.out_features, linear.in_features
     what = f"cross-entropy from `{name}` ({how}, {width} -> {vocab}) in chunks"

@@ -132,7 +132,7 @@ def _cats(rows: Iterable[dict], keys: Sequence[str], suffix: str = "_bytes") -> 
 # -- the README ------------------------------------------------------------------------------------
 def readme() -> Any:
     data = _load("readme_figure")
-    fig, axes = _figure(7.5, 3.4)
+    fig, axes = _figure(7.5, 3.8)
     ax = axes[0][0]
     labels, parts = [], {}
     for r in data["rows"]:
@@ -148,10 +148,13 @@ def readme() -> Any:
     _stacked(ax, labels, parts, GIB, "peak GiB (estimated)")
     ax.axvline(data["budget_bytes"] / GIB, color="black", linestyle="--", linewidth=1)
     ax.text(data["budget_bytes"] / GIB, -0.6, " 24 GiB", fontsize=7)
-    largest = ", ".join(f"{r['stack']}: {r['largest_micro_batch']}" for r in data["rows"])
+    totals = [sum(v[i] for v in parts.values()) / GIB for i in range(len(labels))]
+    for i, total in enumerate(totals):
+        ax.text(total, i, f" {total:.1f} GiB", va="center", fontsize=7)
+    largest = " · ".join(f"{r['stack']} {r['largest_micro_batch']}" for r in data["rows"])
     ax.set_title(
-        f"GPT-2 124M, sequence {data['seq']}, in 24 GiB: largest micro-batch {largest}\n"
-        "estimated for a CUDA target, not measured on a GPU",
+        f"GPT-2 124M, sequence {data['seq']}, in 24 GiB: estimated for a CUDA target, not "
+        f"measured on a GPU\nlargest micro-batch that fits: {largest}",
         fontsize=9,
     )
     _footer(fig, f"estimated for the {CUDA} on a CPU", "benchmarks/results/readme_figure.json")

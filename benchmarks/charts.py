@@ -155,7 +155,7 @@ def readme() -> Any:
     ax.set_title(
         f"GPT-2 124M, sequence {data['seq']}, in 24 GiB: estimated for a CUDA target, not "
         f"measured on a GPU\nlargest micro-batch that fits: {largest}",
-        fontsize=9,
+        fontsize=8,
     )
     _footer(fig, f"estimated for the {CUDA} on a CPU", "benchmarks/results/readme_figure.json")
     return fig

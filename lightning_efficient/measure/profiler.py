@@ -118,6 +118,11 @@ class StepProfiler(Technique):
         self.summary: dict[str, Any] | None = None
         self._reset()
 
+    @property
+    def png(self) -> str | None:
+        """The picture's path under its former name (the argument is now ``plot``)."""
+        return self.plot
+
     def _reset(self) -> None:
         self._phases: StepPhases | None = None
         self._watch: FetchWatch | None = None

@@ -714,3 +714,11 @@ def test_cuda_phases_mfu_and_memory(tmp_path) -> None:
         assert 0 < s["mfu"] < 1
     # a small model on a large GPU: headroom advice, never a data-loading false alarm
     assert "DataLoaderTuning" not in {a["technique"] for a in s["advice"]}
+
+
+def test_png_is_the_deprecated_name_of_plot(tmp_path) -> None:
+    with pytest.warns(DeprecationWarning, match="use plot="):
+        profiler = StepProfiler(png=str(tmp_path / "steps.png"))
+    assert profiler.plot == str(tmp_path / "steps.png") == profiler.png
+    with pytest.raises(ValueError, match="give `plot` only"):
+        StepProfiler(png=str(tmp_path / "a.png"), plot=str(tmp_path / "b.png"))

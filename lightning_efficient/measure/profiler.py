@@ -77,6 +77,7 @@ class StepProfiler(Technique):
             are not measured. Under several ranks each writes its own file, ``.rank<r>`` before
             the suffix (``trace.rank1.json``). Its folder must exist.
         trace_steps: Steps in the trace.
+        png: Deprecated former name of ``plot``.
         plot: Path of a picture (``.png`` or ``.svg``) of the phases per step (stacked) and
             memory by category, written at the end of fit by rank zero (its folder must exist;
             needs matplotlib: ``pip install 'lightning-efficient[plot]'``).
@@ -102,8 +103,18 @@ class StepProfiler(Technique):
         plot: str | None = None,
         print_table: bool = True,
         log_metrics: bool = True,
+        png: str | None = None,
     ) -> None:
         super().__init__()
+        if png is not None:  # the former name of `plot` (deprecated)
+            if plot is not None:
+                raise ValueError("StepProfiler: give `plot` only (`png` is its former name)")
+            warnings.warn(
+                "StepProfiler(png=...) is deprecated: use plot=... (a .png or .svg path)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            plot = png
         self.skip_steps = check_int("skip_steps", skip_steps, minimum=0)
         self.flops_per_step = _positive_or_none("flops_per_step", flops_per_step)
         self.peak_flops = _positive_or_none("peak_flops", peak_flops)

@@ -214,8 +214,8 @@ class MemoryBreakdown(Technique):
                 f"{trainer.global_step} steps); nothing was measured."
             )
         elif self.print_table and trainer.is_global_zero:
-            from rich.console import Console
+            from lightning_efficient.core.report import print_table
 
             step = max(self.measurements)
-            Console().print(self.measurements[step].table(title=f"MemoryBreakdown: step {step}"))
+            print_table(self.measurements[step].table(title=f"MemoryBreakdown: step {step}"))
         super().on_fit_end(trainer, pl_module)

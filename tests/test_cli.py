@@ -119,3 +119,40 @@ def test_every_config_builds(config) -> None:
     ]
     built = [type(cb).__name__ for cb in cli.trainer.callbacks]
     assert all(name.rsplit(".", 1)[-1] in built for name in wanted), (wanted, built)
+
+
+def test_progress_bar_of_a_run_bounded_by_steps_reads_its_epoch() -> None:
+    """Issue 37: with ``max_steps`` and no ``max_epochs`` (the demo's configs) Lightning sets
+    ``max_epochs=-1`` and its rich bar read "Epoch 0/-2"; the CLI's bar reads "Epoch 0". A bar the
+    config gives is kept as given."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lightning_efficient.commands.cli import EfficientCLI, EpochBar
+
+    seen: list[str] = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            seen.extend(t.description for t in trainer.progress_bar_callback.progress.tasks)
+
+    tiny = [
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=true",
+        "--model.init_args.n_layer=1",
+    ]
+    cli = EfficientCLI(args=tiny, run=False)
+    assert type(cli.trainer.progress_bar_callback) is EpochBar
+    cli.trainer.callbacks.append(Probe())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.max_epochs == -1  # what Lightning makes of max_steps alone
+    assert cli.trainer.global_step == 2 and seen and {s.strip() for s in seen} == {"Epoch 0"}
+    # a configured bar stays as given; none where the config turns the bar off
+    bar = "--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"
+    given = EfficientCLI(args=[*tiny, bar], run=False).trainer.progress_bar_callback
+    assert type(given) is RichProgressBar
+    off = EfficientCLI(args=[*tiny, "--trainer.enable_progress_bar=false"], run=False)
+    assert off.trainer.progress_bar_callback is None

@@ -537,3 +537,67 @@ def test_compile_recompilations_are_bounded_and_reported(tmp_path) -> None:
     assert figures["distinct_lengths"] == 4
     assert 0 <= figures["warmup_recompiles"] <= figures["distinct_lengths"] - 1
     assert "recompilation" in report_for(trainer)["SequenceLengthWarmup"].change
+
+
+def test_an_endless_sampler_is_refused_not_drawn_for_ever(tmp_path) -> None:
+    """Issue 37: a sampler of the user's that never ends was drawn into a list (memory without
+    bound); no more than one index past the dataset's size is drawn now, and it is refused."""
+    from torch.utils.data import Sampler
+
+    from lightning_efficient.techniques.curriculum.sampler import own_sampler
+
+    class Endless(Sampler[int]):
+        def __init__(self, n: int) -> None:
+            self.n, self.drawn = n, 0
+
+        def __iter__(self):
+            while True:
+                self.drawn += 1
+                if self.drawn > 3 * self.n:  # a list of it would grow without end
+                    raise OverflowError("drawn for ever")
+                yield self.drawn % self.n
+
+    data = tiny_data()
+    data.setup("fit")
+    n = len(data.train_set)
+    endless = Endless(n)
+    why = own_sampler(DataLoader(data.train_set, batch_size=4, sampler=endless))
+    assert "Endless" in why and f"more than the dataset's {n} samples, or never ends" in why
+    assert endless.drawn == n + 1  # one past a permutation, then it stopped
+
+    class EndlessData(type(data)):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.train_set, batch_size=4, sampler=Endless(len(self.train_set)))
+
+    with pytest.raises(ValueError, match="Curriculum: .*own Endless .*never ends"):
+        fit(tmp_path, [Curriculum("entropy")], data=EndlessData(**data.hparams), max_steps=1)
+
+
+def test_an_iterable_dataset_is_refused_naming_what_is_allowed(tmp_path) -> None:
+    """Issue 37: an iterable-style dataset gave a raw ``TypeError`` (``len()`` of it) at fit
+    start; it is refused with what a curriculum needs."""
+    from torch.utils.data import IterableDataset
+
+    from lightning_efficient.techniques.curriculum.sampler import own_sampler
+
+    data = tiny_data()
+    data.setup("fit")
+
+    class Stream(IterableDataset):
+        def __init__(self, samples) -> None:
+            self.samples = samples
+
+        def __iter__(self):
+            return iter(self.samples)
+
+    with pytest.raises(ValueError, match="iterable-style dataset \\(Stream\\).*map-style"):
+        own_sampler(DataLoader(Stream(data.train_set), batch_size=4))
+
+    class StreamData(type(data)):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Stream(self.train_set), batch_size=4)
+
+    streamed = StreamData(**data.hparams)
+    with pytest.raises(ValueError, match="Curriculum: .*iterable-style dataset \\(Stream\\)"):
+        fit(tmp_path, [Curriculum("entropy")], data=streamed, max_steps=1)
+    assert "train_dataloader" not in vars(streamed)  # the datamodule as given

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lightning_efficient.core.report import EfficiencyReport, format_figure, report_for
+from lightning_efficient.core.report import (
+    EfficiencyReport,
+    format_figure,
+    print_table,
+    report_for,
+)
 
 HERE = Path(__file__).parent
 
@@ -63,6 +68,40 @@ def test_rich_table_and_show_once(capsys) -> None:
     assert capsys.readouterr().out.count("OptimizerSwap") == 1
     report.update("OptimizerSwap", extra=1)
     assert report.show() is True
+
+
+def test_printed_to_a_pipe_no_figure_is_split(capsys) -> None:
+    """Issue 37: standard output that is not a terminal (a pipe, a log file) has no width, and rich
+    assumed 80 columns and folded figures ("1 .95 MiB"): every row now stays whole there."""
+    report = EfficiencyReport()
+    change = "checkpointed 4 of 4 blocks (TransformerBlock) with the policy the budget chose"
+    figures = {
+        "activation_bytes_saved": 2045000,
+        "peak_before_bytes": 12345678,
+        "peak_after_bytes": 2045000,
+        "step_s": 0.0123,
+    }
+    report.add("ActivationCheckpointing", change, **figures)
+    report.print()
+    out = capsys.readouterr().out
+    wanted = [change, "peak_after_bytes=1.95 MiB", "peak_before_bytes=11.77 MiB"]
+    wanted += ["activation_bytes_saved=2045000", "step_s=0.0123 s"]
+    assert all(text in out for text in wanted), out
+    assert max(map(len, out.splitlines())) > 80  # wider than rich's default, as it must be
+    # any rich table, e.g. the planner's and the estimate's, prints the same way
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("Stack", overflow="fold")
+    table.add_column("Device peak", overflow="fold")
+    table.add_row("bf16-mixed + ActivationCheckpointing(blocks=12) + OptimizerSwap" * 2, "1.95 MiB")
+    print_table(table)
+    out = capsys.readouterr().out
+    assert "1.95 MiB" in out and len(out.splitlines()) == 5  # header 3 lines, 1 row, bottom
+    # on a terminal the table keeps to the terminal's width (wrapped there)
+    console = Console(record=True, width=80, force_terminal=True)
+    console.print(report.to_rich())
+    assert max(map(len, console.export_text().splitlines())) <= 80
 
 
 def test_png_written(tmp_path) -> None:

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 import lightning_efficient  # noqa: F401  (registers every callback and strategy for short names)
@@ -31,6 +32,7 @@ __all__ = [
     "CONFIG_ERRORS",
     "NOISE",
     "EfficientCLI",
+    "EpochBar",
     "RunConfigSaver",
     "exit_with_error",
     "quiet_known_noise",
@@ -62,6 +64,30 @@ class RunConfigSaver(SaveConfigCallback):
         if trainer.logger is None:
             return
         super().setup(trainer, pl_module, stage)
+
+
+class EpochBar(RichProgressBar):
+    """Lightning's rich progress bar, whose epoch reads "Epoch 0" where Lightning's reads
+    "Epoch 0/-2": a run bounded by ``max_steps`` alone has ``max_epochs == -1`` (no limit), and
+    Lightning's bar shows ``max_epochs - 1`` as the last epoch. The CLI's default bar."""
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self.describe_epoch(trainer)
+
+    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, *args, **kwargs)  # (re)creates the bar on a resume
+        self.describe_epoch(trainer)
+
+    def describe_epoch(self, trainer: Any) -> None:
+        """Name the epoch without a last one when the run sets none."""
+        max_epochs = trainer.max_epochs
+        if max_epochs is None or max_epochs >= 0 or self.progress is None:
+            return
+        if self.train_progress_bar_id is not None:
+            text = f"Epoch {trainer.current_epoch}"
+            width = len(self.validation_description)  # as Lightning pads it (no flicker)
+            self.progress.update(self.train_progress_bar_id, description=f"{text:{width}}")
 
 
 class EfficientCLI(LightningCLI):
@@ -105,6 +131,17 @@ class EfficientCLI(LightningCLI):
             super().instantiate_classes()
         except CONFIG_ERRORS as err:
             exit_with_error(f"invalid configuration: {err}")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with :class:`EpochBar` in place of Lightning's default progress bar (a bar
+        the config gives is kept as given)."""
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        given = list((config.get("trainer") or {}).get("callbacks") or [])  # before the Trainer
+        trainer = super().instantiate_trainer(**kwargs)  # (which extends that very list)
+        bar = trainer.progress_bar_callback
+        if type(bar) is RichProgressBar and all(cb is not bar for cb in given):
+            trainer.callbacks[trainer.callbacks.index(bar)] = EpochBar()
+        return trainer
 
 
 def classes_epilog() -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_efficient.commands.options import command_parser, config_workload, fail
+from lightning_efficient.core.report import print_table
 from lightning_efficient.measure.estimate import EstimateError, estimate_memory
 from lightning_efficient.measure.per_rank import SHARDINGS, world_size_of
 from lightning_efficient.measure.settings import estimate_settings
@@ -100,9 +101,7 @@ def estimate_command(argv: Sequence[str]) -> int:
     if args.markdown:
         print(f"{title}, on {est.target}\n\n{est.to_markdown()}")
     else:
-        from rich.console import Console
-
-        Console().print(est.table(title=title))
+        print_table(est.table(title=title))
     return 0
 
 

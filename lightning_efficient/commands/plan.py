@@ -9,9 +9,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
-
 from lightning_efficient.commands.options import command_parser, config_workload, fail
+from lightning_efficient.core.report import print_table
 from lightning_efficient.core.validate import check_int, format_bytes, parse_bytes
 from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.measure.targets import is_local_gpu, resolve_target
@@ -83,7 +82,7 @@ def plan_command(argv: Sequence[str]) -> int:
         return fail(
             f"the model cannot be estimated, so no stack can be planned: {result.not_estimable}"
         )
-    Console().print(result.table())
+    print_table(result.table())
     if result.chosen is None:
         return fail(
             f"no stack fits {format_bytes(budget)}: lower the batch size or sequence length, or "

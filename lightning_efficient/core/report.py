@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lightning_efficient.core.per_trainer import PerTrainer
 from lightning_efficient.core.ranks import (
@@ -29,7 +29,7 @@ from lightning_efficient.core.ranks import (
 )
 from lightning_efficient.core.validate import format_bytes
 
-__all__ = ["ReportEntry", "EfficiencyReport", "report_for", "format_figure"]
+__all__ = ["ReportEntry", "EfficiencyReport", "report_for", "format_figure", "print_table"]
 
 
 @dataclass
@@ -219,14 +219,12 @@ class EfficiencyReport:
         table = Table(title=title, show_lines=False)
         for col in ("Technique", "What changed", "Figures"):
             table.add_column(col, overflow="fold")
-        for row in self._rows():
-            table.add_row(*row)
+        for e in self._entries.values():  # one figure a line: a line break never splits one
+            table.add_row(e.technique, e.change, "\n".join(e.text(k) for k in e.names()))
         return table
 
     def print(self) -> None:
-        from rich.console import Console
-
-        Console().print(self.to_rich())
+        print_table(self.to_rich())
 
     def to_png(self, path: str | Path, figure: str | None = None) -> Path:
         """Bar chart of the numeric figures (one bar per technique and figure) saved to ``path``.
@@ -294,6 +292,22 @@ class EfficiencyReport:
         if logger is not None and metrics:
             logger.log_metrics(metrics, step=getattr(trainer, "global_step", 0))
         return True
+
+
+def print_table(table: Any, file: IO[str] | None = None) -> None:
+    """Print a rich ``table`` to ``file`` (default: standard output). On a terminal it wraps to the
+    terminal's width between words; to a file or a pipe, which has no width to honour (rich would
+    assume 80 columns and fold a number such as "1.95 MiB" into "1" and ".95 MiB"), every row
+    stays on one line."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(file=file)
+    if not console.is_terminal:
+        natural = Measurement.get(console, console.options.update_width(10**6), table).maximum
+        if natural > console.width:
+            console = Console(file=file, width=natural)
+    console.print(table)
 
 
 _REPORTS: PerTrainer[EfficiencyReport] = PerTrainer(EfficiencyReport)

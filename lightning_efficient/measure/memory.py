@@ -235,11 +235,9 @@ class MemoryBreakdown(Technique):
         elif trainer.is_global_zero:
             step = max(self.measurements)
             if self.print_table:
-                from rich.console import Console
+                from lightning_efficient.core.report import print_table
 
-                Console().print(
-                    self.measurements[step].table(title=f"MemoryBreakdown: step {step}")
-                )
+                print_table(self.measurements[step].table(title=f"MemoryBreakdown: step {step}"))
             if self.plot:
                 plot_measurement(self.measurements[step], step, self.plot)
         super().on_fit_end(trainer, pl_module)

@@ -262,9 +262,9 @@ class StepProfiler(Technique):
         super().on_fit_end(trainer, pl_module)  # the efficiency report first, then the verdict
         if summary is not None and trainer.is_global_zero:
             if self.print_table:
-                from rich.console import Console
+                from lightning_efficient.core.report import print_table
 
-                Console().print(profile_table(summary))
+                print_table(profile_table(summary))
             if self.plot:
                 profile_png(summary, self.plot)
 

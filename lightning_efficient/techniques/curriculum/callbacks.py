@@ -18,7 +18,7 @@ from lightning_efficient.techniques.curriculum.difficulty import (
 )
 from lightning_efficient.techniques.curriculum.sampler import (
     CurriculumSampler,
-    own_sampler,
+    why_not_replaced,
     with_sampler,
 )
 from lightning_efficient.techniques.curriculum.schedule import (
@@ -145,14 +145,9 @@ class Curriculum(Technique):
                 f"train_dataloader() returned a {type(loader).__name__}, not a DataLoader."
             )
             return loader
-        own = own_sampler(loader)
-        if own is not None:  # replaced, its weights or order would be lost without a word
-            raise ValueError(
-                f"{self.name}: the train DataLoader draws its samples with its own {own}; the "
-                "curriculum decides the order itself and would drop it. Remove the sampler from "
-                "the DataLoader (shuffle=True or False) to use Curriculum, or order the samples "
-                "yourself (CurriculumSampler, lightning_efficient.functional)."
-            )
+        refusal = why_not_replaced(loader)
+        if refusal is not None:  # replaced, its weights or order would be lost without a word
+            raise ValueError(f"{self.name}: {refusal}")
         try:
             scores = difficulty_scores(loader.dataset, self.difficulty)
         except ValueError as err:

@@ -12,6 +12,7 @@ uniformly into what is left of the current walk. Everything is a pure function o
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -37,7 +38,15 @@ from lightning_efficient.techniques.curriculum.schedule import (
     pool_size,
 )
 
-__all__ = ["CurriculumSampler", "apply_sampler", "own_sampler", "pool_walk", "with_sampler"]
+__all__ = [
+    "CurriculumSampler",
+    "apply_sampler",
+    "check_indexable",
+    "own_sampler",
+    "pool_walk",
+    "why_not_replaced",
+    "with_sampler",
+]
 
 
 def pool_walk(
@@ -238,16 +247,44 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def check_indexable(loader: DataLoader) -> int:
+    """The number of samples of ``loader``'s dataset, which a sampler orders by index.
+
+    Raises:
+        ValueError: the dataset is iterable-style, or map-style without ``__len__`` (no indices
+            to order).
+    """
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"the train DataLoader's dataset is an iterable-style dataset "
+            f"({type(dataset).__name__}): it has no indices for a sampler to order; a curriculum "
+            "needs a map-style Dataset (`__getitem__` and `__len__`)."
+        )
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ValueError(
+            f"the train DataLoader's dataset ({type(dataset).__name__}) has no `__len__`: a "
+            "curriculum orders a known number of samples; give the Dataset a `__len__`."
+        ) from None
+
+
 def own_sampler(loader: DataLoader) -> str | None:
     """Why the loader's sampler cannot be replaced by a curriculum without loss, or ``None``.
 
     Replaced without loss: ``shuffle=True``/``False`` (``SequentialSampler``, ``RandomSampler``
     over the whole dataset without replacement), a ``DistributedSampler`` (the curriculum shards
     the same way) and any sampler whose epoch is a permutation of the dataset (a shuffle of its
-    own; checked by drawing one epoch of indices). Refused, with what would be lost: a
-    ``WeightedRandomSampler`` (its weights), and any sampler that draws a subset or repeats.
+    own; checked by drawing one epoch of indices, never more than one index past the dataset's
+    size, so an endless sampler is refused, not drawn for ever). Refused, with what would be
+    lost: a ``WeightedRandomSampler`` (its weights), and any sampler that draws a subset, repeats
+    or does not end.
+
+    Raises:
+        ValueError: the dataset has no indices to order (:func:`check_indexable`).
     """
-    sampler, n = loader.sampler, len(loader.dataset)
+    sampler, n = loader.sampler, check_indexable(loader)
     kind = type(sampler)
     if kind in (SequentialSampler, DistributedSampler):
         return None
@@ -255,10 +292,16 @@ def own_sampler(loader: DataLoader) -> str | None:
         return f"{kind.__name__} (its weights would be lost)"
     if kind is RandomSampler and not sampler.replacement and sampler.num_samples == n:
         return None
-    try:
-        indices = torch.as_tensor(list(iter(sampler)), dtype=torch.long).flatten()
+    try:  # at most one index more than a permutation holds: an endless sampler stops there
+        drawn_list = list(itertools.islice(iter(sampler), n + 1))
+        indices = torch.as_tensor(drawn_list, dtype=torch.long).flatten()
     except (TypeError, ValueError, RuntimeError):
         return f"{kind.__name__} (it yields something other than sample indices)"
+    if len(drawn_list) > n:
+        return (
+            f"{kind.__name__} (an epoch draws more than the dataset's {n} samples, or never "
+            "ends: which samples and how often would be lost)"
+        )
     inside = len(indices) == 0 or (int(indices.min()) >= 0 and int(indices.max()) < n)
     if len(indices) == n and inside and torch.bincount(indices, minlength=n).eq(1).all():
         return None  # one epoch is a permutation: a shuffle the curriculum replaces
@@ -266,6 +309,23 @@ def own_sampler(loader: DataLoader) -> str | None:
     return (
         f"{kind.__name__} (an epoch draws {len(indices)} indices, {drawn} distinct, from "
         f"{n} samples: which samples and how often would be lost)"
+    )
+
+
+def why_not_replaced(loader: DataLoader) -> str | None:
+    """Why a curriculum may not replace ``loader``'s sampler (the dataset has no indices, or the
+    sampler decides something the curriculum would drop: :func:`own_sampler`), or ``None``."""
+    try:
+        own = own_sampler(loader)
+    except ValueError as err:
+        return str(err)
+    if own is None:
+        return None
+    return (
+        f"the train DataLoader draws its samples with its own {own}; the curriculum decides the "
+        "order itself and would drop it. Remove the sampler from the DataLoader (shuffle=True "
+        "or False) to use Curriculum, or order the samples yourself (CurriculumSampler, "
+        "lightning_efficient.functional)."
     )
 
 
@@ -280,7 +340,7 @@ def with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
     if not isinstance(loader, DataLoader):
         raise TypeError(f"`loader` must be a torch DataLoader; got {type(loader).__name__}.")
     if isinstance(loader.dataset, IterableDataset):
-        raise ValueError("an iterable-style dataset has no indices for a sampler to order.")
+        check_indexable(loader)  # raises, saying what is allowed
     if loader.batch_size is None:
         raise ValueError(
             "the DataLoader uses its own batch_sampler (or batch_size=None); a sampler can only "

@@ -574,6 +574,87 @@ def early_stopping() -> Any:
     return fig
 
 
+def packing() -> Any:
+    """Packed rows against padded batches: tokens/s, fill, and the loss over the same tokens."""
+    data = _load("packing")
+    runs = data["runs"]
+    names = list(runs)
+    labels = [
+        {
+            "padded": f"padded batches of {data['rows_per_batch']}",
+            "packed": f"packed rows, {data['rows_per_batch']} a batch",
+            "padded, same steps": f"padded batches of {data['same_steps_batch']} (as many steps)",
+        }.get(n, n)
+        for n in names
+    ]
+    colours = {"packed": "#55a868"}
+    fig, axes = _figure(7.0, 3.4, ncols=3)
+    ax = axes[0][0]
+    _bars(
+        ax, labels, [runs[n]["tokens_per_s"] for n in names], "tokens/s, wall (measured)", "{:.0f}"
+    )
+    for patch, n in zip(ax.patches, names):
+        patch.set_color(colours.get(n, "#8c8c8c"))
+    ax.set_title(
+        textwrap.fill(
+            f"{data['documents']} documents (median {data['median_length']} tokens, longest "
+            f"{data['longest']}), at most {data['rows_per_batch']} x {data['row_length']} slots "
+            f"a step: packed / padded {data['ratio_tokens_per_s']:.2f}x tokens/s",
+            55,
+        ),
+        fontsize=8,
+    )
+    ax = axes[0][1]
+    _bars(
+        ax, labels, [runs[n]["fill"] * 100 for n in names], "% of slots that are tokens", "{:.1f}%"
+    )
+    for patch, n in zip(ax.patches, names):
+        patch.set_color(colours.get(n, "#8c8c8c"))
+    ax.set_xlim(0, 115)
+    ax.set_title("Fill", fontsize=8)
+    ax = axes[0][2]
+    for label, n in zip(labels, names):
+        run = runs[n]
+        if run.get("losses") and run.get("tokens_seen"):
+            ax.plot(
+                [t / 1e3 for t in run["tokens_seen"]],
+                run["losses"],
+                label=f"{label}, held-out {run['held_out_loss']:.3f}",
+                color=colours.get(n),
+                linewidth=1.6 if n in colours else 0.9,
+            )
+    ax.set_xlabel("thousand real tokens seen (one epoch)")
+    ax.set_ylabel("training loss (measured)")
+    ax.legend(fontsize=6.5, frameon=False)
+    ax.set_title("Loss over the same tokens", fontsize=8)
+    _footer(fig, f"measured on a {CPU}, a Llama of 557,696 parameters, fp32", "packing.json")
+    return fig
+
+
+def finetune() -> Any:
+    """Llama-3-8B shape with LoRA: memory by category, plain LoRA against the QLoRA stack."""
+    rows = _load("finetune")["llama3_8b_lora"]
+    target = _load("finetune")["target"]
+    fig, axes = _figure(7.5, 3.0)
+    ax = axes[0][0]
+    cats = [c for c in COLOURS if any(r["by_category"].get(c) for r in rows)]
+    parts = {c: [r["by_category"].get(c, 0) for r in rows] for c in cats}
+    labels = [textwrap.fill(r["stack"], 34) for r in rows]
+    _stacked(ax, labels, parts, GIB, "peak GiB (estimated)")
+    for i, r in enumerate(rows):
+        ax.text(
+            r["peak_bytes"] / GIB, i, f" {r['peak_bytes'] / GIB:.2f} GiB", va="center", fontsize=7
+        )
+    ax.set_xlim(0, max(r["peak_bytes"] for r in rows) / GIB * 1.2)
+    ax.set_title(
+        "Llama-3-8B shape, LoRA r=16, seq 2048, micro-batch 1, bf16-mixed:\n"
+        "estimated for a CUDA target, not measured on a GPU",
+        fontsize=8,
+    )
+    _footer(fig, f"estimated on a CPU with fake tensors for {target}", "finetune.json")
+    return fig
+
+
 @dataclass(frozen=True)
 class Chart:
     """One picture: its file under ``docs/img``, the page(s) that link it, how it is drawn."""
@@ -611,6 +692,8 @@ CHARTS = [
     Chart("dataloading_workers", ("docs/dataloading.md",), loader),
     Chart("curriculum_curves", ("docs/curriculum.md",), curriculum),
     Chart("early_stopping_runs", ("docs/early_stopping.md",), early_stopping),
+    Chart("packing_fill_speed", ("docs/packing.md",), packing),
+    Chart("finetune_memory", ("docs/finetuning.md", "docs/quantize.md"), finetune),
 ]
 
 

@@ -33,6 +33,7 @@ TUTORIALS = {
     "04_fewer_steps": "early stopping, divergence guard, sequence-length warmup, curriculum",
     "05_cli_and_scale_out": "one yaml from the command line, on one device and under DDP",
     "06_packing": "padded against packed fill on Python's own text; a packed Llama fit",
+    "07_finetuning": "LoRA vs QLoRA (4-bit frozen weights) on a tiny Llama; the estimate with and without the key/value cache",
 }
 
 

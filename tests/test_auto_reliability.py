@@ -13,8 +13,8 @@ from _auto_families import FAMILIES, FamilyData, family
 from helpers import TINY_MODEL, SaveAt, fit, params_of
 
 from lightning_efficient import AutoEfficient
-from lightning_efficient.techniques.auto import fit as auto_fit
-from lightning_efficient.techniques.auto.decide import Decision
+from lightning_efficient.planning import fit as auto_fit
+from lightning_efficient.planning.decision import Decision
 
 E = 16
 
@@ -274,7 +274,7 @@ def _state(**changes: Any) -> dict[str, Any]:
     ],
 )  # fmt: skip
 def test_checkpoint_decision_validated(changes: dict[str, Any], match: str) -> None:
-    from lightning_efficient.techniques.auto.decide import DecisionStateError, decision_from_state
+    from lightning_efficient.planning.decision import DecisionStateError, decision_from_state
 
     with pytest.raises(DecisionStateError, match=match):
         decision_from_state(_state(**changes), 1)
@@ -369,7 +369,7 @@ def test_nothing_fits_says_when_the_weights_alone_exceed_the_budget() -> None:
     from types import SimpleNamespace
 
     from lightning_efficient.planner import Rung
-    from lightning_efficient.techniques.auto import decide
+    from lightning_efficient.planning import decide
 
     def measure(rung: Rung, n: int) -> tuple[bool, float, Any]:
         return False, 3000.0 + n, SimpleNamespace(by_category={"parameters": 2000})

@@ -26,32 +26,15 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.estimate import (
-    PRECISIONS,
-    EstimateError,
-    MemoryEstimate,
-    estimate_memory,
-)
+from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, MemoryEstimate
 from lightning_efficient.measure.per_rank import SHARDINGS
-from lightning_efficient.measure.settings import configured_optimizer_class, strategy_sharding
+from lightning_efficient.measure.settings import configured_optimizer, configured_optimizer_class
 from lightning_efficient.measure.targets import resolve_target
-from lightning_efficient.measure.trial import stack_trial
-from lightning_efficient.techniques._ladder import (  # noqa: F401  (re-exported: the ladder's home)
-    ADAMW8BIT,
-    ADAMW8BIT_IN_BACKWARD,
-    CHECKPOINT_ALL,
-    CHUNKED_LOSS,
-    FSDP_FULL,
-    FSDP_GRAD_OP,
-    ZERO2_OFFLOAD,
-    ZERO3_OFFLOAD,
-    Part,
-    Rung,
-    checkpoint_fewest,
-    default_ladder,
-)
+from lightning_efficient.planning.ladder import Rung, default_ladder
+from lightning_efficient.planning.search import estimate_rung, rung_sharding, try_rung
+from lightning_efficient.techniques.chunked_loss import worth_chunking
 
-__all__ = ["Part", "Rung", "PlanResult", "default_ladder", "plan_stack"]
+__all__ = ["PlanResult", "plan_stack"]
 
 
 @dataclass
@@ -161,19 +144,12 @@ class PlanResult:
         ``devices``/``num_nodes`` (when given) are written too."""
         if self.chosen is None:
             return ""
-        import yaml
-
-        callbacks, strategy = self.chosen.specs()
-        trainer: dict[str, Any] = {"precision": self.chosen.precision}
+        stack = self.chosen.stack()
         if devices is not None:
-            trainer["devices"] = check_int("devices", devices, minimum=1)
+            stack.trainer["devices"] = check_int("devices", devices, minimum=1)
         if num_nodes is not None:
-            trainer["num_nodes"] = check_int("num_nodes", num_nodes, minimum=1)
-        if callbacks:
-            trainer["callbacks"] = callbacks
-        if strategy is not None:
-            trainer["strategy"] = strategy
-        return yaml.safe_dump({"trainer": trainer}, sort_keys=False)
+            stack.trainer["num_nodes"] = check_int("num_nodes", num_nodes, minimum=1)
+        return stack.to_yaml()
 
 
 def plan_stack(
@@ -207,8 +183,6 @@ def plan_stack(
     sharding (its ``estimate_sharding``), a rung without one with ``sharding``. The default
     ladder offers ``ChunkedCrossEntropy`` where the model's logits are wide (``worth_chunking``).
     """
-    from lightning_efficient.techniques.chunked_loss import worth_chunking
-
     budget_bytes = parse_bytes("budget", budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
@@ -234,28 +208,26 @@ def plan_stack(
     result = PlanResult(budget_bytes, world_size=world_size, target=target.label)
     trial = confirm if callable(confirm) else None
     if confirm is True:
-        on_device = stack_trial(model, batch, budget_bytes, device=target, optimizer=optimizer)
+        own = optimizer if optimizer is not None else configured_optimizer(model)[0] or "adamw"
 
         def trial(rung: Rung) -> Any:
-            return on_device(rung.build()[0], rung.precision)
+            return try_rung(model, batch, rung, budget_bytes, device=target, optimizer=own)
 
     for rung in rungs:
-        callbacks, strategy = rung.build()
-        techniques = [*callbacks, *([strategy] if strategy is not None else [])]
-        rung_sharding = _rung_sharding(rung, strategy, sharding, world_size)
-        result.shardings[id(rung)] = rung_sharding
+        result.shardings[id(rung)] = rung_sharding(
+            rung, rung.build()[1], sharding, world_size
+        )
         try:
-            est = estimate_memory(
+            est = estimate_rung(
                 model,
                 batch,
+                rung,
                 optimizer=optimizer,
-                precision=rung.precision,
-                callbacks=techniques,
                 accumulate_grad_batches=accumulate_grad_batches,
                 cuda_rounding=cuda_rounding,
                 device=target,
                 loss_fn=loss_fn,
-                **({"world_size": world_size, "sharding": rung_sharding} if world_size > 1 else {}),
+                **({"world_size": world_size, "sharding": sharding} if world_size > 1 else {}),
             )
         except EstimateError as err:  # a rung the fake-tensor estimate cannot run
             result.tried.append((rung, None, f"not estimated: {_first_line(err)}"))
@@ -277,17 +249,6 @@ def plan_stack(
             if not try_all:
                 break
     return result
-
-
-def _rung_sharding(
-    rung: Rung, strategy: Any, configured: str | None, world_size: int
-) -> str | None:
-    """The sharding a rung is estimated with: its strategy's, else the rung's, else the
-    configured one (``"ddp"`` on several ranks); ``None`` on one rank."""
-    if world_size == 1:
-        return None
-    own = strategy_sharding(strategy) if strategy is not None else None
-    return own or rung.sharding or configured or "ddp"
 
 
 def _first_line(err: BaseException, limit: int = 100) -> str:

@@ -10,7 +10,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
-    SettingsError,
     check_bool,
     check_choice,
     check_int,

@@ -39,8 +39,8 @@ from lightning_efficient.techniques.batch_size.choice import (
     set_batch_size,
     worst_case_sampler,
 )
-from lightning_efficient.techniques.chunked_loss import worth_chunking
 from lightning_efficient.techniques.batch_size.sizing import epoch_end_step
+from lightning_efficient.techniques.chunked_loss import worth_chunking
 
 __all__ = [
     "add_callbacks",

@@ -15,6 +15,7 @@ table and the yaml to add to the config.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from lightning_efficient.measure.per_rank import SHARDINGS
 from lightning_efficient.measure.settings import configured_optimizer, configured_optimizer_class
 from lightning_efficient.measure.targets import resolve_target
 from lightning_efficient.planning.ladder import Rung, default_ladder
-from lightning_efficient.planning.search import estimate_rung, rung_sharding, try_rung
+from lightning_efficient.planning.search import decide, estimate_rung, rung_sharding, try_rung
 from lightning_efficient.techniques.chunked_loss import worth_chunking
 
 __all__ = ["PlanResult", "plan_stack"]
@@ -213,10 +214,12 @@ def plan_stack(
         def trial(rung: Rung) -> Any:
             return try_rung(model, batch, rung, budget_bytes, device=target, optimizer=own)
 
-    for rung in rungs:
-        result.shardings[id(rung)] = rung_sharding(
-            rung, rung.build()[1], sharding, world_size
-        )
+    #: each rung's estimate, what stops it ("" when it fits) and the estimate's own error
+    outcomes: dict[int, tuple[MemoryEstimate | None, str, EstimateError | None]] = {}
+
+    def outcome(rung: Rung) -> tuple[MemoryEstimate | None, str, EstimateError | None]:
+        if id(rung) in outcomes:
+            return outcomes[id(rung)]
         try:
             est = estimate_rung(
                 model,
@@ -230,25 +233,49 @@ def plan_stack(
                 **({"world_size": world_size, "sharding": sharding} if world_size > 1 else {}),
             )
         except EstimateError as err:  # a rung the fake-tensor estimate cannot run
-            result.tried.append((rung, None, f"not estimated: {_first_line(err)}"))
-            result.errors.append(err)
-            continue
+            outcomes[id(rung)] = (None, f"not estimated: {_first_line(err)}", err)
         except ValueError as err:  # e.g. a checkpointing budget no block count reaches
-            result.tried.append((rung, None, f"does not fit: {_first_line(err)}"))
-            continue
-        fits = est.fits(budget_bytes)
-        problem = "" if fits else "over budget"
-        if fits and trial is not None and result.chosen is None and rung.strategy is None:
-            outcome = trial(rung)
-            result.trials.append((rung, outcome))
-            if not outcome.ok:
-                fits, problem = False, "fits by the estimate; real steps: out of memory"
+            outcomes[id(rung)] = (None, f"does not fit: {_first_line(err)}", None)
+        else:
+            outcomes[id(rung)] = (est, "" if est.fits(budget_bytes) else "over budget", None)
+        return outcomes[id(rung)]
+
+    def measure(rung: Rung, _micro: int) -> tuple[bool, float, Any]:
+        est, problem, _ = outcome(rung)
+        fits = est is not None and not problem
+        return fits, float(est.required_bytes) if est is not None else math.inf, est
+
+    def on_device(rung: Rung, _micro: int) -> Any:
+        if trial is None or rung.strategy is not None:  # a strategy runs only inside a fit
+            return None
+        tried = trial(rung)
+        result.trials.append((rung, tried))
+        if not tried.ok:
+            est = outcomes[id(rung)][0]
+            outcomes[id(rung)] = (est, "fits by the estimate; real steps: out of memory", None)
+        return tried
+
+    # the one search at one size (the batch given): the cheapest rung that fits and runs
+    try:
+        chosen: Rung | None = decide(
+            rungs, measure, budget_bytes, 1, goal="memory", trial=on_device, estimated_as=_itself
+        ).rung
+    except ValueError:  # no rung fits (each one's reason is in the table)
+        chosen = None
+    shown = rungs if chosen is None or try_all else rungs[: rungs.index(chosen) + 1]
+    for rung in shown:
+        est, problem, err = outcome(rung)
+        result.shardings[id(rung)] = rung_sharding(rung, rung.build()[1], sharding, world_size)
         result.tried.append((rung, est, problem))
-        if fits and result.chosen is None:
-            result.chosen = rung
-            if not try_all:
-                break
+        if err is not None:
+            result.errors.append(err)
+    result.chosen = chosen
     return result
+
+
+def _itself(rung: Rung) -> Rung:
+    """At one size each rung is estimated as itself (its real peak for the table)."""
+    return rung
 
 
 def _first_line(err: BaseException, limit: int = 100) -> str:

@@ -165,13 +165,16 @@ def decide(
     unusable: Callable[[Rung], str] | None = None,
     trial: Trial | None = None,
     target: str = "",
+    estimated_as: Callable[[Rung], Rung] = measured_as,
 ) -> Decision:
     """The stack and micro-batch to train with (see the module's docstring for the rule).
 
     ``effective``: one rank's effective batch (micro-batch x accumulation); the micro-batch is
     one of its exact divisors. ``unusable(rung)``: why a rung cannot be applied here ("" when it
     can), recorded in ``tried``. ``trial(rung, micro)``: real steps confirming an option (None:
-    none); on out-of-memory the next size down is tried, then the next option. Raises
+    none); on out-of-memory the next size down is tried, then the next option.
+    ``estimated_as(rung)``: the rung whose estimate stands for ``rung``'s (:func:`measured_as`;
+    at one size, ``plan_stack`` estimates each rung as itself). Raises
     ``ValueError`` when no usable rung fits even a micro-batch of 1 (or none ran).
     """
     start = time.perf_counter()
@@ -183,7 +186,7 @@ def decide(
 
     def estimate(rung: Rung, n: int) -> tuple[bool, float, Any]:
         nonlocal count
-        stand_in = measured_as(rung)
+        stand_in = estimated_as(rung)
         key = repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n))
         if key not in cache:
             count += 1

@@ -7,7 +7,9 @@ no GPU, no allocation). The first stack that fits is the plan; the table shows e
 
 On several ranks (``world_size > 1``) every rung is one rank's peak (``batch`` is one rank's
 batch), and the ladder shards the state across the ranks (FSDP SHARD_GRAD_OP, then FULL_SHARD,
-then with checkpointing) before it offloads to the host; see :func:`default_ladder`.
+then with checkpointing) before it offloads to the host; see :func:`default_ladder`. The walk is
+the one search of :mod:`lightning_efficient.planning.search` (AutoEfficient's and ``fit --auto``'s)
+at one size.
 
 The command ``lightning-efficient plan`` (:mod:`lightning_efficient.commands.plan`) prints the
 table and the yaml to add to the config.
@@ -173,7 +175,9 @@ def plan_stack(
     confirm: bool | Callable[[Rung], Any] = False,
 ) -> PlanResult:
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
-    fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
+    fits ``budget`` (bytes or a string like ``"24GiB"``): the one search
+    (:func:`~lightning_efficient.planning.search.decide`, ``goal="memory"``) at one size, the
+    batch given, each rung estimated as itself. With ``try_all`` every rung is
     estimated (for the table); otherwise the walk stops at the first fit. ``model``, ``batch``,
     ``optimizer`` and ``loss_fn`` are as for :func:`estimate_memory` (``optimizer=None``: the
     model's ``configure_optimizers``); ``configured`` as for :func:`default_ladder`.

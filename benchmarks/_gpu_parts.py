@@ -781,7 +781,7 @@ def part_estimate(ctx: Ctx, rec: Recorder) -> None:
 def _usable_ladder(ctx: Ctx, rec: Recorder, model: Any) -> list[Any]:
     """The planner's default ladder for ``model``, without the rungs whose techniques cannot be
     built here."""
-    from lightning_efficient.planner import default_ladder
+    from lightning_efficient.planning import default_ladder
     from lightning_efficient.techniques.chunked_loss import worth_chunking
 
     rungs = []
@@ -918,7 +918,7 @@ class BatchProbes:
 
 
 def part_batch(ctx: Ctx, rec: Recorder) -> None:
-    from lightning_efficient.planner import plan_stack
+    from lightning_efficient.planning import plan_stack
 
     p = ctx.profile
     kind, dims = "hf_gpt2", gpt2_dims(ctx)

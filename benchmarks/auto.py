@@ -33,12 +33,12 @@ from planner import gpt2, lm_loss  # noqa: E402  (the planner benchmark's GPT-2 
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
 from lightning_efficient.measure.targets import resolve_target  # noqa: E402
-from lightning_efficient.techniques.auto.decide import decide  # noqa: E402
-from lightning_efficient.techniques.auto.fit import (  # noqa: E402
+from lightning_efficient.planning.fit import (  # noqa: E402
     estimate_measure,
     ladder_for,
     own_accumulation,
 )
+from lightning_efficient.planning.search import decide  # noqa: E402
 
 
 def decision_row(model, seq: int, budget: str, effective: int, goal: str, target) -> dict:

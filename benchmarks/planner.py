@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
-from lightning_efficient.planner import plan_stack  # noqa: E402
+from lightning_efficient.planning import plan_stack  # noqa: E402
 
 
 def _bytes_cells(row: dict) -> tuple[str, str, str]:

@@ -1,42 +1,9 @@
-"""Pick the cheapest stack of techniques whose estimated peak fits a memory budget.
+"""Deprecated path: the planner lives in :mod:`lightning_efficient.planning` (this module
+re-exports its public names: ``plan_stack``, ``PlanResult``, ``default_ladder``, ``Rung``,
+``Part`` and the ladder's parts)."""
 
-The planner walks a ladder of stacks ordered by what they cost in speed (precision first, then
-the chunked loss where the logits are wide, 8-bit optimizer states, the fewest checkpointed
-blocks, then all blocks, then ZeRO offload to host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
-no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried.
-
-On several ranks (``world_size > 1``) every rung is one rank's peak (``batch`` is one rank's
-batch), and the ladder shards the state across the ranks (FSDP SHARD_GRAD_OP, then FULL_SHARD,
-then with checkpointing) before it offloads to the host; see :func:`default_ladder`.
-
-The command ``lightning-efficient plan`` (:mod:`lightning_efficient.commands.plan`) prints the
-table and the yaml to add to the config.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-from lightning_efficient.core.validate import (
-    check_bool,
-    check_choice,
-    check_int,
-    format_bytes,
-    parse_bytes,
-)
-from lightning_efficient.measure.estimate import (
-    PRECISIONS,
-    EstimateError,
-    MemoryEstimate,
-    estimate_memory,
-)
-from lightning_efficient.measure.per_rank import SHARDINGS
-from lightning_efficient.measure.settings import configured_optimizer_class, strategy_sharding
-from lightning_efficient.measure.targets import resolve_target
-from lightning_efficient.measure.trial import stack_trial
-from lightning_efficient.techniques._ladder import (  # noqa: F401  (re-exported: the ladder's home)
+from lightning_efficient.planning import (
+    ADAM8BIT,
     ADAMW8BIT,
     ADAMW8BIT_IN_BACKWARD,
     CHECKPOINT_ALL,
@@ -46,250 +13,27 @@ from lightning_efficient.techniques._ladder import (  # noqa: F401  (re-exported
     ZERO2_OFFLOAD,
     ZERO3_OFFLOAD,
     Part,
+    PlanResult,
     Rung,
     checkpoint_fewest,
     default_ladder,
+    plan_stack,
 )
 
-__all__ = ["Part", "Rung", "PlanResult", "default_ladder", "plan_stack"]
-
-
-@dataclass
-class PlanResult:
-    """What the planner tried and what it picked (``chosen`` is None when nothing fits)."""
-
-    budget_bytes: int
-    tried: list[tuple[Rung, MemoryEstimate | None, str]] = field(default_factory=list)
-    chosen: Rung | None = None
-    errors: list[EstimateError] = field(default_factory=list)
-    world_size: int = 1
-    #: the sharding each tried rung was estimated with (by ``id`` of the rung)
-    shardings: dict[int, str | None] = field(default_factory=dict)
-    #: the device the estimates model (``DeviceTarget.label``)
-    target: str = ""
-    #: real steps that confirmed (or refused) rungs on the device (``plan_stack(confirm=)``)
-    trials: list[tuple[Rung, Any]] = field(default_factory=list)
-
-    @property
-    def not_estimable(self) -> EstimateError | None:
-        """The estimate's own error when no rung could be estimated at all (the model, not the
-        budget, is the problem)."""
-        if self.tried and len(self.errors) == len(self.tried):
-            return self.errors[0]
-        return None
-
-    def estimate_of(self, rung: Rung) -> MemoryEstimate | None:
-        """The estimate of a tried ``rung`` (``None``: not estimated or not tried)."""
-        return next((est for r, est, _ in self.tried if r is rung), None)
-
-    @property
-    def _reserved(self) -> bool:
-        return any(est is not None and est.reserved_bytes for _, est, _ in self.tried)
-
-    def fragmentation_advice(self, threshold: float = 0.05) -> str:
-        """``MemoryEstimate.fragmentation_advice`` of the pick (empty without one)."""
-        est = self.estimate_of(self.chosen) if self.chosen is not None else None
-        return est.fragmentation_advice(threshold) if est is not None else ""
-
-    def trial_of(self, rung: Rung) -> Any:
-        """The real steps of ``rung`` on the device (a ``TrialResult``), if it was tried."""
-        return next((t for r, t in self.trials if r is rung), None)
-
-    def columns(self) -> tuple[str, ...]:
-        per = " per rank" if self.world_size > 1 else ""
-        cols = ["Stack", f"Device peak{per}", f"Host memory{per}", "Verdict", "Costs"]
-        if self.trials:
-            cols.insert(-2, "Real steps")
-        if self._reserved:  # what the caching allocator reserves: what the budget must hold
-            cols.insert(2, f"Reserved{per}")
-        if self.world_size > 1:
-            cols.insert(1, "Sharding")
-        return tuple(cols)
-
-    def rows(self) -> list[tuple[str, ...]]:
-        out = []
-        for rung, est, problem in self.tried:
-            peak = format_bytes(est.peak_bytes) if est else "-"
-            host = format_bytes(est.host_bytes) if est and est.host_bytes else "-"
-            verdict = "fits" if est and not problem else (problem or "over budget")
-            mark = "<- plan" if rung is self.chosen else ""
-            cells = [rung.name, peak, host, f"{verdict} {mark}".strip(), rung.cost]
-            if self.trials:
-                trial = self.trial_of(rung)
-                cells.insert(-2, trial.describe() if trial is not None else "-")
-            if self._reserved:
-                cells.insert(2, format_bytes(est.reserved_bytes) if est else "-")
-            if self.world_size > 1:
-                sharding = self.shardings.get(id(rung)) or "ddp"
-                cells.insert(1, f"{sharding} x {self.world_size}")
-            out.append(tuple(cells))
-        return out
-
-    def title(self) -> str:
-        ranks = f", one rank of {self.world_size}" if self.world_size > 1 else ""
-        on = f", on {self.target}" if self.target else ""
-        return f"Plan for a budget of {format_bytes(self.budget_bytes)}{ranks}{on}"
-
-    def to_markdown(self) -> str:
-        columns = self.columns()
-        align = [
-            "---" if c in ("Stack", "Sharding", "Verdict", "Costs") else "---:" for c in columns
-        ]
-        lines = [
-            f"Budget: {format_bytes(self.budget_bytes)}"
-            + (f" per rank, {self.world_size} ranks" if self.world_size > 1 else "")
-            + (f"; target: {self.target}" if self.target else ""),
-            "",
-            f"| {' | '.join(columns)} |",
-            f"|{'|'.join(align)}|",
-        ]
-        lines += [f"| {' | '.join(r)} |" for r in self.rows()]
-        return "\n".join(lines)
-
-    def table(self):  # -> rich.table.Table
-        from rich.table import Table
-
-        table = Table(title=self.title())
-        for col in self.columns():
-            table.add_column(col, overflow="fold")
-        for row in self.rows():
-            table.add_row(*row)
-        return table
-
-    def to_yaml(self, *, devices: int | None = None, num_nodes: int | None = None) -> str:
-        """The ``trainer:`` section to add to a LightningCLI config for the chosen stack;
-        ``devices``/``num_nodes`` (when given) are written too."""
-        if self.chosen is None:
-            return ""
-        import yaml
-
-        callbacks, strategy = self.chosen.specs()
-        trainer: dict[str, Any] = {"precision": self.chosen.precision}
-        if devices is not None:
-            trainer["devices"] = check_int("devices", devices, minimum=1)
-        if num_nodes is not None:
-            trainer["num_nodes"] = check_int("num_nodes", num_nodes, minimum=1)
-        if callbacks:
-            trainer["callbacks"] = callbacks
-        if strategy is not None:
-            trainer["strategy"] = strategy
-        return yaml.safe_dump({"trainer": trainer}, sort_keys=False)
-
-
-def plan_stack(
-    model: Any,
-    batch: Any,
-    budget: int | str,
-    *,
-    precision: str = "32-true",
-    bf16: bool = True,
-    optimizer: Any = None,
-    accumulate_grad_batches: int = 1,
-    configured: Sequence[Any] = (),
-    ladder: Sequence[Rung] | None = None,
-    try_all: bool = False,
-    cuda_rounding: bool | None = None,
-    loss_fn: Callable[[Any, Any], Any] | None = None,
-    world_size: int = 1,
-    sharding: str | None = None,
-    device: Any = "cuda",
-    confirm: bool | Callable[[Rung], Any] = False,
-) -> PlanResult:
-    """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
-    fits ``budget`` (bytes or a string like ``"24GiB"``). With ``try_all`` every rung is
-    estimated (for the table); otherwise the walk stops at the first fit. ``model``, ``batch``,
-    ``optimizer`` and ``loss_fn`` are as for :func:`estimate_memory` (``optimizer=None``: the
-    model's ``configure_optimizers``); ``configured`` as for :func:`default_ladder`.
-
-    ``world_size``: ranks of the run (``batch`` is one rank's batch; every peak and the budget
-    are one rank's). ``sharding``: how the configured strategy divides the state (``None``:
-    ``"ddp"`` on several ranks); a rung with a strategy is estimated with that strategy's
-    sharding (its ``estimate_sharding``), a rung without one with ``sharding``. The default
-    ladder offers ``ChunkedCrossEntropy`` where the model's logits are wide (``worth_chunking``).
-    """
-    from lightning_efficient.techniques.chunked_loss import worth_chunking
-
-    budget_bytes = parse_bytes("budget", budget)
-    check_choice("precision", precision, PRECISIONS)
-    check_bool("bf16", bf16)
-    check_int("world_size", world_size, minimum=1)
-    if sharding is not None:
-        check_choice("sharding", sharding, SHARDINGS)
-    rungs = (
-        list(ladder)
-        if ladder is not None
-        else default_ladder(
-            budget_bytes,
-            precision=precision,
-            bf16=bf16,
-            accumulate_grad_batches=accumulate_grad_batches,
-            configured=configured,
-            world_size=world_size,
-            configured_sharding=sharding,
-            chunked_loss=worth_chunking(model),
-            optimizer=optimizer if optimizer is not None else configured_optimizer_class(model),
-        )
-    )
-    target = resolve_target(device)
-    result = PlanResult(budget_bytes, world_size=world_size, target=target.label)
-    trial = confirm if callable(confirm) else None
-    if confirm is True:
-        on_device = stack_trial(model, batch, budget_bytes, device=target, optimizer=optimizer)
-
-        def trial(rung: Rung) -> Any:
-            return on_device(rung.build()[0], rung.precision)
-
-    for rung in rungs:
-        callbacks, strategy = rung.build()
-        techniques = [*callbacks, *([strategy] if strategy is not None else [])]
-        rung_sharding = _rung_sharding(rung, strategy, sharding, world_size)
-        result.shardings[id(rung)] = rung_sharding
-        try:
-            est = estimate_memory(
-                model,
-                batch,
-                optimizer=optimizer,
-                precision=rung.precision,
-                callbacks=techniques,
-                accumulate_grad_batches=accumulate_grad_batches,
-                cuda_rounding=cuda_rounding,
-                device=target,
-                loss_fn=loss_fn,
-                **({"world_size": world_size, "sharding": rung_sharding} if world_size > 1 else {}),
-            )
-        except EstimateError as err:  # a rung the fake-tensor estimate cannot run
-            result.tried.append((rung, None, f"not estimated: {_first_line(err)}"))
-            result.errors.append(err)
-            continue
-        except ValueError as err:  # e.g. a checkpointing budget no block count reaches
-            result.tried.append((rung, None, f"does not fit: {_first_line(err)}"))
-            continue
-        fits = est.fits(budget_bytes)
-        problem = "" if fits else "over budget"
-        if fits and trial is not None and result.chosen is None and rung.strategy is None:
-            outcome = trial(rung)
-            result.trials.append((rung, outcome))
-            if not outcome.ok:
-                fits, problem = False, "fits by the estimate; real steps: out of memory"
-        result.tried.append((rung, est, problem))
-        if fits and result.chosen is None:
-            result.chosen = rung
-            if not try_all:
-                break
-    return result
-
-
-def _rung_sharding(
-    rung: Rung, strategy: Any, configured: str | None, world_size: int
-) -> str | None:
-    """The sharding a rung is estimated with: its strategy's, else the rung's, else the
-    configured one (``"ddp"`` on several ranks); ``None`` on one rank."""
-    if world_size == 1:
-        return None
-    own = strategy_sharding(strategy) if strategy is not None else None
-    return own or rung.sharding or configured or "ddp"
-
-
-def _first_line(err: BaseException, limit: int = 100) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+__all__ = [
+    "ADAM8BIT",
+    "ADAMW8BIT",
+    "ADAMW8BIT_IN_BACKWARD",
+    "CHECKPOINT_ALL",
+    "CHUNKED_LOSS",
+    "FSDP_FULL",
+    "FSDP_GRAD_OP",
+    "ZERO2_OFFLOAD",
+    "ZERO3_OFFLOAD",
+    "Part",
+    "PlanResult",
+    "Rung",
+    "checkpoint_fewest",
+    "default_ladder",
+    "plan_stack",
+]

@@ -16,10 +16,16 @@ from helpers import TINY_MODEL, SaveAt, fit, tiny_data
 from lightning_efficient import AutoEfficient, MemoryBreakdown
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.planner import CHECKPOINT_ALL, Part, Rung, checkpoint_fewest
-from lightning_efficient.techniques.auto import decide, divisors
-from lightning_efficient.techniques.auto import fit as auto_fit
-from lightning_efficient.techniques.auto.decide import measured_as
+from lightning_efficient.planning import (
+    CHECKPOINT_ALL,
+    Part,
+    Rung,
+    checkpoint_fewest,
+    decide,
+    divisors,
+)
+from lightning_efficient.planning import fit as auto_fit
+from lightning_efficient.planning.search import measured_as
 from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
 
 E = 16  # the effective batch of the family tests: divisors 1, 2, 4, 8, 16

@@ -13,8 +13,8 @@ from _auto_families import FAMILIES, FamilyData, family
 from helpers import TINY_MODEL, SaveAt, fit, params_of
 
 from lightning_efficient import AutoEfficient
-from lightning_efficient.techniques.auto import fit as auto_fit
-from lightning_efficient.techniques.auto.decide import Decision
+from lightning_efficient.planning import fit as auto_fit
+from lightning_efficient.planning.decision import Decision
 
 E = 16
 
@@ -136,7 +136,7 @@ def _swaps(rungs: Any) -> set[str]:
 
 
 def test_optimizer_family_kept_and_rungs_without_the_swap() -> None:
-    from lightning_efficient.planner import default_ladder
+    from lightning_efficient.planning import default_ladder
 
     sgd, adam = SGDGPT(**TINY_MODEL), AdamGPT(**TINY_MODEL)
     # AutoEfficient's ladder: no 8-bit swap for SGD (with momentum or without), Adam's own form
@@ -153,7 +153,7 @@ def test_optimizer_family_kept_and_rungs_without_the_swap() -> None:
 
 @pytest.mark.slow
 def test_planner_keeps_sgd() -> None:
-    from lightning_efficient.planner import plan_stack
+    from lightning_efficient.planning import plan_stack
 
     sgd = SGDGPT(**TINY_MODEL)
     # no 8-bit swap, no ZeRO offload (DeepSpeed's CPU Adam would replace SGD)
@@ -274,7 +274,7 @@ def _state(**changes: Any) -> dict[str, Any]:
     ],
 )  # fmt: skip
 def test_checkpoint_decision_validated(changes: dict[str, Any], match: str) -> None:
-    from lightning_efficient.techniques.auto.decide import DecisionStateError, decision_from_state
+    from lightning_efficient.planning.decision import DecisionStateError, decision_from_state
 
     with pytest.raises(DecisionStateError, match=match):
         decision_from_state(_state(**changes), 1)
@@ -354,7 +354,7 @@ def test_live_batch_size_read_and_put_back(tmp_path) -> None:
 
 
 def test_ddp_ladder_offers_checkpointing_and_8bit_without_fsdp() -> None:
-    from lightning_efficient.planner import default_ladder
+    from lightning_efficient.planning import default_ladder
 
     ddp = default_ladder(2**30, world_size=2, configured_sharding="ddp")
     plain = [r for r in ddp if r.strategy is None]
@@ -368,8 +368,7 @@ def test_ddp_ladder_offers_checkpointing_and_8bit_without_fsdp() -> None:
 def test_nothing_fits_says_when_the_weights_alone_exceed_the_budget() -> None:
     from types import SimpleNamespace
 
-    from lightning_efficient.planner import Rung
-    from lightning_efficient.techniques.auto import decide
+    from lightning_efficient.planning import Rung, decide
 
     def measure(rung: Rung, n: int) -> tuple[bool, float, Any]:
         return False, 3000.0 + n, SimpleNamespace(by_category={"parameters": 2000})

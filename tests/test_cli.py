@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_efficient import TECHNIQUES
 from lightning_efficient.cli import main
-from lightning_efficient.techniques import TECHNIQUES
 
 ROOT = Path(__file__).parents[1]
 

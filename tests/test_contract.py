@@ -635,7 +635,7 @@ CASES += [
 
 # -- one switch (issue 31): a budget that holds the tiny fit's batch, so the configured stack and
 # batch are kept (the maths is the plain run's); tests/test_auto.py checks the other choices
-from lightning_efficient.techniques.auto import GOALS, AutoEfficient  # noqa: E402
+from lightning_efficient.planning import GOALS, AutoEfficient  # noqa: E402
 
 CASES.append(
     Case(
@@ -662,7 +662,7 @@ CASES.append(
 def _from_registry(cases: list[Case]) -> list[Case]:
     """The cases in the registry's order; a technique of ``TECHNIQUES`` without a case (or a
     case of a class that is not registered) fails collection of this file."""
-    from lightning_efficient.techniques import TECHNIQUES
+    from lightning_efficient import TECHNIQUES
 
     tested = {c.cls for c in cases}
     missing = [t.__name__ for t in TECHNIQUES if t not in tested]

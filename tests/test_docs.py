@@ -75,7 +75,7 @@ CARD_OF_MODULE = {"profiler": "profiling", "input_stall": "memory"}
 def test_every_card_lists_the_bad_inputs_each_argument_refuses() -> None:
     import inspect
 
-    from lightning_efficient.techniques import TECHNIQUES
+    from lightning_efficient import TECHNIQUES
 
     for cls in TECHNIQUES:
         card = _card_of(cls)
@@ -108,7 +108,7 @@ def test_index_is_generated() -> None:
     assert (DOCS / "index.md").read_text() == make_index.render(), (
         "docs/index.md is stale: run python benchmarks/make_index.py"
     )
-    from lightning_efficient.techniques import TECHNIQUES
+    from lightning_efficient import TECHNIQUES
 
     text = (DOCS / "index.md").read_text()
     assert all(f"`{t.__name__}`" in text for t in TECHNIQUES)

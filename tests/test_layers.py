@@ -19,8 +19,8 @@ PACKAGE = "lightning_efficient"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: Layers, lowest first. A module may import from its own layer and the ones below.
-LAYERS = {"core": 0, "measure": 1, "techniques": 2, "commands": 4}
-TOP = 3  # planner, functional, the package itself
+LAYERS = {"core": 0, "measure": 1, "techniques": 2, "planning": 3, "commands": 5}
+TOP = 4  # functional, the planner's old path, the package itself
 #: Modules outside ``commands/`` that belong to its layer: the entry points that run it.
 COMMAND_ENTRIES = {"cli": LAYERS["commands"], "__main__": LAYERS["commands"]}
 #: Libraries whose private names only core/_internals.py may touch.
@@ -128,17 +128,26 @@ def test_no_upward_import() -> None:
 
 def test_main_imports_every_command() -> None:
     """Every command ``main`` runs is an edge of the graph (imported, not named by a string), and
-    the commands sit above the planner, which no longer imports them."""
+    the commands sit above the planning floor, which does not import them."""
     from lightning_efficient.commands import EXTRA_COMMANDS, auto_fit_command
 
     room = f"{PACKAGE}.commands"
     runs = {fn.__module__ for _, fn in EXTRA_COMMANDS.values()} | {auto_fit_command.__module__}
     assert len(runs) == 6 and all(m.startswith(f"{room}.") for m in runs), runs
     assert runs <= GRAPH[room], runs - GRAPH[room]
-    assert _layer(f"{PACKAGE}.planner") < _layer(f"{room}.plan") == _layer(f"{PACKAGE}.cli")
-    assert (
-        f"{room}.options" in GRAPH[f"{room}.plan"] and f"{PACKAGE}.planner" in GRAPH[f"{room}.plan"]
-    )
+    planning = f"{PACKAGE}.planning"
+    assert _layer(f"{planning}.plan") < _layer(f"{room}.plan") == _layer(f"{PACKAGE}.cli")
+    assert f"{room}.options" in GRAPH[f"{room}.plan"] and planning in GRAPH[f"{room}.plan"]
+
+
+def test_planning_sits_between_techniques_and_commands() -> None:
+    """The planning floor imports the techniques it stacks (classes, not names) and nothing
+    above it; the techniques never import it."""
+    planning = {m for m in MODULES if m.startswith(f"{PACKAGE}.planning")}
+    assert f"{PACKAGE}.techniques.activation_checkpointing" in GRAPH[f"{PACKAGE}.planning.ladder"]
+    assert _layer(f"{PACKAGE}.techniques") < _layer(f"{PACKAGE}.planning") < _layer(PACKAGE)
+    below = [f"{m} imports {d}" for m in MODULES if _layer(m) == 2 for d in GRAPH[m] & planning]
+    assert not below, "\n".join(below)
 
 
 #: The one module that imports by name: the class paths a user writes in yaml or a checkpoint.

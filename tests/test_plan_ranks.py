@@ -19,7 +19,7 @@ from lightning_efficient.cli import main
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory
 from lightning_efficient.measure.settings import estimate_settings, strategy_sharding
-from lightning_efficient.planner import default_ladder, plan_stack
+from lightning_efficient.planning import default_ladder, plan_stack
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 from lightning_efficient.techniques.zero_offload import ZeROOffload
 

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from lightning_efficient.demos import TinyGPT
-from lightning_efficient.planner import Part, Rung, default_ladder, plan_stack
+from lightning_efficient.planning import Part, Rung, default_ladder, plan_stack
 
 ROOT = Path(__file__).parents[1]
 
@@ -192,3 +192,34 @@ def test_wide_logits_get_the_chunked_loss_rung_before_anything_lossy() -> None:
     assert "class_path: ChunkedCrossEntropy" in plan.to_yaml()
     narrow = default_ladder(2**30)
     assert not any("chunked" in r.name for r in narrow)
+
+
+def test_one_yaml_writer_and_the_ladder_classes() -> None:
+    """The plan, AutoEfficient's decision and the profiler's advice write their yaml with one
+    ``Stack.to_yaml()``; the ladder names its technique classes from a table of imported classes
+    (never a module path)."""
+    from lightning_efficient import ActivationCheckpointing, OptimizerSwap
+    from lightning_efficient.measure.advice import Findings, advise
+    from lightning_efficient.planning import Decision, PlanResult
+    from lightning_efficient.planning.ladder import LADDER_CLASSES, technique_class
+
+    assert technique_class("ActivationCheckpointing") is ActivationCheckpointing
+    assert OptimizerSwap in LADDER_CLASSES.values()
+    with pytest.raises(ValueError, match="not a technique of the ladder"):
+        technique_class("os.system")
+    rung = next(r for r in default_ladder(2**30) if len(r.callbacks) == 2)
+    plan = PlanResult(2**30, chosen=rung)
+    trainer = yaml.safe_load(plan.to_yaml(devices=2))["trainer"]
+    assert trainer == {**yaml.safe_load(rung.stack().to_yaml())["trainer"], "devices": 2}
+    assert [c["class_path"] for c in trainer["callbacks"]] == [p.class_path for p in rung.callbacks]
+    decision = yaml.safe_load(Decision(rung, 4, 2).to_yaml("model"))
+    same = {k: v for k, v in trainer.items() if k != "devices"}
+    assert decision == {
+        "trainer": {**same, "accumulate_grad_batches": 2},
+        "model": {"init_args": {"batch_size": 4}},
+    }
+    # the advice's yaml parses to the same shape
+    findings = Findings(peak_bytes=95, capacity_bytes=100)
+    pressure = next(a for a in advise(findings) if a.technique == "ActivationCheckpointing")
+    spec = yaml.safe_load(pressure.yaml)["trainer"]["callbacks"][0]
+    assert spec == {"class_path": "ActivationCheckpointing", "init_args": {"policy": "auto"}}

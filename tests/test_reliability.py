@@ -19,7 +19,7 @@ from lightning_efficient import (
 from lightning_efficient.cli import reason_first
 from lightning_efficient.core.validate import SettingsError, parse_bytes
 from lightning_efficient.measure.types import resolve_optimizer
-from lightning_efficient.planner import plan_stack
+from lightning_efficient.planning import plan_stack
 
 ROOT = Path(__file__).parents[1]
 
@@ -178,7 +178,7 @@ def test_plan_as_configured_counts_the_configured_techniques() -> None:
 def test_every_stack_the_planner_can_emit_fits(tmp_path) -> None:
     """Each rung of the default ladder, built as the planner would write it, trains 2 steps of
     the demo (issue 21: the checkpointing budget next to an 8-bit optimizer crashed)."""
-    from lightning_efficient.planner import default_ladder
+    from lightning_efficient.planning import default_ladder
     from lightning_efficient.techniques.zero_offload import ZeROOffload
 
     for rung in default_ladder(2**40, bf16=True):

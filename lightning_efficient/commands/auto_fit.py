@@ -19,6 +19,8 @@ from typing import Any
 # fail(message) ends the command with a short ``error: ...`` and exit code 2
 from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.commands.cli import exit_with_error as fail
+from lightning_efficient.core.stack import Stack
+from lightning_efficient.techniques.batch_size.choice import batch_size_of
 
 __all__ = ["auto_fit_command", "wants_auto"]
 
@@ -49,24 +51,16 @@ def _cli(args: Sequence[str]) -> Any:
 
 def _plan_config(decision: Any, folder: Path) -> Path:
     """A config with the trainer settings a callback cannot apply (precision, strategy)."""
-    import yaml
-
-    trainer = decision.trainer_config()
-    fixed = {k: trainer[k] for k in ("precision", "strategy") if k in trainer}
+    stack = decision.rung.stack(configured=False)
     path = folder / "auto_plan.yaml"
-    path.write_text(yaml.safe_dump({"trainer": fixed}, sort_keys=False))
+    path.write_text(Stack(stack.precision, strategy=stack.strategy).to_yaml())
     return path
 
 
 def _batch_size(model: Any, datamodule: Any, name: str) -> int:
     """The batch size where ``train_dataloader()`` reads it (before the fit; the same reading
     as the callback's: the datamodule's attribute first, an hparams entry last)."""
-    from lightning_efficient.techniques.batch_size.choice import batch_size_holders
-
-    holders = batch_size_holders(datamodule, model, name)
-    value = holders[0][name] if holders and isinstance(holders[0], dict) else None
-    if holders and not isinstance(holders[0], dict):
-        value = getattr(holders[0], name)
+    value = batch_size_of(datamodule, model, name)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     fail(
@@ -92,8 +86,8 @@ def auto_fit_command(argv: Sequence[str]) -> int:
     """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``)."""
     from lightning_efficient.core.validate import parse_bytes
     from lightning_efficient.measure.estimate import EstimateError
-    from lightning_efficient.techniques.auto import AutoEfficient
-    from lightning_efficient.techniques.auto.fit import decide_for
+    from lightning_efficient.planning import AutoEfficient
+    from lightning_efficient.planning.fit import decide_for
     from lightning_efficient.techniques.precision import best_precision
 
     args, rest = _parser().parse_known_args(list(argv))

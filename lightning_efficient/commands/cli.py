@@ -148,7 +148,7 @@ def classes_epilog() -> str:
     """The package's callbacks and strategies, for ``--help``."""
     from lightning.pytorch.strategies import Strategy
 
-    from lightning_efficient.techniques import TECHNIQUES
+    from lightning_efficient import TECHNIQUES
 
     callbacks = [c.__name__ for c in TECHNIQUES if not issubclass(c, Strategy)]
     strategies = [c.__name__ for c in TECHNIQUES if issubclass(c, Strategy)]

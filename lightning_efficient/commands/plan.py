@@ -1,5 +1,5 @@
 """``lightning-efficient plan --config my.yaml --budget 24GiB [--devices 8 --num-nodes 2]``: the
-planner (:func:`lightning_efficient.planner.plan_stack`) on a config's model and one batch of its
+planner (:func:`lightning_efficient.planning.plan_stack`) on a config's model and one batch of its
 data; prints the table of the rungs tried and the yaml to add to the config.
 """
 
@@ -14,7 +14,7 @@ from lightning_efficient.core.report import print_table
 from lightning_efficient.core.validate import check_int, format_bytes, parse_bytes
 from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.measure.targets import is_local_gpu, resolve_target
-from lightning_efficient.planner import plan_stack
+from lightning_efficient.planning import plan_stack
 
 __all__ = ["HELP", "plan_command"]
 

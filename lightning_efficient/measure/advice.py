@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_efficient.core.stack import Stack, spec
 from lightning_efficient.core.validate import format_bytes
 
 __all__ = [
@@ -166,11 +167,12 @@ class Findings:
 
 
 def _callback_yaml(name: str, init_args: dict[str, Any] | None = None) -> str:
-    lines = ["trainer:", "  callbacks:", f"    - class_path: {name}"]
-    if init_args:
-        lines.append("      init_args:")
-        lines += [f"        {k}: {v}" for k, v in init_args.items()]
-    return "\n".join(lines)
+    return _yaml(Stack(callbacks=[spec(name, init_args)]))
+
+
+def _yaml(stack: Stack) -> str:
+    """The advice's yaml: :meth:`Stack.to_yaml` (the planner's and AutoEfficient's writer)."""
+    return stack.to_yaml().rstrip("\n")
 
 
 Rule = Callable[[Findings], "list[Advice]"]
@@ -258,7 +260,7 @@ def memory_pressure(f: Findings) -> list[Advice]:
         f"{head}; model state (parameters, gradients, optimizer state) is "
         f"{_share(f, 'parameters', 'gradients', 'optimizer_state'):.0%} of it: keep the "
         "optimizer state in host memory",
-        "trainer:\n  strategy: zero_offload",
+        _yaml(Stack(strategy="zero_offload")),
         "the optimizer state moves to host memory",
     )
     if not f.by_category:
@@ -317,7 +319,7 @@ def precision(f: Findings) -> list[Advice]:
             "precision",
             f"training in fp32 where bf16 matmuls run {f.bf16_speedup:.1f}x faster: mixed "
             "precision (best_precision picks bf16-mixed here)",
-            "trainer:\n  precision: auto",
+            _yaml(Stack(precision="auto")),
             gain,
         )
     ]

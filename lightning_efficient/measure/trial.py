@@ -37,7 +37,6 @@ __all__ = [
     "is_out_of_memory",
     "memory_cap",
     "scratch_step",
-    "stack_trial",
     "throughput",
     "trial_step",
     "trial_within",
@@ -264,36 +263,3 @@ def trial_within(
         allocated = reserved = tracker.summary().peak_bytes
     ok = not error and (budget_bytes is None or reserved <= budget_bytes)
     return TrialResult(ok, allocated, reserved, budget_bytes, error)
-
-
-def stack_trial(
-    module: nn.Module,
-    batch: Any,
-    budget_bytes: int | None,
-    *,
-    device: Any = "cuda",
-    optimizer: Any = None,
-) -> Any:
-    """``trial(callbacks, precision) -> TrialResult``: :func:`trial_within` of ``module`` on
-    ``device`` (a name, ``torch.device`` or ``DeviceTarget``) with a stack of techniques.
-    ``optimizer=None``: what the module's ``configure_optimizers`` returns (else AdamW)."""
-    from lightning_efficient.measure.settings import configured_optimizer
-
-    if optimizer is None:
-        factory, _ = configured_optimizer(module)
-        optimizer = factory or "adamw"
-    kind = getattr(device, "kind", None) or getattr(device, "type", None) or str(device)
-    where = torch.device("cuda" if kind.startswith("cuda") else "cpu")
-
-    def trial(callbacks: Iterable[Any], precision: str) -> TrialResult:
-        return trial_within(
-            module,
-            batch,
-            budget_bytes,
-            callbacks=callbacks,
-            optimizer=optimizer,
-            precision=precision,
-            device=where,
-        )
-
-    return trial

@@ -1,6 +1,8 @@
 """One module per technique: pure functions plus a thin Callback or Strategy.
 
-``TECHNIQUES`` lists every technique class; the contract tests and the CLI use it.
+``TECHNIQUES`` lists every technique class of this floor; ``lightning_efficient.TECHNIQUES`` adds
+``AutoEfficient`` (on the planning floor above, :mod:`lightning_efficient.planning`), and is what
+the contract tests and the CLI use.
 """
 
 from lightning_efficient.core.technique import NoEffectWarning, Technique
@@ -8,7 +10,6 @@ from lightning_efficient.measure.input_stall import InputStallMonitor
 from lightning_efficient.measure.memory import MemoryBreakdown
 from lightning_efficient.measure.profiler import StepProfiler
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
-from lightning_efficient.techniques.auto import AutoEfficient
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
 from lightning_efficient.techniques.compile import TorchCompile
@@ -53,7 +54,6 @@ TECHNIQUES: list[type] = [
     FullyShardedStrategy,
     EarlyStopper,
     DivergenceGuard,
-    AutoEfficient,
 ]
 
 __all__ = [

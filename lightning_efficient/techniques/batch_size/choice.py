@@ -38,6 +38,7 @@ from lightning_efficient.techniques.batch_size.split import OutOfMemoryRecoveryE
 __all__ = [
     "Choice",
     "batch_size_holders",
+    "batch_size_of",
     "SizingSettings",
     "available_host_memory",
     "choose_batch_size",
@@ -97,6 +98,14 @@ def batch_size_holders(datamodule: Any, pl_module: Any, name: str) -> list[Any]:
     return found
 
 
+def batch_size_of(datamodule: Any, pl_module: Any, name: str) -> Any:
+    """The value of ``name`` where ``train_dataloader()`` reads it (the first of
+    :func:`batch_size_holders`); ``None`` where it lives nowhere. The one reading of the batch
+    size: :func:`read_batch_size` (in a fit), ``fit --auto`` (before one)."""
+    holders = batch_size_holders(datamodule, pl_module, name)
+    return _get(holders[0], name) if holders else None
+
+
 def _get(holder: Any, name: str) -> Any:
     return holder[name] if isinstance(holder, dict) else getattr(holder, name)
 
@@ -150,7 +159,7 @@ def read_batch_size(
             "it cannot be rebuilt with a new batch size. Build it in a LightningDataModule's or "
             "the LightningModule's `train_dataloader()` from its `batch_size` attribute."
         )
-    value = _get(holders[0], name)
+    value = batch_size_of(trainer.datamodule, pl_module, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{who}: `{name}` is {value!r}; expected a positive int.")
     return value

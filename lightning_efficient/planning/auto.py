@@ -10,17 +10,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
-    SettingsError,
     check_bool,
     check_choice,
     check_int,
     format_bytes,
     parse_bytes,
 )
+from lightning_efficient.planning import fit as on_fit
+from lightning_efficient.planning.decision import GOALS, Decision
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
-from lightning_efficient.techniques.auto import fit as on_fit
-from lightning_efficient.techniques.auto.decide import GOALS, Decision, decision_from_state
-from lightning_efficient.techniques.batch_size.choice import read_batch_size
 from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 
 __all__ = ["AutoEfficient"]
@@ -105,7 +103,7 @@ class AutoEfficient(Technique):
         saved = entry.get("decision") if isinstance(entry, dict) else None
         if not saved or self._trainer is None or self._module is None:
             return
-        saved = decision_from_state(saved, trainer.world_size, self.goal)
+        saved = Decision.from_state(saved, trainer.world_size, self.goal)
         if self.decision is not None:  # a strategy that restores after its setup (rare)
             if (self.decision.rung.name, self.decision.micro) != (saved.rung.name, saved.micro):
                 self.warn(
@@ -120,12 +118,7 @@ class AutoEfficient(Technique):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        sizers = on_fit.other_sizers(trainer, self)
-        if sizers:
-            raise SettingsError(
-                f"{self.name} sets the micro-batch and the accumulation itself; "
-                f"{', '.join(sizers)} would set the batch size too. Keep one of them."
-            )
+        on_fit.check_one_sizer(trainer, self)
         if self._added is not None:  # a previous fit's stack on this trainer
             self._added.undo()
         self.decision, self._added = None, None
@@ -133,13 +126,9 @@ class AutoEfficient(Technique):
         if trainer.train_dataloader is not None:
             self.no_effect("the train DataLoader was built before AutoEfficient.setup; nothing set")
             return
-        initial = read_batch_size(trainer, pl_module, self.batch_arg_name, who=self.name)
-        world = trainer.world_size
-        self._effective = self.target_batch or initial * trainer.accumulate_grad_batches * world
-        if self._effective % world:
-            raise SettingsError(
-                f"{self.name}: target_batch={self._effective} is not a multiple of {world} ranks."
-            )
+        self._effective = on_fit.effective_batch(
+            trainer, pl_module, self.batch_arg_name, self.target_batch, self.name
+        )
         # a checkpoint's stack is added in on_load_checkpoint (the path is not known here yet)
         self.record(trainer, on_fit.quiet_restore_warning())
         # decide after a checkpoint's state is restored (a resume keeps its decision) and before
@@ -165,9 +154,7 @@ class AutoEfficient(Technique):
         why = on_fit.not_applied_by(trainer, decision.rung)
         if why:  # a decision made for another trainer (a checkpoint)
             self.warn(f"cannot apply {decision.rung.name} here: {why}")
-        # a technique the fit already has is used as given (never added twice)
-        have = {type(cb) for cb in trainer.callbacks}
-        callbacks = [cb for cb in decision.rung.build()[0] if type(cb) not in have]
+        callbacks = on_fit.stack_callbacks(trainer, decision.rung)
         self.record(
             trainer,
             on_fit.apply_batch(
@@ -218,10 +205,7 @@ class AutoEfficient(Technique):
         for warning in decision.warnings:
             self.warn(warning)
         if str(trainer.precision) == "32-true":
-            self.note(
-                "the ladder's bf16-mixed stacks need the trainer's precision "
-                "(`trainer.precision: bf16-mixed`, or `lightning-efficient fit --auto`)"
-            )
+            self.note(on_fit.BF16_NEEDS_YAML)
         return decision
 
     def preset(self, decision: Decision) -> AutoEfficient:

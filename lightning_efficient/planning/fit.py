@@ -20,29 +20,35 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.measure.estimate import EstimateError, estimate_memory
+from lightning_efficient.measure.estimate import EstimateError
 from lightning_efficient.measure.settings import (
     configured_optimizer,
     configured_optimizer_class,
     estimate_settings,
-    strategy_sharding,
 )
-from lightning_efficient.measure.trial import trial_within
-from lightning_efficient.techniques._ladder import (
+from lightning_efficient.planning.decision import Decision
+from lightning_efficient.planning.ladder import (
     Rung,
     default_ladder,
     technique_class,
     without_configured,
 )
-from lightning_efficient.techniques.auto.decide import Decision, decide, decision_from_state
-from lightning_efficient.techniques.batch_size.choice import set_batch_size, worst_case_sampler
+from lightning_efficient.planning.search import decide, estimate_rung, try_rung
+from lightning_efficient.techniques.batch_size.choice import (
+    read_batch_size,
+    set_batch_size,
+    worst_case_sampler,
+)
 from lightning_efficient.techniques.batch_size.sizing import epoch_end_step
+from lightning_efficient.techniques.chunked_loss import worth_chunking
 
 __all__ = [
     "add_callbacks",
     "apply_batch",
+    "check_one_sizer",
     "decide_for",
     "device_memory",
+    "effective_batch",
     "estimate_failure",
     "estimate_measure",
     "fixed_by_trainer",
@@ -51,6 +57,7 @@ __all__ = [
     "other_sizers",
     "quiet_restore_warning",
     "same_on_every_rank",
+    "stack_callbacks",
     "own_accumulation",
     "trial_runner",
 ]
@@ -71,8 +78,6 @@ def ladder_for(
     micro-batch may need accumulation, which it cannot do). ``configured``: the techniques the
     fit already has; a rung's part of the same class is left out (the configured one is used
     as given)."""
-    from lightning_efficient.techniques.chunked_loss import worth_chunking
-
     optimizer = configured_optimizer_class(model)
     ladder = default_ladder(
         budget_bytes,
@@ -104,14 +109,15 @@ def estimate_measure(
     existing = list(base.pop("callbacks", ()))
 
     def measure(rung: Rung, micro: int) -> tuple[bool, float, Any]:
-        callbacks, strategy = rung.build()
-        kwargs = {**base, "precision": rung.precision}
-        kwargs["accumulate_grad_batches"] = 1 if micro >= effective else 2
-        if strategy is not None and kwargs.get("world_size", 1) > 1:
-            kwargs["sharding"] = strategy_sharding(strategy)
-        techniques = [*existing, *callbacks, *([strategy] if strategy is not None else [])]
+        accumulation = 1 if micro >= effective else 2
         try:
-            est = estimate_memory(model, make_batch(micro), callbacks=techniques, **kwargs)
+            est = estimate_rung(
+                model,
+                make_batch(micro),
+                rung,
+                existing=existing,
+                **{**base, "accumulate_grad_batches": accumulation},
+            )
         except Exception as err:
             if not rung.callbacks and rung.strategy is None:  # the fit's own step: not memory
                 raise estimate_failure(err) from None
@@ -163,17 +169,16 @@ def trial_runner(
     factory, _ = configured_optimizer(module)
 
     def trial(rung: Rung, micro: int) -> Any:
-        callbacks, strategy = rung.build()
-        if strategy is not None:
+        if rung.strategy is not None:  # it runs only inside a fit (and no batch is built)
             return None
-        return trial_within(
+        return try_rung(
             module,
             make_batch(micro),
+            rung,
             budget_bytes,
-            callbacks=[*existing, *callbacks],
-            optimizer=factory or "adamw",
-            precision=rung.precision,
             device=device,
+            optimizer=factory or "adamw",
+            existing=existing,
             accumulate_grad_batches=1 if micro >= effective else 2,
         )
 
@@ -244,9 +249,36 @@ def same_on_every_rank(trainer: Any, decision: Decision) -> Decision:
     state = trainer.strategy.broadcast(decision.state(), src=0)
     if state == decision.state():
         return decision
-    shared = decision_from_state(state, trainer.world_size, decision.goal)
+    shared = Decision.from_state(state, trainer.world_size, decision.goal)
     shared.restored = False
     return shared
+
+
+def effective_batch(
+    trainer: Any, module: Any, name: str, target_batch: int | None, who: str
+) -> int:
+    """The effective batch to keep (micro-batch x accumulation x ranks): ``target_batch``, else
+    the batch size where ``train_dataloader()`` reads it (``read_batch_size``) x the trainer's
+    accumulation x ranks; a multiple of the ranks."""
+    world = trainer.world_size
+    if target_batch is None:
+        target_batch = read_batch_size(trainer, module, name, who=who)
+        target_batch *= trainer.accumulate_grad_batches * world
+    if target_batch % world:
+        raise SettingsError(
+            f"{who}: target_batch={target_batch} is not a multiple of {world} ranks."
+        )
+    return target_batch
+
+
+def check_one_sizer(trainer: Any, me: Any) -> None:
+    """Refuse a fit where a callback other than ``me`` sets the batch size too."""
+    sizers = other_sizers(trainer, me)
+    if sizers:
+        raise SettingsError(
+            f"{type(me).__name__} sets the micro-batch and the accumulation itself; "
+            f"{', '.join(sizers)} would set the batch size too. Keep one of them."
+        )
 
 
 def other_sizers(trainer: Any, me: Any) -> list[str]:
@@ -305,6 +337,20 @@ def quiet_restore_warning() -> Change:
             warnings.filters.remove(entry)
 
     return Change("the restore warning about the stack's own callbacks silenced", undo)
+
+
+def stack_callbacks(trainer: Any, rung: Rung) -> list[Any]:
+    """The rung's callbacks, built fresh, less those whose class the fit already has (a
+    technique the fit has is used as given, never added twice)."""
+    have = {type(cb) for cb in trainer.callbacks}
+    return [cb for cb in rung.build()[0] if type(cb) not in have]
+
+
+#: What AutoEfficient says on a trainer built with 32-true precision.
+BF16_NEEDS_YAML = (
+    "the ladder's bf16-mixed stacks need the trainer's precision "
+    "(`trainer.precision: bf16-mixed`, or `lightning-efficient fit --auto`)"
+)
 
 
 def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:

@@ -1,9 +1,9 @@
 """The planner's ladder as data: the stacks of techniques to try, cheapest first.
 
-``Part`` (a technique's class name and constructor arguments, stated once), ``Rung`` (a precision,
-parts and an optional strategy) and :func:`default_ladder`. Shared by the planner
-(``lightning_efficient.planner``, which re-exports every name) and ``AutoEfficient``, which walks
-the same ladder at fit start.
+``Part`` (a technique's class name and constructor arguments, stated once, and what it is
+estimated as), ``Rung`` (a precision, parts and an optional strategy) and :func:`default_ladder`.
+Walked by the one search (:mod:`lightning_efficient.planning.search`): ``plan_stack``,
+``fit --auto`` and ``AutoEfficient``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.stack import Stack, spec
 from lightning_efficient.core.validate import check_int
+from lightning_efficient.measure.optimizer_models import optimizer_class
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
+from lightning_efficient.techniques.fsdp import FullyShardedStrategy
+from lightning_efficient.techniques.optimizers import OptimizerSwap
+from lightning_efficient.techniques.zero_offload import ZeROOffload
 
 __all__ = [
     "ADAMW8BIT",
@@ -26,6 +33,7 @@ __all__ = [
     "FSDP_GRAD_OP",
     "ZERO2_OFFLOAD",
     "ZERO3_OFFLOAD",
+    "LADDER_CLASSES",
     "Part",
     "Rung",
     "checkpoint_fewest",
@@ -33,55 +41,54 @@ __all__ = [
     "eight_bit_form",
     "offloadable",
     "optimizer_swap",
+    "technique_class",
     "without_configured",
 ]
 
 
-def technique_class(name: str) -> type:
-    """The class of a ladder technique by its short name (imported on use: the techniques'
-    modules, not the package, which imports this one)."""
-    if name == "ActivationCheckpointing":
-        from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
-
-        return ActivationCheckpointing
-    if name == "ChunkedCrossEntropy":
-        from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
-
-        return ChunkedCrossEntropy
-    if name == "OptimizerSwap":
-        from lightning_efficient.techniques.optimizers import OptimizerSwap
-
-        return OptimizerSwap
-    if name == "ZeROOffload":
-        from lightning_efficient.techniques.zero_offload import ZeROOffload
-
-        return ZeROOffload
-    if name == "FullyShardedStrategy":
-        from lightning_efficient.techniques.fsdp import FullyShardedStrategy
-
-        return FullyShardedStrategy
-    raise ValueError(
-        f"`class_path` {name!r} is not a technique of the ladder; expected one of "
-        "ActivationCheckpointing, ChunkedCrossEntropy, OptimizerSwap, ZeROOffload, "
-        "FullyShardedStrategy."
+#: The classes a ladder part may name (a checkpoint's decision names them too), by short name.
+LADDER_CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        ActivationCheckpointing,
+        ChunkedCrossEntropy,
+        OptimizerSwap,
+        ZeROOffload,
+        FullyShardedStrategy,
     )
+}
+
+
+def technique_class(name: str) -> type:
+    """The class of a ladder technique by its short name (:data:`LADDER_CLASSES`)."""
+    if name not in LADDER_CLASSES:
+        raise ValueError(
+            f"`class_path` {name!r} is not a technique of the ladder; expected one of "
+            f"{', '.join(LADDER_CLASSES)}."
+        )
+    return LADDER_CLASSES[name]
 
 
 @dataclass(frozen=True)
 class Part:
     """One technique of a rung, as data: the name of a class of the package and its constructor
     arguments, stated once. ``build()`` makes a fresh instance; ``spec()`` is the same arguments
-    as a LightningCLI ``class_path``/``init_args`` entry."""
+    as a LightningCLI ``class_path``/``init_args`` entry.
+
+    ``estimated_as``: the part whose estimate gives this one's largest micro-batch, where the
+    part decides from the size it is given (checkpointing "the fewest blocks within a budget"
+    fits exactly where checkpointing every block fits); ``None``: the part itself. Not part of
+    the part's identity (equality, ``repr``)."""
 
     class_path: str
     init_args: dict[str, Any] = field(default_factory=dict)
+    estimated_as: Part | None = field(default=None, compare=False, repr=False)
 
     def build(self) -> Any:
         return technique_class(self.class_path)(**self.init_args)
 
     def spec(self) -> dict[str, Any]:
-        args = {"init_args": dict(self.init_args)} if self.init_args else {}
-        return {"class_path": self.class_path, **args}
+        return spec(self.class_path, self.init_args)
 
 
 @dataclass
@@ -112,6 +119,14 @@ class Rung:
         callbacks += [part.spec() for part in self.callbacks]
         return callbacks, (self.strategy.spec() if self.strategy is not None else None)
 
+    def stack(self, *, configured: bool = True) -> Stack:
+        """The rung as a config (:meth:`Stack.to_yaml`): its precision, callbacks and strategy
+        (``configured=False``: without the config's own techniques)."""
+        callbacks, strategy = self.specs()
+        if not configured:
+            callbacks = callbacks[len(self.configured) :]
+        return Stack(self.precision, callbacks, strategy)
+
 
 #: The parts of the ladder (``checkpoint_fewest`` takes the budget, ``optimizer_swap`` the name).
 ADAMW8BIT = Part("OptimizerSwap", {"name": "adamw8bit"})
@@ -130,8 +145,6 @@ CHUNKED_LOSS = Part("ChunkedCrossEntropy")
 def _optimizer_type(optimizer: Any) -> type | None:
     """The class of ``optimizer``: a name as ``OptimizerSwap`` takes it (or a class path), a
     class, or an instance; ``None`` when it cannot be told (a factory)."""
-    from lightning_efficient.measure.optimizer_models import optimizer_class
-
     if isinstance(optimizer, str):
         return optimizer_class(optimizer)
     if isinstance(optimizer, type):
@@ -171,8 +184,9 @@ def optimizer_swap(name: str, *, in_backward: bool = False) -> Part:
 
 
 def checkpoint_fewest(budget_bytes: int) -> Part:
-    """Checkpoint the fewest blocks that bring the estimated peak under ``budget_bytes``."""
-    return Part("ActivationCheckpointing", {"budget": budget_bytes})
+    """Checkpoint the fewest blocks that bring the estimated peak under ``budget_bytes``
+    (estimated, for its largest micro-batch, as :data:`CHECKPOINT_ALL`)."""
+    return Part("ActivationCheckpointing", {"budget": budget_bytes}, estimated_as=CHECKPOINT_ALL)
 
 
 def default_ladder(

@@ -1,6 +1,6 @@
 """AutoEfficient's decision, as pure functions: no trainer, no Lightning.
 
-Given the planner's ladder (:func:`~lightning_efficient.techniques._ladder.default_ladder`), a
+Given the planner's ladder (:func:`~lightning_efficient.planning.ladder.default_ladder`), a
 way to estimate one rung at one micro-batch, and the effective batch of one rank, find for each
 usable rung the largest micro-batch that fits the budget among the exact divisors of that batch
 (so micro-batch x accumulation is the effective batch, exactly), rank the options by the goal,
@@ -28,26 +28,30 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightning_efficient.core.validate import format_bytes
-from lightning_efficient.techniques._ladder import CHECKPOINT_ALL, Part, Rung
+from lightning_efficient.measure.estimate import MemoryEstimate, estimate_memory
+from lightning_efficient.measure.settings import strategy_sharding
+from lightning_efficient.measure.trial import trial_within
+from lightning_efficient.planning.decision import GOALS, Decision, divisors
+from lightning_efficient.planning.ladder import Rung
 
 __all__ = [
     "GOALS",
     "Decision",
     "Option",
-    "CHECKPOINT_OPTIMIZERS",
-    "DecisionStateError",
     "decide",
-    "decision_from_state",
     "divisors",
+    "estimate_rung",
     "measured_as",
-    "rung_from_state",
+    "rung_sharding",
+    "try_rung",
 ]
 
-GOALS = ("speed", "memory")
 #: The largest size estimated for a rung's line (larger ones only to confirm a prediction).
 PROBE = 64
 
@@ -57,23 +61,68 @@ Measure = Callable[[Rung, int], tuple[bool, float, Any]]
 Trial = Callable[[Rung, int], Any]
 
 
-def divisors(n: int, cap: int | None = None) -> list[int]:
-    """The exact divisors of ``n`` (ascending), at most ``cap``."""
-    found = {d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)}
-    return sorted(d for d in found if cap is None or d <= cap)
+def rung_sharding(rung: Rung, strategy: Any, configured: str | None, world_size: int) -> str | None:
+    """The sharding a rung is estimated with: its strategy's, else the rung's, else the
+    configured one (``"ddp"`` on several ranks); ``None`` on one rank."""
+    if world_size == 1:
+        return None
+    own = strategy_sharding(strategy) if strategy is not None else None
+    return own or rung.sharding or configured or "ddp"
+
+
+def estimate_rung(
+    model: Any, batch: Any, rung: Rung, *, existing: Sequence[Any] = (), **settings: Any
+) -> MemoryEstimate:
+    """Estimate a rung: ``estimate_memory`` of ``model`` on ``batch`` with the rung's precision
+    and techniques (built fresh) on top of ``existing`` (the fit's own); ``settings``: the
+    estimate's other keywords (on several ranks, the sharding is :func:`rung_sharding`'s)."""
+    callbacks, strategy = rung.build()
+    kwargs = {**settings, "precision": rung.precision}
+    world_size = kwargs.get("world_size", 1)
+    if world_size > 1:
+        kwargs["sharding"] = rung_sharding(rung, strategy, kwargs.get("sharding"), world_size)
+    techniques = [*existing, *callbacks, *([strategy] if strategy is not None else [])]
+    return estimate_memory(model, batch, callbacks=techniques, **kwargs)
+
+
+def try_rung(
+    module: Any,
+    batch: Any,
+    rung: Rung,
+    budget_bytes: int | None,
+    *,
+    device: Any,
+    optimizer: Any,
+    existing: Sequence[Any] = (),
+    accumulate_grad_batches: int = 1,
+) -> Any:
+    """Try a rung: real training steps of ``module`` on ``device`` (a name, ``torch.device`` or
+    ``DeviceTarget``) with the rung's techniques on top of ``existing``, within the budget
+    (``measure.trial.trial_within``: on CUDA under the allocator's cap). ``None`` for a rung
+    with a strategy (it runs only inside a fit)."""
+    callbacks, strategy = rung.build()
+    if strategy is not None:
+        return None
+    if not isinstance(device, torch.device):
+        kind = getattr(device, "kind", None) or str(device)
+        device = torch.device("cuda" if kind.startswith("cuda") else "cpu")
+    return trial_within(
+        module,
+        batch,
+        budget_bytes,
+        callbacks=[*existing, *callbacks],
+        optimizer=optimizer,
+        precision=rung.precision,
+        device=device,
+        accumulate_grad_batches=accumulate_grad_batches,
+    )
 
 
 def measured_as(rung: Rung) -> Rung:
-    """The rung whose estimate gives ``rung``'s largest micro-batch: checkpointing "the fewest
-    blocks within the budget" fits exactly where checkpointing every block fits (it picks the
-    fewest blocks at the size it is given), so it is estimated with every block checkpointed,
-    and it wins the tie as the cheaper rung."""
-    parts = tuple(
-        CHECKPOINT_ALL
-        if p.class_path == "ActivationCheckpointing" and "budget" in p.init_args
-        else p
-        for p in rung.callbacks
-    )
+    """The rung whose estimate gives ``rung``'s largest micro-batch: each part as it says it is
+    estimated (``Part.estimated_as``: checkpointing "the fewest blocks within the budget" as
+    every block, and it wins the tie as the cheaper rung)."""
+    parts = tuple(p.estimated_as or p for p in rung.callbacks)
     if parts == rung.callbacks:
         return rung
     return Rung(rung.name, rung.precision, parts, rung.strategy, rung.cost, rung.sharding)
@@ -87,228 +136,6 @@ class Option:
     micro: int
     bytes: float
     estimate: Any = None
-
-
-@dataclass
-class Decision:
-    """What AutoEfficient chose and why: the stack, micro-batch x accumulation, the figures."""
-
-    rung: Rung
-    micro: int
-    accumulation: int
-    world_size: int = 1
-    goal: str = "speed"
-    budget_bytes: int = 0
-    target: str = ""
-    estimate_bytes: float | None = None
-    trial_bytes: int | None = None
-    trial_ok: bool | None = None
-    seconds: float = 0.0
-    estimates: int = 0
-    tried: list[tuple[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    restored: bool = False
-
-    @property
-    def effective(self) -> int:
-        return self.micro * self.accumulation * self.world_size
-
-    def describe(self) -> str:
-        """``"bf16-mixed + chunked loss: micro-batch 8 x accumulation 4 (x 1 rank) = 32"``."""
-        ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
-        return (
-            f"{self.rung.name}: micro-batch {self.micro} x accumulation {self.accumulation}"
-            f"{ranks} = {self.effective}"
-        )
-
-    def figures(self) -> dict[str, Any]:
-        """The numbers the efficiency report compares."""
-        out: dict[str, Any] = {
-            "micro_batch": self.micro,
-            "accumulation": self.accumulation,
-            "budget_bytes": self.budget_bytes,
-            "decision_s": round(self.seconds, 2),
-            "estimates": self.estimates,
-        }
-        if self.estimate_bytes is not None and math.isfinite(self.estimate_bytes):
-            out["estimated_peak_bytes"] = int(self.estimate_bytes)
-        if self.trial_bytes is not None:
-            out["trial_peak_bytes"] = int(self.trial_bytes)
-        return out
-
-    def summary(self) -> str:
-        """One line: the choice, the estimate, the trial's peak against the budget, the time."""
-        parts = [self.describe()]
-        if self.estimate_bytes is not None and math.isfinite(self.estimate_bytes):
-            parts.append(f"estimate {format_bytes(int(self.estimate_bytes))}")
-        if self.trial_bytes is not None:
-            parts.append(
-                f"trial peak {format_bytes(self.trial_bytes)} of {format_bytes(self.budget_bytes)}"
-            )
-        else:
-            parts.append(f"budget {format_bytes(self.budget_bytes)}")
-        how = (
-            "restored from the checkpoint" if self.restored else f"decided in {self.seconds:.1f} s"
-        )
-        parts.append(how)
-        return "; ".join(parts)
-
-    def trainer_config(self) -> dict[str, Any]:
-        """The ``trainer:`` settings that reproduce the choice without AutoEfficient."""
-        callbacks = [p.spec() for p in self.rung.callbacks]
-        trainer: dict[str, Any] = {
-            "precision": self.rung.precision,
-            "accumulate_grad_batches": self.accumulation,
-        }
-        if callbacks:
-            trainer["callbacks"] = callbacks
-        if self.rung.strategy is not None:
-            trainer["strategy"] = self.rung.strategy.spec()
-        return trainer
-
-    def to_yaml(self, batch_key: str | None = "data", batch_arg_name: str = "batch_size") -> str:
-        """LightningCLI yaml that reproduces the decision without AutoEfficient: the trainer's
-        precision, accumulation, callbacks (and strategy), and the micro-batch where the batch
-        size lives (``batch_key``: ``"data"`` or ``"model"``; None: not written)."""
-        import yaml
-
-        config: dict[str, Any] = {"trainer": self.trainer_config()}
-        if batch_key is not None:
-            config[batch_key] = {"init_args": {batch_arg_name: self.micro}}
-        return yaml.safe_dump(config, sort_keys=False)
-
-    def state(self) -> dict[str, Any]:
-        """Plain data for a checkpoint (:func:`rung_from_state` reads the rung back)."""
-        return {
-            "rung": self.rung.name,
-            "precision": self.rung.precision,
-            "callbacks": [p.spec() for p in self.rung.callbacks],
-            "strategy": self.rung.strategy.spec() if self.rung.strategy is not None else None,
-            "micro_batch": self.micro,
-            "accumulation": self.accumulation,
-            "world_size": self.world_size,
-            "goal": self.goal,
-            "budget_bytes": self.budget_bytes,
-            "estimate_bytes": self.estimate_bytes,
-            "trial_bytes": self.trial_bytes,
-            "seconds": self.seconds,
-            "target": self.target,
-        }
-
-
-#: The ``OptimizerSwap`` names a checkpoint's decision may carry: the ladder's own (never a class
-#: path: a name in a file is not imported).
-CHECKPOINT_OPTIMIZERS = ("adamw8bit", "adam8bit")
-
-
-class DecisionStateError(ValueError):
-    """A checkpoint's AutoEfficient decision that cannot be used (what is wrong, and what to do)."""
-
-
-def _bad(what: str) -> DecisionStateError:
-    return DecisionStateError(
-        f"AutoEfficient: the checkpoint's decision is not valid: {what}. Resume without "
-        "AutoEfficient, or start the fit afresh (no ckpt_path) so that it decides again."
-    )
-
-
-def _text(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value.isprintable() or len(value) > 200:
-        raise _bad(f"`{key}` must be printable text; got {value!r}")
-    return value
-
-
-def _count(state: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = state.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(f"`{key}` must be a positive int; got {value!r}")
-    return value
-
-
-def _part(spec: Any) -> Part:
-    """A ladder part from a checkpoint: its class on the ladder's allowlist, its arguments plain
-    data, an optimizer name from the ladder's own (checked before anything is built)."""
-    from lightning_efficient.techniques._ladder import technique_class
-
-    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
-        raise _bad(f"a technique must be {{class_path, init_args}}; got {spec!r}")
-    args = spec.get("init_args") or {}
-    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
-        raise _bad(f"`init_args` of {spec['class_path']!r} must be a dict; got {args!r}")
-    name = args.get("name")
-    if spec["class_path"] == "OptimizerSwap" and name not in CHECKPOINT_OPTIMIZERS:
-        raise _bad(
-            f"OptimizerSwap `name` must be one of {', '.join(CHECKPOINT_OPTIMIZERS)}; got {name!r}"
-        )
-    try:
-        technique_class(spec["class_path"])
-        part = Part(spec["class_path"], dict(args))
-        part.build()  # the constructor's own checks
-    except (TypeError, ValueError) as err:
-        raise _bad(str(err)) from None
-    return part
-
-
-def rung_from_state(state: dict[str, Any]) -> Rung:
-    """The rung a :meth:`Decision.state` names, every value checked (:class:`DecisionStateError`)."""
-    from lightning_efficient.measure.estimate import PRECISIONS
-
-    precision = state.get("precision", "32-true")
-    if precision not in PRECISIONS:
-        raise _bad(f"`precision` must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    callbacks = state.get("callbacks") or ()
-    if not isinstance(callbacks, (list, tuple)):
-        raise _bad(f"`callbacks` must be a list; got {callbacks!r}")
-    strategy = state.get("strategy")
-    return Rung(
-        _text(state.get("rung", "restored"), "rung"),
-        precision,
-        tuple(_part(s) for s in callbacks),
-        _part(strategy) if strategy else None,
-    )
-
-
-def decision_from_state(saved: Any, world_size: int, goal: str = "speed") -> Decision:
-    """The decision a checkpoint holds (:meth:`Decision.state`), for ``world_size`` ranks: the
-    same effective batch (on another world size, the largest micro-batch not above the saved one
-    that divides one rank's share). Every value is checked first: a
-    :class:`DecisionStateError` says what is wrong."""
-    if not isinstance(saved, dict):
-        raise _bad(f"expected a dict; got {type(saved).__name__}")
-    micro = _count(saved, "micro_batch")
-    effective = micro * _count(saved, "accumulation") * _count(saved, "world_size", 1)
-    if effective % world_size:
-        raise _bad(
-            f"its effective batch {effective} is not a multiple of this run's {world_size} ranks"
-        )
-    per_rank = effective // world_size
-    if per_rank % micro:
-        micro = max(d for d in divisors(per_rank) if d <= micro)
-    figures = {}
-    for key in ("estimate_bytes", "trial_bytes", "seconds", "budget_bytes"):
-        value = saved.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
-        ):
-            raise _bad(f"`{key}` must be a number >= 0; got {value!r}")
-        figures[key] = value
-    saved_goal = saved.get("goal", goal)
-    if saved_goal not in GOALS:
-        raise _bad(f"`goal` must be one of {', '.join(GOALS)}; got {saved_goal!r}")
-    return Decision(
-        rung_from_state(saved),
-        micro,
-        per_rank // micro,
-        world_size,
-        saved_goal,
-        int(figures["budget_bytes"] or 0),
-        _text(saved.get("target", ""), "target"),
-        estimate_bytes=figures["estimate_bytes"],
-        trial_bytes=None if figures["trial_bytes"] is None else int(figures["trial_bytes"]),
-        seconds=float(figures["seconds"] or 0.0),
-        restored=True,
-    )
 
 
 def _weights_alone(estimates: Any, budget_bytes: int) -> str:
@@ -338,13 +165,16 @@ def decide(
     unusable: Callable[[Rung], str] | None = None,
     trial: Trial | None = None,
     target: str = "",
+    estimated_as: Callable[[Rung], Rung] = measured_as,
 ) -> Decision:
     """The stack and micro-batch to train with (see the module's docstring for the rule).
 
     ``effective``: one rank's effective batch (micro-batch x accumulation); the micro-batch is
     one of its exact divisors. ``unusable(rung)``: why a rung cannot be applied here ("" when it
     can), recorded in ``tried``. ``trial(rung, micro)``: real steps confirming an option (None:
-    none); on out-of-memory the next size down is tried, then the next option. Raises
+    none); on out-of-memory the next size down is tried, then the next option.
+    ``estimated_as(rung)``: the rung whose estimate stands for ``rung``'s (:func:`measured_as`;
+    at one size, ``plan_stack`` estimates each rung as itself). Raises
     ``ValueError`` when no usable rung fits even a micro-batch of 1 (or none ran).
     """
     start = time.perf_counter()
@@ -356,7 +186,7 @@ def decide(
 
     def estimate(rung: Rung, n: int) -> tuple[bool, float, Any]:
         nonlocal count
-        stand_in = measured_as(rung)
+        stand_in = estimated_as(rung)
         key = repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n))
         if key not in cache:
             count += 1

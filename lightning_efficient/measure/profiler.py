@@ -106,15 +106,7 @@ class StepProfiler(Technique):
         png: str | None = None,
     ) -> None:
         super().__init__()
-        if png is not None:  # the former name of `plot` (deprecated)
-            if plot is not None:
-                raise ValueError("StepProfiler: give `plot` only (`png` is its former name)")
-            warnings.warn(
-                "StepProfiler(png=...) is deprecated: use plot=... (a .png or .svg path)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            plot = png
+        plot = _plot_or_png(plot, png)
         self.skip_steps = check_int("skip_steps", skip_steps, minimum=0)
         self.flops_per_step = _positive_or_none("flops_per_step", flops_per_step)
         self.peak_flops = _positive_or_none("peak_flops", peak_flops)
@@ -129,10 +121,7 @@ class StepProfiler(Technique):
         self.summary: dict[str, Any] | None = None
         self._reset()
 
-    @property
-    def png(self) -> str | None:
-        """The picture's path under its former name (the argument is now ``plot``)."""
-        return self.plot
+    png = property(lambda self: self.plot, doc="The former name of ``plot``.")
 
     def _reset(self) -> None:
         self._phases: StepPhases | None = None
@@ -310,6 +299,20 @@ class StepProfiler(Technique):
             warnings.warn(f"StepProfiler: {error}", stacklevel=2)
         elif written:
             self.note(written)
+
+
+def _plot_or_png(plot: str | None, png: str | None) -> str | None:
+    """``plot``, or ``png``: its former name (deprecated)."""
+    if png is None:
+        return plot
+    if plot is not None:
+        raise ValueError("StepProfiler: give `plot` only (`png` is its former name)")
+    warnings.warn(
+        "StepProfiler(png=...) is deprecated: use plot=... (a .png or .svg path)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return png
 
 
 def _positive_or_none(name: str, value: Any) -> float | None:

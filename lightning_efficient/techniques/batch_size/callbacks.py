@@ -16,20 +16,17 @@ from typing import Any
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import (
-    check_bool,
-    check_choice,
-    check_float,
-    check_int,
-    parse_bytes,
-)
+from lightning_efficient.core.validate import check_bool
 from lightning_efficient.techniques.batch_size.choice import (
     SizingSettings,
     choose_batch_size,
+    describe_choice,
+    describe_restored,
     read_batch_size,
+    sizing_settings,
 )
 from lightning_efficient.techniques.batch_size.guard import OOMGuard
-from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH, accumulation_for
+from lightning_efficient.techniques.batch_size.sizing import restored_accumulation
 
 __all__ = ["EfficientBatchSize", "OOMRecovery"]
 
@@ -158,33 +155,18 @@ class EfficientBatchSize(Technique):
         self.recovery = OOMGuard(loss_weighting, ignore_index, token_counter)
         self.loss_weighting, self.ignore_index = loss_weighting, ignore_index
         self.token_counter = token_counter
-        self.target_batch_size = check_int(
-            "target_batch_size", target_batch_size, minimum=1, maximum=MAX_TARGET_BATCH,
-            allow_none=True,
+        s = sizing_settings(
+            target_batch_size, multiple_of, mode, margin, max_batch_size, budget,
+            batch_arg_name, optimizer, probe_samples,
         )  # fmt: skip
-        if multiple_of != "auto":
-            if isinstance(multiple_of, str):
-                raise ValueError(
-                    f"`multiple_of` must be 'auto' or a positive integer; got {multiple_of!r}."
-                )
-            check_int("multiple_of", multiple_of, minimum=1)
-        self.multiple_of = multiple_of
-        self.mode = check_choice("mode", mode, ("max_fit", "throughput"))
-        self.margin = check_float("margin", margin, minimum=0.0, maximum=0.9, max_exclusive=True)
-        self.max_batch_size = check_int(
-            "max_batch_size", max_batch_size, minimum=1, allow_none=True
+        self.target_batch_size, self.multiple_of, self.mode = (
+            s.target_batch_size,
+            multiple_of,
+            s.mode,
         )
-        self.budget = budget
-        self._budget_bytes = parse_bytes("budget", budget, allow_none=True)
-        if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
-            raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
-        self.batch_arg_name = batch_arg_name
-        if not isinstance(optimizer, str) or not optimizer:
-            raise TypeError(
-                f"`optimizer` must be 'adamw', 'adam', 'sgd' or a class path; got {optimizer!r}."
-            )
-        self.optimizer = optimizer
-        self.probe_samples = check_int("probe_samples", probe_samples, minimum=1)
+        self.margin, self.max_batch_size, self.budget = s.margin, s.max_batch_size, budget
+        self._budget_bytes, self.batch_arg_name = s.budget_bytes, batch_arg_name
+        self.optimizer, self.probe_samples = optimizer, s.probe_samples
         self.oom_recovery = check_bool("oom_recovery", oom_recovery)
         self.micro_batch_size: int | None = None
         self.accumulate_grad_batches: int | None = None
@@ -211,13 +193,13 @@ class EfficientBatchSize(Technique):
         if micro is None:
             return
         trainer = self._trainer() if self._trainer is not None else None
-        accumulation = int(state_dict.get("accumulate_grad_batches") or 1)
-        if (
-            trainer is not None
-            and self.target_batch_size is not None
-            and trainer.world_size != state_dict.get("world_size")
-        ):
-            accumulation, _, _ = accumulation_for(self.target_batch_size, micro, trainer.world_size)
+        accumulation = restored_accumulation(
+            self.target_batch_size,
+            micro,
+            int(state_dict.get("accumulate_grad_batches") or 1),
+            state_dict.get("world_size"),
+            trainer.world_size if trainer is not None else None,
+        )
         self.micro_batch_size, self.accumulate_grad_batches = int(micro), accumulation
         if trainer is not None:  # restored after `setup`, before the optimizer and the loaders
             self._apply(trainer, trainer.lightning_module, note="restored from the checkpoint")
@@ -279,11 +261,7 @@ class EfficientBatchSize(Technique):
         self.micro_batch_size, self.accumulate_grad_batches = choice.micro, choice.accumulation
         self.world_size = choice.world
         self._figures = choice.figures
-        effective = choice.micro * choice.accumulation * choice.world
-        self._change = (
-            f"{self.batch_arg_name} {initial} -> {choice.micro} ({self.mode}, {choice.how}), "
-            f"accumulation {choice.accumulation} x world {choice.world} = effective {effective}"
-        )
+        self._change = describe_choice(self.batch_arg_name, initial, choice, self.mode)
         self._apply(trainer, pl_module)
         self.note(self._change)
 
@@ -299,9 +277,8 @@ class EfficientBatchSize(Technique):
         # stays as the fit ran, as the trainer's optimizers do
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
         if note:
-            self._change = (
-                f"{self.batch_arg_name} {self.micro_batch_size}, accumulation "
-                f"{self.accumulate_grad_batches} ({note})"
+            self._change = describe_restored(
+                name, self.micro_batch_size, self.accumulate_grad_batches, note
             )
             self._figures.update(
                 micro_batch=self.micro_batch_size, accumulation=self.accumulate_grad_batches

@@ -16,11 +16,18 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.core.validate import (
+    check_choice,
+    check_float,
+    check_int,
+    format_bytes,
+    parse_bytes,
+)
 from lightning_efficient.measure.estimate import estimate_memory
 from lightning_efficient.measure.settings import estimate_settings
 from lightning_efficient.measure.trial import throughput, trial_within
 from lightning_efficient.techniques.batch_size.sizing import (
+    MAX_TARGET_BATCH,
     candidate_sizes,
     choose_micro_batch,
     epoch_end_step,
@@ -40,6 +47,9 @@ __all__ = [
     "batch_size_holders",
     "batch_size_of",
     "SizingSettings",
+    "sizing_settings",
+    "describe_choice",
+    "describe_restored",
     "available_host_memory",
     "choose_batch_size",
     "read_batch_size",
@@ -63,6 +73,46 @@ class SizingSettings:
     probe_samples: int = 10_000
 
 
+def sizing_settings(
+    target_batch_size: int | None = None,
+    multiple_of: int | str = "auto",
+    mode: str = "max_fit",
+    margin: float = 0.1,
+    max_batch_size: int | None = None,
+    budget: int | str | None = None,
+    batch_arg_name: str = "batch_size",
+    optimizer: str = "adamw",
+    probe_samples: int = 10_000,
+) -> SizingSettings:
+    """The arguments of :class:`EfficientBatchSize`, checked in order (a ``ValueError`` or
+    ``TypeError`` naming the first refused one), with ``budget`` parsed to bytes."""
+    target_batch_size = check_int(
+        "target_batch_size", target_batch_size, minimum=1, maximum=MAX_TARGET_BATCH,
+        allow_none=True,
+    )  # fmt: skip
+    if multiple_of != "auto":
+        if isinstance(multiple_of, str):
+            raise ValueError(
+                f"`multiple_of` must be 'auto' or a positive integer; got {multiple_of!r}."
+            )
+        check_int("multiple_of", multiple_of, minimum=1)
+    mode = check_choice("mode", mode, ("max_fit", "throughput"))
+    margin = check_float("margin", margin, minimum=0.0, maximum=0.9, max_exclusive=True)
+    max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1, allow_none=True)
+    budget_bytes = parse_bytes("budget", budget, allow_none=True)
+    if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
+        raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
+    if not isinstance(optimizer, str) or not optimizer:
+        raise TypeError(
+            f"`optimizer` must be 'adamw', 'adam', 'sgd' or a class path; got {optimizer!r}."
+        )
+    probe_samples = check_int("probe_samples", probe_samples, minimum=1)
+    return SizingSettings(
+        target_batch_size, multiple_of, mode, margin, max_batch_size, budget_bytes,
+        batch_arg_name, optimizer, probe_samples,
+    )  # fmt: skip
+
+
 @dataclass
 class Choice:
     """The decision: micro-batch x accumulation x world size, how it was found, and what to say."""
@@ -74,6 +124,20 @@ class Choice:
     figures: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+
+def describe_choice(name: str, initial: int, choice: Choice, mode: str) -> str:
+    """The line that says what :func:`choose_batch_size` chose (``initial``: the batch size before)."""
+    effective = choice.micro * choice.accumulation * choice.world
+    return (
+        f"{name} {initial} -> {choice.micro} ({mode}, {choice.how}), "
+        f"accumulation {choice.accumulation} x world {choice.world} = effective {effective}"
+    )
+
+
+def describe_restored(name: str, micro: int | None, accumulation: int | None, note: str) -> str:
+    """The line that says what a restored (not chosen) micro-batch and accumulation are."""
+    return f"{name} {micro}, accumulation {accumulation} ({note})"
 
 
 def _holders(trainer: Any, pl_module: Any, name: str) -> list[Any]:

@@ -26,6 +26,7 @@ __all__ = [
     "candidate_sizes",
     "accumulation_for",
     "settle_accumulation",
+    "restored_accumulation",
     "choose_micro_batch",
     "largest_fitting_batch",
     "first_fitting",
@@ -175,6 +176,16 @@ def settle_accumulation(
     if target is None:
         return current, micro * current * world_size, True
     return accumulation_for(target, micro, world_size)
+
+
+def restored_accumulation(
+    target: int | None, micro: int, accumulation: int, saved_world: Any, world_size: int | None
+) -> int:
+    """The accumulation a resumed run uses: the ``accumulation`` saved with ``micro``, or, with a
+    ``target`` and a ``world_size`` other than the ``saved_world``, the one that reaches it."""
+    if world_size is not None and target is not None and world_size != saved_world:
+        return accumulation_for(target, micro, world_size)[0]
+    return accumulation
 
 
 # -- search --------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 - :func:`build_optimizer`: the optimizer ``name`` over param groups.
 - :func:`swap_optimizer`: a new optimizer of another kind over the same param groups.
 - :func:`replace_optimizer`: what ``OptimizerSwap`` does to one optimizer (also in backward).
-- :func:`check_overrides`: overrides refused at construction, as the optimizer would refuse them.
+- :func:`check_overrides`: overrides refused at construction, as the optimizer would refuse them;
+  :func:`merge_overrides`: ``OptimizerSwap``'s ``overrides`` and keyword arguments, checked.
+- :func:`swap_messages` / :func:`set_device_flags`: what a swap says, and the flags that follow
+  the parameters' device.
 
 How hyperparameters carry over (per param group, :func:`carry_param_groups`)
 -----------------------------------------------------------------------------
@@ -56,12 +59,16 @@ __all__ = [
     "optimizer_class",
     "accepted_options",
     "check_overrides",
+    "merge_overrides",
     "carry_param_groups",
     "build_optimizer",
     "swap_optimizer",
     "apply_optimizer_swap",
     "replace_optimizer",
     "embedding_parameters",
+    "kept_32bit_parameters",
+    "swap_messages",
+    "set_device_flags",
 ]
 
 #: The names ``OptimizerSwap`` documents -> class paths (any name of
@@ -182,6 +189,24 @@ def check_overrides(
 
 
 # -- carrying param groups -------------------------------------------------------------------
+def merge_overrides(
+    name: str, overrides: dict[str, Any] | None, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The new optimizer's arguments: ``overrides`` and the keyword arguments (a key given in
+    both is refused), checked by :func:`check_overrides`."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise TypeError(
+            "`overrides` must be a dict of optimizer arguments or None; got "
+            f"{overrides!r} ({type(overrides).__name__})."
+        )
+    both = sorted(set(overrides or {}) & set(kwargs))
+    if both:
+        raise ValueError(f"`overrides`: {both} given both in `overrides` and as keyword arguments.")
+    merged = {**(overrides or {}), **kwargs}
+    check_overrides(name, optimizer_class(name), merged)
+    return merged
+
+
 def _signature_defaults(cls: type | None) -> dict[str, Any]:
     if cls is None:
         return {}
@@ -464,3 +489,57 @@ def embedding_parameters(model: nn.Module) -> list[nn.Parameter]:
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             seen[id(module.weight)] = module.weight
     return list(seen.values())
+
+
+def kept_32bit_parameters(
+    model: nn.Module, name: str, embeddings_32bit: bool
+) -> list[nn.Parameter]:
+    """The tensors a swap to ``name`` keeps 32-bit states for: the :func:`embedding_parameters`
+    of ``model`` for 8-bit names with ``embeddings_32bit``, else none."""
+    if embeddings_32bit and name in EIGHT_BIT_NAMES:
+        return embedding_parameters(model)
+    return []
+
+
+# -- what a swap says, and the flags that follow the device ------------------------------------
+def _params(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
+    return [p for o in optimizers for g in o.param_groups for p in g["params"]]
+
+
+def swap_messages(
+    name: str, swapped: Sequence[Optimizer], overrides: dict[str, Any], dropped: Iterable[str]
+) -> tuple[str | None, list[str]]:
+    """``(no_effect, notes)`` of a swap to ``name`` that built ``swapped`` and ``dropped`` old
+    options: ``no_effect`` when every tensor is under ``min_8bit_size`` for an 8-bit name (its
+    state stays 32-bit), the notes on ``adamw_fused`` off CUDA and on the dropped options."""
+    no_effect, notes = None, []
+    small = (overrides or {}).get("min_8bit_size", DEFAULT_MIN_8BIT_SIZE)
+    sizes = [p.numel() for p in _params(swapped)]
+    if name in EIGHT_BIT_NAMES and sizes and max(sizes) < small:
+        no_effect = (  # e.g. LoRA adapters (issue 39)
+            f"every trainable tensor has fewer than min_8bit_size={small:,} elements (largest "
+            f"{max(sizes):,}): bitsandbytes keeps their state in 32 bits, so "
+            f"{name!r} saves no memory here."
+        )
+    if name == "adamw_fused" and not all(p.is_cuda for p in _params(swapped)):
+        notes.append(
+            "'adamw_fused': parameters are not on CUDA, so AdamW runs with foreach=True "
+            "(same maths) instead of fused."
+        )
+    if dropped:
+        notes.append(
+            f"options of the old optimizer that {name!r} does not take were "
+            f"dropped: {', '.join(sorted(dropped))}."
+        )
+    return no_effect, notes
+
+
+def set_device_flags(name: str, optimizers: Sequence[Optimizer]) -> None:
+    """For ``adamw_fused``, each param group's ``fused`` on CUDA, ``foreach`` elsewhere (a param
+    group restored from a checkpoint replaces the built one as a whole)."""
+    if name != "adamw_fused":
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            on_cuda = all(p.is_cuda for p in group["params"])
+            group["fused"], group["foreach"] = (True, None) if on_cuda else (None, True)

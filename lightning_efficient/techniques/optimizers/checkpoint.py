@@ -16,6 +16,8 @@ __all__ = [
     "describe_swap",
     "fresh_states",
     "portable_state",
+    "make_portable",
+    "swap_entry",
     "reconcile_optimizer_states",
     "swapped_classes",
 ]
@@ -53,6 +55,27 @@ def portable_state(original: Optimizer, swapped: Optimizer) -> dict[str, Any] | 
                 g_orig[key] = g_new[key]
     portable["state"] = {}
     return portable
+
+
+def make_portable(
+    states: list[dict[str, Any]], originals: Sequence[Optimizer], swapped: Sequence[Optimizer]
+) -> None:
+    """Replace, in the checkpoint's ``states``, each swapped optimizer's state by its
+    :func:`portable_state` (the module's own optimizer loads it)."""
+    for i, (orig, new) in enumerate(zip(originals, swapped)):
+        portable = portable_state(orig, new)
+        if portable is not None:
+            states[i] = portable
+
+
+def swap_entry(name: str, swapped: Sequence[Optimizer], in_backward: bool) -> dict[str, Any]:
+    """The swap's own checkpoint entry: what :func:`reconcile_optimizer_states` reads back."""
+    return {
+        "name": name,
+        "classes": swapped_classes(swapped),
+        "optimizer_in_backward": in_backward,
+        "optimizer_states": [o.state_dict() for o in swapped],
+    }
 
 
 def fresh_states(saved: Sequence[dict[str, Any]], swapped: Sequence[Optimizer]) -> list[dict]:

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
 from torch.optim import Optimizer
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice
 from lightning_efficient.measure.optimizer_models import optimizer_class, optimizer_state_bytes
 from lightning_efficient.techniques.optimizers.build import (
-    EIGHT_BIT_NAMES,
     apply_optimizer_swap,
-    check_overrides,
-    embedding_parameters,
     estimate_optimizer,
+    kept_32bit_parameters,
+    merge_overrides,
+    set_device_flags,
+    swap_messages,
 )
 from lightning_efficient.techniques.optimizers.checkpoint import (
-    portable_state,
+    make_portable,
     reconcile_optimizer_states,
-    swapped_classes,
+    swap_entry,
 )
 
 __all__ = ["OptimizerSwap"]
@@ -86,20 +86,8 @@ class OptimizerSwap(Technique):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        if overrides is not None and not isinstance(overrides, dict):
-            raise TypeError(
-                "`overrides` must be a dict of optimizer arguments or None; got "
-                f"{overrides!r} ({type(overrides).__name__})."
-            )
-        both = sorted(set(overrides or {}) & set(kwargs))
-        if both:
-            raise ValueError(
-                f"`overrides`: {both} given both in `overrides` and as keyword arguments."
-            )
-        merged = {**(overrides or {}), **kwargs}
-        check_overrides(name, optimizer_class(name), merged)
+        self.overrides = merge_overrides(name, overrides, kwargs)
         self.optimizer_name = name
-        self.overrides = merged
         self.optimizer_in_backward = check_bool("optimizer_in_backward", optimizer_in_backward)
         self.embeddings_32bit = check_bool("embeddings_32bit", embeddings_32bit)
         self.on_mismatch = check_choice("on_mismatch", on_mismatch, ("error", "reset"))
@@ -108,17 +96,12 @@ class OptimizerSwap(Technique):
         self._loaded_checkpoint: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
 
-    # -- the pure part, bound to this configuration --------------------------------------
-    def _keep_32bit(self, model: nn.Module) -> list[nn.Parameter]:
-        if self.embeddings_32bit and self.optimizer_name in EIGHT_BIT_NAMES:
-            return embedding_parameters(model)
-        return []
-
     def configure_estimate(self, plan: Any) -> None:
         """Swap the estimate's optimizer and switch optimizer-in-backward like the fit would: on
         fake tensors, bitsandbytes and Adafactor run as their estimate-only state models."""
         name = self.optimizer_name
-        plan.optimizer = estimate_optimizer(name, self._keep_32bit(plan.model), self.overrides)
+        keep = kept_32bit_parameters(plan.model, name, self.embeddings_32bit)
+        plan.optimizer = estimate_optimizer(name, keep, self.overrides)
         plan.optimizer_in_backward = self.optimizer_in_backward
         plan.note(
             f"{self.name}: optimizer {name!r}"
@@ -131,7 +114,7 @@ class OptimizerSwap(Technique):
         if not old:
             self.no_effect("the module configured no optimizer; nothing to swap.")
             return
-        keep = self._keep_32bit(pl_module)
+        keep = kept_32bit_parameters(pl_module, self.optimizer_name, self.embeddings_32bit)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         new, dropped = [], set()
         for opt in old:
@@ -153,36 +136,16 @@ class OptimizerSwap(Technique):
             dropped |= set(change.figures["dropped"])
         trainer.optimizers = new
         self._originals, self._swapped = old, new
-        small = (self.overrides or {}).get("min_8bit_size", 4096)  # bitsandbytes' default
-        sizes = [p.numel() for o in new for g in o.param_groups for p in g["params"]]
-        if self.optimizer_name in EIGHT_BIT_NAMES and sizes and max(sizes) < small:
-            self.no_effect(  # e.g. LoRA adapters (issue 39)
-                f"every trainable tensor has fewer than min_8bit_size={small:,} elements (largest "
-                f"{max(sizes):,}): bitsandbytes keeps their state in 32 bits, so "
-                f"{self.optimizer_name!r} saves no memory here."
-            )
+        no_effect, notes = swap_messages(self.optimizer_name, new, self.overrides, dropped)
+        if no_effect is not None:
+            self.no_effect(no_effect)
         self._prepare_restore()
-        if self.optimizer_name == "adamw_fused" and not all(
-            p.is_cuda for o in new for g in o.param_groups for p in g["params"]
-        ):
-            self.note(
-                "'adamw_fused': parameters are not on CUDA, so AdamW runs with foreach=True "
-                "(same maths) instead of fused."
-            )
-        if dropped:
-            self.note(
-                f"options of the old optimizer that {self.optimizer_name!r} does not take were "
-                f"dropped: {', '.join(sorted(dropped))}."
-            )
+        for message in notes:
+            self.note(message)
         self.report(trainer, self._change(), optimizers=len(new))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # a restored param group replaces ours as a whole; keep the device-dependent flags
-        if self.optimizer_name == "adamw_fused":
-            for opt in self._swapped:
-                for group in opt.param_groups:
-                    on_cuda = all(p.is_cuda for p in group["params"])
-                    group["fused"], group["foreach"] = (True, None) if on_cuda else (None, True)
+        set_device_flags(self.optimizer_name, self._swapped)  # a restored group lost them
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self._swapped:
@@ -208,12 +171,7 @@ class OptimizerSwap(Technique):
     def state_dict(self) -> dict[str, Any]:
         if not self._swapped:
             return {}
-        return {
-            "name": self.optimizer_name,
-            "classes": swapped_classes(self._swapped),
-            "optimizer_in_backward": self.optimizer_in_backward,
-            "optimizer_states": [o.state_dict() for o in self._swapped],
-        }
+        return swap_entry(self.optimizer_name, self._swapped, self.optimizer_in_backward)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict) if state_dict else None
@@ -224,12 +182,8 @@ class OptimizerSwap(Technique):
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("optimizer_states")
-        if not states or not self._swapped:
-            return
-        for i, (orig, new) in enumerate(zip(self._originals, self._swapped)):
-            portable = portable_state(orig, new)
-            if portable is not None:
-                states[i] = portable
+        if states and self._swapped:
+            make_portable(states, self._originals, self._swapped)
 
     def _prepare_restore(self) -> None:
         ckpt, entry = self._loaded_checkpoint, self._restored

@@ -1,48 +1,39 @@
-"""Parts 5 and 6 of ``benchmarks/gpu_suite.py``: speed, one lever at a time, and compile.
+"""Part 5 of ``benchmarks/gpu_suite.py``: speed, one lever at a time.
 
-Part 5 (issue 29) is an ablation on TinyGPT at GPT-2 124M shape, micro-batch 8 x 1024: each row
-adds one lever of the package to the row before it, as Lightning runs it, and records tokens/s,
-step time, MFU, the ratio to the plain run, the verdict ``StepProfiler`` gives on that row (the
-next lever, its yaml and expected gain), and for the compile row what ``TorchCompile(scope=
-"auto")`` measured and chose. The effective batch is 16 sequences in every row (2 accumulated
-micro-batches of 8), so the larger micro-batch row (16, no accumulation) keeps the maths. Last,
-the profiler's own cost: the final stack without ``StepProfiler``, against the same stack with it
-(start-to-start: the synchronised wall time of the timed steps, every hook included).
+An ablation (issue 29) on TinyGPT at GPT-2 124M shape, micro-batch 8 x 1024: each row adds one
+lever of the package to the row before it, as Lightning runs it, and records tokens/s, step
+time, MFU (the device's dense bf16 peak from the package's ``measure.flops`` table), the ratio
+to the plain run, the verdict ``StepProfiler`` gives on that row (the next lever, its yaml and
+expected gain), and for the compile row what ``TorchCompile(scope="auto")`` measured and chose.
+The effective batch is 16 sequences in every row (2 accumulated micro-batches of 8), so the
+larger micro-batch row (16, no accumulation) keeps the maths. Last, the profiler's own cost: the
+final stack without ``StepProfiler``, against the same stack with it (start-to-start: the
+synchronised wall time of the timed steps, every hook included).
 
-Part 6 compiles TinyGPT cold three ways (regional, whole model, eager) in one process, and says
-what ``scope="auto"`` would choose from those figures (``choose_scope``).
-
-Imported by the part processes only (``_gpu_parts.PARTS``).
+Run by the suite as ``python benchmarks/_gpu_speed.py --ctx FILE``.
 """
 
 from __future__ import annotations
 
-import gc
-import time
+import sys
 from typing import Any
 
-import torch.nn.functional as F
-from _gpu_parts import (
+from _gpu_common import (
     Ctx,
     Recorder,
-    RunPool,
-    _status,
+    bf16_peak,
     build_model,
+    child_main,
     describe,
     flops_per_token,
     gpt2_dims,
-    peak_bf16,
     pos_params,
     time_skip,
     unique_params,
 )
+from _gpu_run import RunPool, run_status
 
-from lightning_efficient.functional import apply_compile
-from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.techniques.compile import CompileWatch
-from lightning_efficient.techniques.compile.scope import choose_scope
-
-__all__ = ["ABLATION", "part_compile", "part_speed"]
+__all__ = ["ABLATION", "part_speed"]
 
 #: The ablation: (row, what the row adds). Each row keeps every lever of the rows before it.
 ABLATION = [
@@ -111,14 +102,14 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
         "steps; every row runs with StepProfiler() (its verdict: the next lever); on CUDA each "
         "row in a fresh process. The profiler's cost: the last row again without StepProfiler."
     )
-    peak = peak_bf16(ctx.device_name) if ctx.cuda else None
+    peak, source = bf16_peak(ctx.device_name) if ctx.cuda else (None, "")
     if ctx.cuda and peak is None:
-        rec.note(f"no bf16 peak known for {ctx.device_name!r}: MFU not computed")
+        rec.note(f"{source}: MFU not computed")
     model = build_model("tinygpt", dims, "meta")
     fpt = flops_per_token(
         unique_params(model), pos_params(model), dims["n_layer"], dims["n_embd"], seq
     )
-    rec.figure(flops_per_token=fpt, peak_bf16_flops=peak)
+    rec.figure(flops_per_token=fpt, peak_bf16_flops=peak, peak_source=source)
     pool = RunPool(ctx, warm=1 if ctx.cuda else 0)
     last_wall: float | None = None
     specs = _rows_specs(ctx, dims)
@@ -168,7 +159,7 @@ def _timed_row(
         "precision": res.get("precision", spec["precision"]),
         "micro_batch": spec["batch"],
         "accumulate": spec["accumulate"],
-        "status": _status(res),
+        "status": run_status(res),
         "tokens_per_s": res.get("tokens_per_s"),
         "step_s": res.get("step_s"),
         "timed_steps": res.get("timed_steps"),
@@ -237,105 +228,5 @@ def _finish_speed(rec: Recorder) -> None:
         rec.finish("the ablation did not measure the plain run and a lever")
 
 
-# -- part 6: compile -----------------------------------------------------------------------------
-def _compile_variant(
-    variant: str, ctx: Ctx, dims: dict[str, Any], batch: Any, backend: str, bf16: bool
-) -> dict[str, Any]:
-    """One cold compile (or eager) of TinyGPT's training step: compile time, first and steady
-    step time."""
-    import torch._dynamo
-
-    device = torch.device(ctx.device)
-    x, y = batch
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = build_model("tinygpt", dims, ctx.device)
-    names = []
-    if variant != "eager":
-        names = apply_compile(model, regional=variant == "regional", backend=backend).value
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    with CompileWatch() as watch:
-        t0 = time.perf_counter()
-        step()
-        if ctx.cuda:
-            torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        steady = time_fn(step, warmup=2, repeats=ctx.profile["compile_repeats"], device=device)
-    return {
-        "variant": variant,
-        "status": "ok",
-        "modules_compiled": len(names),
-        "compile_s": watch.seconds,
-        "graphs": watch.compiles,
-        "recompiles": watch.recompiles,
-        "first_step_s": first,
-        "steady_step_s": steady,
-    }
-
-
-def part_compile(ctx: Ctx, rec: Recorder) -> None:
-    import torch._inductor.config
-
-    p = ctx.profile
-    dims = gpt2_dims(ctx)
-    batch, seq, backend = p["compile_batch"], dims["seq"], p["compile_backend"]
-    torch._inductor.config.force_disable_caches = True  # every compile is a cold one
-    bf16 = p["compile_precision"] == "bf16-mixed"
-    rec.note(
-        f"TinyGPT {describe(dims)}, batch {batch} x {seq}, "
-        f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW; one training step = forward + "
-        f"cross-entropy + backward + step. Backend {backend}, caches disabled (cold compiles); "
-        f"compile time = Dynamo compile events (CompileWatch); steady step = median of "
-        f"{p['compile_repeats']} (measure.timing.time_fn). One process, variants in this order. "
-        "The auto choice: TorchCompile(scope='auto')'s rule (choose_scope) on these figures."
-    )
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, dims["vocab"], (batch, seq + 1), generator=g).to(ctx.device)
-    data = (tokens[:, :-1], tokens[:, 1:])
-    per_variant = None
-    for variant in ("regional", "whole", "eager"):
-        need = per_variant * 1.5 if per_variant and variant != "eager" else 10.0
-        if ctx.left() < need:
-            basis = f"the last variant took {per_variant:.0f} s" if per_variant else "a guess"
-            rec.row(variant=variant, **time_skip(ctx.left(), need, basis))
-            continue
-        t0 = time.perf_counter()
-        rec.row(**_compile_variant(variant, ctx, dims, data, backend, bf16))
-        per_variant = time.perf_counter() - t0
-        gc.collect()
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    by = {r["variant"]: r for r in rec.data["rows"] if r.get("status") == "ok"}
-    if "eager" in by:
-        for r in by.values():
-            r["speed_vs_eager"] = by["eager"]["steady_step_s"] / r["steady_step_s"]
-    if "regional" in by and "whole" in by and by["whole"]["compile_s"] > 0:
-        t = by["regional"]["compile_s"] / by["whole"]["compile_s"]
-        s = by["whole"]["steady_step_s"] / by["regional"]["steady_step_s"]
-        choice = choose_scope(
-            by["regional"]["steady_step_s"],
-            by["whole"]["steady_step_s"],
-            regional_compile_s=by["regional"]["compile_s"],
-            whole_compile_s=by["whole"]["compile_s"],
-        )
-        rec.figure(
-            regional_compile_over_whole=t,
-            regional_speed_over_whole=s,
-            auto_choice=choice.scope,
-            auto_reason=choice.reason,
-        )
-        rec.finish(
-            f"regional compile takes {t:.2f}x the whole model's compile time and runs at "
-            f"{s:.2f}x its steady speed; scope auto would choose {choice.scope}"
-        )
-    else:
-        rec.finish("regional and whole-model compile not both measured")
+if __name__ == "__main__":
+    sys.exit(child_main(part_speed))

@@ -330,7 +330,7 @@ def _gpt2(seq: int) -> nn.Module:
     import lightning.pytorch as pl
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    class HFGPT2(pl.LightningModule):  # as benchmarks/_gpu_parts.py's
+    class HFGPT2(pl.LightningModule):  # as benchmarks/_gpu_common.py's
         def __init__(self) -> None:
             super().__init__()
             cfg = GPT2Config(n_positions=seq, use_cache=False, bos_token_id=0, eos_token_id=0)

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import environment, save_results, table  # noqa: E402
 
-from lightning_efficient.core._internals import set_compiled_call  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
 from lightning_efficient.techniques.compile import CompileWatch, apply_compile  # noqa: E402
 
@@ -46,14 +45,15 @@ def compile_outer(model: torch.nn.Module, blocks: list[str], backend: str) -> li
     """The variant ``regional+outer`` adds: every module outside the blocks that owns parameters
     (TinyGPT: the two embeddings, the final norm and the head), each compiled in place as a region
     of its own. torch.nn's own layers need a wrapper frame (Dynamo skips theirs), so each is
-    compiled through a function that calls the module."""
+    compiled through a function that calls the module's forward, installed as the instance's
+    ``forward`` (public torch: the module's ``__call__`` runs it)."""
     names = []
     for name, module in model.named_modules():
         inside = any(name == b or name.startswith(b + ".") for b in blocks)
         if name and not inside and any(True for _ in module.parameters(recurse=False)):
             call = module.forward  # hooks are skipped; TinyGPT has none
             compiled = torch.compile(lambda *a, _c=call, **k: _c(*a, **k), backend=backend)
-            set_compiled_call(module, compiled)
+            module.forward = compiled
             names.append(name)
     return names
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _gpu_parts import AC, SWAP8, build_model, build_technique, meta_batch  # noqa: E402
+from _gpu_common import AC, SWAP8, build_model, build_technique, meta_batch  # noqa: E402
 from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.measure.caching_allocator import replay  # noqa: E402

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from _gpu_parts import build_model, meta_batch  # noqa: E402
+from _gpu_common import build_model, meta_batch  # noqa: E402
 from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient import (  # noqa: E402

@@ -30,8 +30,10 @@ Writes ``gpu_<device>.md``, ``.json`` and ``.log`` to ``--out`` (default
 output format and the caps are described in ``benchmarks/README.md``.
 
 This parent process imports no torch for the parts: it starts them, enforces their caps and
-writes the results. The measuring code is ``benchmarks/_gpu_parts.py`` (parts 5 and 6:
-``benchmarks/_gpu_speed.py``).
+writes the results. The parts, their caps and the script each part's process runs are one
+registry, ``benchmarks/_gpu_registry.py`` (standard library only); the measuring code is in those
+scripts (``_gpu_estimate.py``, ``_gpu_batch.py``, ``_gpu_ladder.py``, ``_gpu_speed.py``,
+``_gpu_compile.py``) over ``_gpu_common.py`` and ``_gpu_run.py`` (a real run and its processes).
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,78 +62,19 @@ for _path in (ROOT, HERE):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from _gpu_registry import (  # noqa: E402
+    BUILD_WAIT_S,
+    PARTS,
+    PHASE_A,
+    PHASE_B,
+    Part,
+)
 from _results import environment, fmt_bytes, save_results, table  # noqa: E402
 
 RESULTS = HERE / "results"
 FORMAT_VERSION = 2
 TOTAL_S = 540.0  # 9 minutes, on a cold GPU machine
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Part:
-    number: int
-    key: str
-    title: str
-    cap_s: float  # at the default 540 s budget; scaled with --budget-s
-    min_s: float  # a part is skipped when less than this is left
-    lane: str  # parts in one lane run one after the other; lanes of phase A side by side
-    basis: str  # what the cap is sized from (measured on an H200, issue 30)
-
-
-#: Phase A: lanes side by side (memory and correctness: no part times anything); phase B: the
-#: timed parts, alone, once phase A has ended.
-PHASE_A = ("pytest", "memory", "ladder")
-PHASE_B = "timed"
-PARTS = [
-    Part(1, "pytest", "pytest -m gpu", 60, 15, "pytest", "finished within 45 s"),
-    Part(
-        2,
-        "estimate",
-        "Estimate vs reality",
-        110,
-        25,
-        "memory",
-        "8 rows of 2 estimates and 2 real steps; rows skipped at 70 s",
-    ),
-    Part(
-        3,
-        "batch",
-        "Largest micro-batch within the cap",
-        140,
-        40,
-        "memory",
-        "estimates finished within 140 s (doubled cap); probes side by side, while estimating",
-    ),
-    Part(
-        4,
-        "ladder",
-        "Largest model at batch 1 within the cap",
-        240,
-        60,
-        "ladder",
-        "estimates and the plain run about 60 s, a ZeRO run more than 83 s (stopped there)",
-    ),
-    Part(
-        5,
-        "speed",
-        "Speed: one lever at a time",
-        150,
-        40,
-        "timed",
-        "2 rows finished within 140 s with a 12 s window; 9 rows with 3 s windows estimated "
-        "at about 130 s (not yet run on a GPU)",
-    ),
-    Part(6, "compile", "Compile: regional vs whole model", 75, 30, "timed", "finished within 75 s"),
-]
-BY_KEY = {p.key: p for p in PARTS}
-
-
-def critical_path_s(parts: list[Part] = PARTS) -> float:
-    """The suite's longest time with every part at its cap: the longest lane of phase A, then
-    phase B (DeepSpeed's build runs alongside phase A; part 4's wait for it is extra)."""
-    lane = {name: sum(p.cap_s for p in parts if p.lane == name) for name in PHASE_A}
-    return max(lane.values(), default=0.0) + sum(p.cap_s for p in parts if p.lane == PHASE_B)
 
 
 # -- the shapes of a GPU run and of a dry run ------------------------------------------------------
@@ -433,9 +375,10 @@ class Child:
             )
 
     @classmethod
-    def part(cls, key: str, work: Path) -> Child:
-        ctx_file = work / f"ctx_{key}.json"
-        return cls(key, [sys.executable, __file__, "--child", key, "--ctx", str(ctx_file)], work)
+    def part(cls, part: Part, work: Path) -> Child:
+        """The process of ``part``: its script (``_gpu_registry.PARTS``), waiting for its context."""
+        ctx_file = work / f"ctx_{part.key}.json"
+        return cls(part.key, [sys.executable, str(part.path), "--ctx", str(ctx_file)], work)
 
     def go(self, ctx: dict[str, Any] | None, timeout: float) -> None:
         self.started, self.timeout = time.time(), timeout
@@ -950,21 +893,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the commit the results are of (default: git rev-parse; a copy of the checkout "
         "sent to a GPU machine may carry other git metadata)",
     )
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--ctx", help=argparse.SUPPRESS)
-    p.add_argument("--run-spec", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.child or args.run_spec:
-        import _gpu_parts
-
-        if args.child:
-            return _gpu_parts.child_main(args.child, args.ctx)
-        return _gpu_parts.run_spec_main(args.run_spec, args.result)
     try:
         selected = {int(x) for x in args.parts.split(",") if x.strip()}
     except ValueError:
@@ -1043,7 +976,6 @@ def main(argv: list[str] | None = None) -> int:
         """Part 4's extra time: DeepSpeed's build after the part started (at most its wait)."""
         if part.key != "ladder" or build is None:
             return None
-        from _gpu_parts import BUILD_WAIT_S
 
         def grace() -> float:
             end = build.ended_at() or time.time()
@@ -1084,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.dry_run and part.key in DRY_CAPS:
                 ctx["cap_bytes"] = DRY_CAPS[part.key]
             entry["cap_bytes"] = ctx["cap_bytes"] if part.key in DRY_CAPS else None
-            child = children.pop(part.key, None) or Child.part(part.key, work)
+            child = children.pop(part.key, None) or Child.part(part, work)
             child.go(ctx, timeout)
             entry.update(finish_part(child, log, grace_of(part, child.started)))
         entry["seconds"] = time.time() - child.started
@@ -1104,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
         # every part's process starts now and imports while it waits for its turn
         for part in chosen:
             if part.key != "pytest":
-                children[part.key] = Child.part(part.key, work)
+                children[part.key] = Child.part(part, work)
         threads = [threading.Thread(target=lane, args=(n,), name=n) for n in PHASE_A]
         for t in threads:
             t.start()

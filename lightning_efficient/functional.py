@@ -4,7 +4,7 @@ One verb style: ``apply_*`` changes a module, an optimizer, a loader or the proc
 returns a ``Change`` (``core/change.py``): ``what`` it did, its ``figures``, the ``value`` to
 work with next (the names wrapped, the new optimizer or loader) and ``undo()``; ``with
 apply_x(...) as change:`` undoes on leaving the block. Next to them: the measurements and
-decisions that pick the arguments (``rank_blocks``, ``blocks_for_budget``,
+decisions that pick the arguments (``find_repeated_blocks``, ``rank_blocks``, ``blocks_for_budget``,
 ``largest_fitting_batch``, ``tune_num_workers``, ...), what a training loop of one's own calls
 each step (``sequence_length_at``/``cut_batch``, ``micro_batch_step``, ``PlateauTracker``,
 ``DivergenceDetector``), the samplers, and the ZeRO checkpoint tools.
@@ -16,6 +16,7 @@ Every other helper stays importable from its module (e.g. ``format_bytes`` from
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.optimizer_models import optimizer_state_bytes
+from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -72,6 +73,7 @@ __all__ = [
     "checkpointed_blocks",
     "compiled_modules",
     # measurements and decisions that pick the arguments
+    "find_repeated_blocks",
     "rank_blocks",
     "blocks_for_budget",
     "largest_fitting_batch",

@@ -17,9 +17,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: Files allowed to write JSON themselves, and why.
 ALLOWED = {
     "_results.py": "the one place the .md/.json pair is written",
-    "_gpu_parts.py": "device-side part files handed back to gpu_suite.py",
+    "_gpu_common.py": "device-side part files handed back to gpu_suite.py (the Recorder)",
+    "_gpu_run.py": "a real run's spec and result files, between a part and its run process",
     "gpu_suite.py": "the context file handed to a device-side child (results go through _results)",
     "make_index.py": "reads the results files and writes docs/index.md (no results of its own)",
+    "charts.py": "reads the results files and draws docs/img (no results of its own)",
 }
 
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name not in ALLOWED)

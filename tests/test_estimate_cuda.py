@@ -22,7 +22,7 @@ if str(BENCH) not in sys.path:
 
 pytest.importorskip("transformers")
 
-from _gpu_parts import AC, SWAP8, build_model, meta_batch  # noqa: E402
+from _gpu_common import AC, SWAP8, build_model, meta_batch  # noqa: E402
 
 from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.targets import DeviceTarget  # noqa: E402

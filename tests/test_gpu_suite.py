@@ -122,7 +122,9 @@ def test_caps_fit_the_budget(suite) -> None:
     """Nine minutes: the longest lane of the parts side by side, then the timed parts alone, with
     room left for waiting on DeepSpeed's build."""
     assert suite.TOTAL_S == 540
-    assert suite.critical_path_s() <= suite.TOTAL_S - 60, suite.critical_path_s()
+    registry = sys.modules["_gpu_registry"]  # what the suite imported
+    assert suite.PARTS is registry.PARTS  # the suite starts the registry's parts
+    assert registry.critical_path_s() <= suite.TOTAL_S - 60, registry.critical_path_s()
     assert [p.key for p in suite.PARTS] == KEYS
     assert all(0 < p.min_s < p.cap_s and p.basis for p in suite.PARTS)
     assert {p.lane for p in suite.PARTS} == {*suite.PHASE_A, suite.PHASE_B}
@@ -290,19 +292,58 @@ def test_markdown_renders_every_part_shape(suite) -> None:
     assert "| 41 (not settled) |" in text and "- plain: 6 ok 1 B / 2 B; 14 oom (7 s)" in text
 
 
-def test_mfu_peaks_and_flops() -> None:
-    parts = _load("_gpu_parts")
-    assert parts.peak_bf16("NVIDIA H200") == 989.4e12
-    assert parts.peak_bf16("NVIDIA H100 PCIe") == 756.0e12
-    assert parts.peak_bf16("NVIDIA H100 80GB HBM3") == 989.4e12
-    assert parts.peak_bf16("NVIDIA A100-SXM4-80GB") == 312.0e12
-    assert parts.peak_bf16("Tesla T4") is None
-    # GPT-2 124M as TinyGPT: 124,439,808 parameters, 786,432 of them the position embedding
-    dims = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}
-    model = parts.build_model("tinygpt", dims, "meta")
-    n, pos = parts.unique_params(model), parts.pos_params(model)
-    assert (n, pos) == (124_439_808, 786_432)
-    assert parts.flops_per_token(n, pos, 12, 768, 1024) == 6 * (n - pos) + 12 * 12 * 768 * 1024
+def test_mfu_uses_the_package_peaks_and_flops() -> None:
+    """The suite's MFU divides by the package's peak table (no copy of it) and its FLOPs per
+    token agree with the package's FLOP counter on the dry run's model."""
+    import torch
+
+    from lightning_efficient.measure.flops import GPU_PEAKS, count_flops, gpu_peak
+
+    common = _load("_gpu_common")
+    for key, peaks in GPU_PEAKS.items():
+        name = f"NVIDIA {key}"
+        got, source = common.bf16_peak(name)
+        assert (got, source) == (gpu_peak(name, "bf16") or (None, source)), name
+        assert (got is None) == ("bf16" not in peaks), name
+    assert common.bf16_peak("a made-up accelerator")[0] is None
+    dims = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 512, "seq": 64}
+    model = common.build_model("tinygpt", dims, "cpu")
+    n, pos = common.unique_params(model), common.pos_params(model)
+    assert 0 < pos < n
+    per_token = common.flops_per_token(n, pos, dims["n_layer"], dims["n_embd"], dims["seq"])
+    ids = torch.zeros(2, dims["seq"], dtype=torch.long)
+    counted = count_flops(model, (ids, ids)).step / ids.numel()
+    assert abs(per_token / counted - 1) < 0.02, (per_token, counted)
+
+
+def test_every_part_runs_a_script_of_its_own() -> None:
+    """One registry: each part but pytest names the script its process runs, and that script
+    hands a part function of its own module to ``child_main`` (no other table of parts)."""
+    import ast
+    import inspect
+
+    registry = _load("_gpu_registry")
+    scripts = [p for p in registry.PARTS if p.script]
+    assert [p.key for p in registry.PARTS if not p.script] == ["pytest"]
+    assert len({p.script for p in scripts}) == len(scripts)
+    for part in scripts:
+        tree = ast.parse(part.path.read_text())
+        mains = [
+            n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)
+        ]
+        called = [
+            c.args[0].id
+            for m in mains
+            for c in ast.walk(m)
+            if isinstance(c, ast.Call)
+            and getattr(c.func, "id", None) == "child_main"
+            and isinstance(c.args[0], ast.Name)
+        ]
+        assert len(called) == 1, part.script
+        module = _load(part.path.stem)
+        run = getattr(module, called[0])
+        assert inspect.isfunction(run) and run.__module__ == module.__name__, part.script
+        assert list(inspect.signature(run).parameters) == ["ctx", "rec"], part.script
 
 
 def test_gpu_tests_skip_without_torchao_and_nbformat(suite, tmp_path) -> None:

@@ -1,0 +1,121 @@
+"""The GPU suite's one registry of parts: what each part is, its caps, and the file its process
+runs.
+
+Standard library only: ``gpu_suite.py`` (the parent) reads it without importing torch before it
+starts its children. A part with a ``script`` runs as ``python benchmarks/<script> --ctx FILE``
+(the script's ``__main__`` hands its part function to ``_gpu_common.child_main``); part 1 runs
+pytest instead. Modules import downward only:
+
+    _gpu_registry, _gpu_search, _results        (standard library / no package)
+    _gpu_common   context, recorder, models, the suite's MFU peak, a part's process
+    _gpu_run      a real training run and the pool of processes that run them
+    _gpu_estimate, _gpu_batch, _gpu_ladder      parts 2-4 (memory)
+    _gpu_speed, _gpu_compile                    parts 5-6 (timed)
+    gpu_suite                                   the parent: starts, caps, writes the results
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "BUILD_WAIT_S",
+    "BY_KEY",
+    "HERE",
+    "PARTS",
+    "PHASE_A",
+    "PHASE_B",
+    "Part",
+    "critical_path_s",
+]
+
+HERE = Path(__file__).resolve().parent
+
+#: The longest part 4 waits for DeepSpeed's build (not charged to its cap).
+BUILD_WAIT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Part:
+    number: int
+    key: str
+    title: str
+    cap_s: float  # at the default 540 s budget; scaled with --budget-s
+    min_s: float  # a part is skipped when less than this is left
+    lane: str  # parts in one lane run one after the other; lanes of phase A side by side
+    basis: str  # what the cap is sized from (measured on an H200, issue 30)
+    script: str | None = None  # the file in benchmarks/ a part's process runs (None: pytest)
+
+    @property
+    def path(self) -> Path | None:
+        """The script's path, or ``None`` for the pytest part."""
+        return HERE / self.script if self.script else None
+
+
+#: Phase A: lanes side by side (memory and correctness: no part times anything); phase B: the
+#: timed parts, alone, once phase A has ended.
+PHASE_A = ("pytest", "memory", "ladder")
+PHASE_B = "timed"
+PARTS = [
+    Part(1, "pytest", "pytest -m gpu", 60, 15, "pytest", "finished within 45 s"),
+    Part(
+        2,
+        "estimate",
+        "Estimate vs reality",
+        110,
+        25,
+        "memory",
+        "8 rows of 2 estimates and 2 real steps; rows skipped at 70 s",
+        "_gpu_estimate.py",
+    ),
+    Part(
+        3,
+        "batch",
+        "Largest micro-batch within the cap",
+        140,
+        40,
+        "memory",
+        "estimates finished within 140 s (doubled cap); probes side by side, while estimating",
+        "_gpu_batch.py",
+    ),
+    Part(
+        4,
+        "ladder",
+        "Largest model at batch 1 within the cap",
+        240,
+        60,
+        "ladder",
+        "estimates and the plain run about 60 s, a ZeRO run more than 83 s (stopped there)",
+        "_gpu_ladder.py",
+    ),
+    Part(
+        5,
+        "speed",
+        "Speed: one lever at a time",
+        150,
+        40,
+        "timed",
+        "2 rows finished within 140 s with a 12 s window; 9 rows with 3 s windows estimated "
+        "at about 130 s (not yet run on a GPU)",
+        "_gpu_speed.py",
+    ),
+    Part(
+        6,
+        "compile",
+        "Compile: regional vs whole model",
+        75,
+        30,
+        "timed",
+        "finished within 75 s",
+        "_gpu_compile.py",
+    ),
+]
+BY_KEY = {p.key: p for p in PARTS}
+
+
+def critical_path_s(parts: list[Part] = PARTS) -> float:
+    """The suite's longest time with every part at its cap: the longest lane of phase A, then
+    phase B (DeepSpeed's build runs alongside phase A; part 4's wait for it is extra)."""
+    lane = {name: sum(p.cap_s for p in parts if p.lane == name) for name in PHASE_A}
+    return max(lane.values(), default=0.0) + sum(p.cap_s for p in parts if p.lane == PHASE_B)

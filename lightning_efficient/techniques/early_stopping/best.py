@@ -102,8 +102,9 @@ class BestWeights:
         """Load the best weights (of optimizer step ``step``) into ``module``; returns where
         they came from, ``""`` when nothing holds them. Every rank must call it. Without a file
         noted (a checkpoint written before files were noted), ``callback``'s best file is read
-        and used when its step is ``step``."""
+        and used when its step is ``step``. A best still pending is settled first."""
         strategy, state = trainer.strategy, None
+        self.settle(strategy, module, callback)
         if self.weights is not None:
             source = "host copy"
         else:

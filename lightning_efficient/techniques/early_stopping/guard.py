@@ -10,6 +10,12 @@ import torch
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
+from lightning_efficient.techniques.early_stopping.decisions import (
+    guard_summary,
+    snapshot_due,
+    trip_action,
+    trip_message,
+)
 from lightning_efficient.techniques.early_stopping.functions import (
     DivergenceDetector,
     check_half_life,
@@ -137,9 +143,7 @@ class DivergenceGuard(Technique):
         self.detector.accept(loss, norm)
         self.watched += 1
         step = trainer.global_step
-        if self.action == "rollback" and (
-            self._snapshot is None or step % self.snapshot_every == 0
-        ):
+        if snapshot_due(self.action, self._snapshot is not None, step, self.snapshot_every):
             # the weights of this step just gave a good loss: a verified-good state to return to
             old = self._snapshot
             weights = host_copy(pl_module.state_dict(), into=old[1] if old else None)
@@ -189,11 +193,9 @@ class DivergenceGuard(Technique):
     def _trip(self, trainer: Any, pl_module: Any, value: float, reason: str) -> None:
         drop_gradients(trainer.optimizers)
         step = trainer.global_step
-        action = self.action
-        if len(self.trips) + 1 >= self.max_trips:
-            action = "stop"
-        if action == "rollback" and self._snapshot is None:
-            action = "skip"  # nothing kept yet to go back to
+        action = trip_action(
+            self.action, len(self.trips), self.max_trips, self._snapshot is not None
+        )
         if action == "stop":
             trainer.should_stop = True
         elif action == "rollback":
@@ -202,29 +204,12 @@ class DivergenceGuard(Technique):
             self.cooldown_left = self.cooldown_steps
             action = f"rollback to step {snap_step}"
         self.trips.append({"step": step, "value": value, "reason": reason, "action": action})
-        capped = action == "stop" and self.action != "stop"
-        extra = f" (max_trips={self.max_trips} reached)" if capped else ""
-        self.warn(f"step {step}: {reason} -> {action}{extra}.")
+        self.warn(trip_message(step, reason, action, self.action, self.max_trips))
 
     # -- report and state -------------------------------------------------------------------
     def _report(self, trainer: Any) -> None:
-        n = len(self.trips)
-        if n == 0:
-            change = f"watched {self.watched} steps: no trip (action {self.action})"
-        else:
-            shown = "; ".join(
-                f"step {t['step']} {t['reason']} -> {t['action']}" for t in self.trips[:3]
-            )
-            change = f"{n} trip{'s' if n > 1 else ''}: {shown}" + ("; ..." if n > 3 else "")
-        rollbacks = sum(t["action"].startswith("rollback") for t in self.trips)
-        self.report(
-            trainer,
-            change,
-            trips=n,
-            updates_dropped=n,
-            rollbacks=rollbacks,
-            steps_watched=self.watched,
-        )
+        change, figures = guard_summary(self.trips, self.watched, self.action)
+        self.report(trainer, change, **figures)
 
     def state_dict(self) -> dict[str, Any]:
         return {

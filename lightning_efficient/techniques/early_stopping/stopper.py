@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
-import torch
-
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
+from lightning_efficient.core.validate import check_bool, check_int
 from lightning_efficient.measure.tokens import batch_counts
 from lightning_efficient.techniques.early_stopping.best import BestWeights, not_kept_message
+from lightning_efficient.techniques.early_stopping.decisions import (
+    Budgets,
+    best_checkpoint_callback,
+    check_due,
+    check_monitor,
+    missing_metric_warning,
+    no_check_message,
+    plateau_tracker,
+    reduce_over_ranks,
+    seconds_per_step,
+    stops_now,
+)
 from lightning_efficient.techniques.early_stopping.functions import (
-    MODES,
-    PlateauTracker,
-    budget_reason,
-    check_half_life,
-    matching_checkpoint,
-    missing_metric_message,
     parse_count,
     parse_duration,
     stop_summary,
@@ -82,51 +85,47 @@ class EarlyStopper(Technique):
         check_finite: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(monitor, str) or not monitor:
-            raise TypeError(f"`monitor` must be a metric name (a non-empty str); got {monitor!r}.")
-        self.monitor = monitor
-        self.mode = check_choice("mode", mode, MODES)
-        self.patience = check_int("patience", patience, minimum=0)
-        self.min_delta = check_float("min_delta", min_delta, minimum=0.0)
-        self.relative_delta = check_bool("relative_delta", relative_delta)
+        self.monitor = check_monitor(monitor)
+        self.tracker = t = plateau_tracker(
+            mode, patience, min_delta, relative_delta, stopping_threshold, half_life, check_finite
+        )
+        self.mode, self.patience, self.min_delta = t.mode, t.patience, t.min_delta
+        self.relative_delta, self.half_life = t.relative, t.half_life
+        self.stopping_threshold, self.check_finite = t.stopping_threshold, t.check_finite
         self.check_every_n_steps = check_int(
             "check_every_n_steps", check_every_n_steps, minimum=1, allow_none=True
         )
         self.min_steps = check_int("min_steps", min_steps, minimum=0)
-        self.stopping_threshold = check_float(
-            "stopping_threshold", stopping_threshold, allow_none=True
-        )
-        self.half_life = check_half_life(half_life, "checks")
         self.max_time = max_time
         self.max_time_s = parse_duration(max_time, "max_time")
         self.max_tokens = parse_count(max_tokens, "max_tokens")
         self.max_samples = parse_count(max_samples, "max_samples")
         self.restore_best = check_bool("restore_best", restore_best)
         self.strict = check_bool("strict", strict)
-        self.check_finite = check_bool("check_finite", check_finite)
-        self.tracker = PlateauTracker(
-            self.mode, self.min_delta, self.relative_delta, self.patience, self.half_life,
-            self.stopping_threshold, self.check_finite,
-        )  # fmt: skip
-        self.tokens = self.samples = 0
-        self.elapsed_s = 0.0
+        self.budgets = Budgets(self.max_time_s, self.max_tokens, self.max_samples)
         self.stopped_step: int | None = None
         self.stop_reason: str | None = None
         self._best = BestWeights()
-        self._pending = [0, 0]  # local tokens and samples since the last budget check
         self._last_step = self._first_step = self._last_checked = -1
-        self._train_start: float | None = None
         self._restored_from = ""
 
     @property
     def state_key(self) -> str:
         return f"{type(self).__qualname__}{ {'monitor': self.monitor, 'mode': self.mode}!r}"
 
+    @property
+    def tokens(self) -> int:  # counted so far, summed over the ranks and resumed runs
+        return self.budgets.tokens
+
+    @property
+    def samples(self) -> int:  # counted so far, summed over the ranks and resumed runs
+        return self.budgets.samples
+
     # -- hooks ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.stopped_step, self.stop_reason, self._restored_from = None, None, ""
         self._best.last = None
-        self._train_start = time.monotonic()
+        self.budgets.started = time.monotonic()
         self._first_step = self._last_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
@@ -134,20 +133,18 @@ class EarlyStopper(Technique):
         self._best.settle(trainer.strategy, pl_module, self._checkpoint_callback(trainer))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        n, step = self.check_every_n_steps, trainer.global_step
-        if n is not None and (step + 1) % n == 0 and step != self._last_checked:
-            self._last_checked = step  # once per step, whatever the number of optimizers
+        if check_due(trainer.global_step, self.check_every_n_steps, self._last_checked):
+            self._last_checked = trainer.global_step
             self._check(trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.max_tokens is not None or self.max_samples is not None:
-            samples, tokens = batch_counts(batch)
-            self._pending = [self._pending[0] + (tokens or 0), self._pending[1] + samples]
+        if self.budgets.counts_batches:
+            self.budgets.add(*batch_counts(batch))
         if trainer.global_step != self._last_step:  # not inside an accumulation window
             self._last_step = trainer.global_step
-            if self.max_time_s or self.max_tokens or self.max_samples:
+            if self.budgets.any:
                 self._check_budgets(trainer)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
@@ -172,48 +169,23 @@ class EarlyStopper(Technique):
         super().teardown(trainer, pl_module, stage)
 
     # -- decisions and best weights ---------------------------------------------------------
-    def _reduce(self, trainer: Any, values: list[float], op: str) -> list[float]:
-        """The same numbers on every rank: the ranks' sum or mean (a no-op on one process)."""
-        strategy = trainer.strategy
-        local = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
-        return strategy.reduce(local, reduce_op=op).cpu().tolist()
-
     def _check_budgets(self, trainer: Any) -> None:
-        now = self.elapsed_s + time.monotonic() - (self._train_start or time.monotonic())
-        tokens, samples, elapsed = self._reduce(trainer, [*self._pending, now], "sum")
-        self._pending = [0, 0]
-        self.tokens += int(tokens)
-        self.samples += int(samples)
-        elapsed /= max(1, trainer.world_size)  # the ranks' mean clock: the same everywhere
-        reason = budget_reason(
-            elapsed, self.tokens, self.samples, max_time_s=self.max_time_s,
-            max_tokens=self.max_tokens, max_samples=self.max_samples,
-        )  # fmt: skip
+        summed = reduce_over_ranks(trainer.strategy, self.budgets.local(time.monotonic()), "sum")
+        reason = self.budgets.spend(summed, trainer.world_size)
         if reason is not None:
             self._stop(trainer, reason)
 
-    def _value(self, trainer: Any) -> float | None:
-        metrics = trainer.callback_metrics
-        if self.monitor in metrics:
-            return self._reduce(trainer, [float(metrics[self.monitor])], "mean")[0]
-        message = missing_metric_message(
-            self.monitor, list(metrics), trainer.global_step, self.check_every_n_steps
-        )
-        if self.strict:
-            raise ValueError(message + " (or strict=False to skip checks without it).")
-        self.warn(message + "; checks without it are skipped (strict=False).")
-        return None
-
     def _check(self, trainer: Any, pl_module: Any) -> None:
-        value = self._value(trainer)
-        if value is None:
+        metrics, step = trainer.callback_metrics, trainer.global_step
+        if self.monitor not in metrics:
+            logged, every = list(metrics), self.check_every_n_steps
+            self.warn(missing_metric_warning(self.monitor, logged, step, every, self.strict))
             return
-        step = trainer.global_step
+        value = reduce_over_ranks(trainer.strategy, [float(metrics[self.monitor])], "mean")[0]
         improved, reason = self.tracker.observe(value, step)
         if improved and self.restore_best:
             self._best.improved(pl_module, self._checkpoint_callback(trainer))
-        non_finite = self.check_finite and not math.isfinite(value)
-        if reason is not None and (non_finite or step >= self.min_steps):
+        if stops_now(reason, value, step, self.min_steps, self.check_finite):
             self._stop(trainer, f"{self.monitor}: {reason}")
 
     def _stop(self, trainer: Any, reason: str) -> None:
@@ -223,57 +195,37 @@ class EarlyStopper(Technique):
 
     def _checkpoint_callback(self, trainer: Any) -> Any:
         """A ModelCheckpoint whose best file may hold the weights of our best check, or None."""
-        if self.half_life is not None or self.min_delta or self.check_every_n_steps is not None:
-            return None  # our best and its best can be different checks
-        callbacks = getattr(trainer, "checkpoint_callbacks", [])
-        return matching_checkpoint(callbacks, self.monitor, self.mode)
+        callbacks, every = getattr(trainer, "checkpoint_callbacks", []), self.check_every_n_steps
+        return best_checkpoint_callback(callbacks, self.monitor, self.tracker, every)
 
     def _restore_best(self, trainer: Any, pl_module: Any) -> None:
         if not self.restore_best or self.tracker.best is None or self._restored_from:
             return
         cb, step = self._checkpoint_callback(trainer), self.tracker.best_step
-        self._best.settle(trainer.strategy, pl_module, cb)
         self._restored_from = self._best.restore(trainer, pl_module, step, cb)
         if not self._restored_from:
             self.warn(not_kept_message(step))
 
     # -- report and state -------------------------------------------------------------------
     def _report(self, trainer: Any) -> None:
-        t = self.tracker
-        if t.checks == 0 and self.stopped_step is None:
-            when = f"every {self.check_every_n_steps} steps" if self.check_every_n_steps else ""
-            self.no_effect(
-                f"no check of {self.monitor!r} ran ({when or 'at validation end'}) and no budget "
-                "was spent; training was not shortened."
-            )
+        if self.tracker.checks == 0 and self.stopped_step is None:
+            self.no_effect(no_check_message(self.monitor, self.check_every_n_steps))
             self.report(trainer, f"no effect: no check of {self.monitor} ran")
             return
         total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        per_step = None
         done = (self.stopped_step or 0) - self._first_step
-        if self._train_start is not None and done > 0:
-            per_step = (time.monotonic() - self._train_start) / done
+        per_step = seconds_per_step(self.budgets.started, time.monotonic(), done)
         change, figures = stop_summary(
-            self.monitor, t, stopped_step=self.stopped_step, reason=self.stop_reason,
+            self.monitor, self.tracker, stopped_step=self.stopped_step, reason=self.stop_reason,
             total_steps=total, restored_from=self._restored_from, seconds_per_step=per_step,
         )  # fmt: skip
         self.report(trainer, change, **figures)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "tracker": self.tracker.state(),
-            "tokens": self.tokens,
-            "samples": self.samples,
-        }
-        if self.max_time_s is not None:  # wall time is state only when it decides something
-            since = time.monotonic() - self._train_start if self._train_start else 0.0
-            state["elapsed_s"] = self.elapsed_s + since
-        state.update(self._best.state())
-        return state
+        budgets = self.budgets.state(time.monotonic())
+        return {"tracker": self.tracker.state(), **budgets, **self._best.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tracker.load(state_dict.get("tracker", {}))
-        self.tokens = int(state_dict.get("tokens", 0))
-        self.samples = int(state_dict.get("samples", 0))
-        self.elapsed_s = float(state_dict.get("elapsed_s", 0.0))
+        self.budgets.load(state_dict)
         self._best.load(state_dict)

@@ -75,6 +75,10 @@ class Case:
     def make(self) -> Any:
         return self.cls(**self.init_args)
 
+    def given(self, model: Any) -> Any:
+        """The module as its user gives it to the fit (as built, unless a case says otherwise)."""
+        return model
+
     def fit(self, tmp_path: Any, *, with_technique: bool = True, callbacks: Any = (), **kw: Any):
         trainer_kwargs = {**self.trainer_kwargs, **kw}
         extra = list(callbacks)
@@ -566,6 +570,12 @@ class _FreezeBlocks(pl.Callback):
 
 
 class _FrozenBlocksCase(Case):
+    def given(self, model: Any) -> Any:
+        """The module as its user gives it: the blocks frozen (the fine-tuning setting)."""
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.startswith("blocks."))
+        return model
+
     def fit(self, tmp_path: Any, *, with_technique: bool = True, callbacks: Any = (), **kw: Any):
         extra = [*callbacks, _FreezeBlocks()]
         return super().fit(tmp_path, with_technique=with_technique, callbacks=extra, **kw)
@@ -1007,6 +1017,7 @@ def test_every_change_goes_through_the_one_log(case: Case, tmp_path) -> None:
     undo path). Strategies undo their changes in their ``teardown``, which Lightning calls on
     every path (``core/environ.py``); the raise test above checks them."""
     model, data = tiny_model(), tiny_data(**RAISE_DATA)
+    model = case.given(model)
     given = Snapshot.take(model, data)
     raiser = _RaiseAt(2, RuntimeError, through_the_log=data)
     with pytest.raises(RuntimeError):

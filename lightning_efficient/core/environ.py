@@ -6,7 +6,7 @@ test's child) would inherit them, think it was launched already (``LOCAL_RANK``)
 peers. Strategies snapshot the variables before the launch (at construction: the launch writes
 them before any strategy hook runs) and put them back with the ``Change`` of
 ``launcher_environ_change``, undone in their ``teardown``, which Lightning calls on every path
-(``trainer._teardown()`` after a fit, on an exception and on ``KeyboardInterrupt``; a callback's
+(the trainer's own teardown, after a fit, on an exception and on ``KeyboardInterrupt``; a callback's
 ``teardown``, by contrast, is skipped when a fit raises).
 """
 

@@ -250,7 +250,7 @@ class _Tokens(torch.utils.data.Dataset):
 def test_litgpt_lora_learns_under_the_techniques_that_estimate(technique: str, tmp_path) -> None:
     """The fake-tensor paths of a fit (checkpointing's budget mode, AutoEfficient's plan): the
     LoRA weights after 3 steps are the plain run's, and lora_B moved from 0 (issue 39)."""
-    from lightning_efficient.techniques import ActivationCheckpointing, AutoEfficient
+    from lightning_efficient import ActivationCheckpointing, AutoEfficient
 
     rows = torch.randint(0, 100, (6, 17), generator=torch.Generator().manual_seed(1))
     made = {

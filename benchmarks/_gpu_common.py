@@ -1,7 +1,7 @@
 """What every part process of ``benchmarks/gpu_suite.py`` shares: the context a part is given
 (``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config),
 the instrument's estimate of a spec, the suite's MFU terms (the device's bf16 peak from the
-package's ``measure.flops`` table, FLOPs per token), and ``child_main``, which runs one part in
+package's ``measure.speed.flops`` table, FLOPs per token), and ``child_main``, which runs one part in
 its own process (``python benchmarks/<part script> --ctx FILE``; the scripts are named in
 ``_gpu_registry.PARTS``).
 
@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 import lightning_efficient as le  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.flops import gpu_peak  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.speed.flops import gpu_peak  # noqa: E402
 
 __all__ = [
     "AC",
@@ -64,7 +64,7 @@ __all__ = [
 
 def bf16_peak(device_name: str) -> tuple[float | None, str]:
     """``(dense bf16 peak FLOP/s or None, source)`` of a GPU by its name: the package's table
-    (``measure.flops.gpu_peak``, which ``peak_flops`` reads for a CUDA device)."""
+    (``measure.speed.flops.gpu_peak``, which ``peak_flops`` reads for a CUDA device)."""
     found = gpu_peak(device_name, "bf16")
     return found if found is not None else (None, f"no bf16 peak known for {device_name!r}")
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _gpu_common import Ctx, Recorder, build_model, child_main, describe, gpt2_dims, time_skip
 
 from lightning_efficient.functional import apply_compile
-from lightning_efficient.measure.timing import time_fn
+from lightning_efficient.measure.speed.timing import time_fn
 from lightning_efficient.techniques.compile import CompileWatch
 from lightning_efficient.techniques.compile.scope import choose_scope
 
@@ -80,7 +80,7 @@ def part_compile(ctx: Ctx, rec: Recorder) -> None:
         f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW; one training step = forward + "
         f"cross-entropy + backward + step. Backend {backend}, caches disabled (cold compiles); "
         f"compile time = Dynamo compile events (CompileWatch); steady step = median of "
-        f"{p['compile_repeats']} (measure.timing.time_fn). One process, variants in this order. "
+        f"{p['compile_repeats']} (measure.speed.timing.time_fn). One process, variants in this order. "
         "The auto choice: TorchCompile(scope='auto')'s rule (choose_scope) on these figures."
     )
     g = torch.Generator().manual_seed(0)

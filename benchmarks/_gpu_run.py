@@ -39,8 +39,8 @@ from _results import QUIET_TRAINER
 
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
-from lightning_efficient.measure.peak import PeakMemory
-from lightning_efficient.measure.trial import is_out_of_memory
+from lightning_efficient.measure.memory.peak import PeakMemory
+from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.precision import resolve_precision
 
 __all__ = ["Clock", "Run", "RunPool", "real_fit", "run_real", "run_spec_main", "run_status"]

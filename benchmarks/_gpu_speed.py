@@ -2,7 +2,7 @@
 
 An ablation (issue 29) on TinyGPT at GPT-2 124M shape, micro-batch 8 x 1024: each row adds one
 lever of the package to the row before it, as Lightning runs it, and records tokens/s, step
-time, MFU (the device's dense bf16 peak from the package's ``measure.flops`` table), the ratio
+time, MFU (the device's dense bf16 peak from the package's ``measure.speed.flops`` table), the ratio
 to the plain run, the verdict ``StepProfiler`` gives on that row (the next lever, its yaml and
 expected gain), and for the compile row what ``TorchCompile(scope="auto")`` measured and chose.
 The effective batch is 16 sequences in every row (2 accumulated micro-batches of 8), so the

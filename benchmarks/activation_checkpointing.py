@@ -42,9 +42,9 @@ from lightning_efficient.functional import (  # noqa: E402
     apply_activation_checkpointing,
     blocks_for_budget,
 )
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.timing import time_fn  # noqa: E402
-from lightning_efficient.measure.track import measure_step  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
+from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
     remove_activation_checkpointing,
 )

@@ -32,7 +32,7 @@ from _results import environment, provenance, save_results, table  # noqa: E402
 from planner import gpt2, lm_loss  # noqa: E402  (the planner benchmark's GPT-2 and its loss)
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
-from lightning_efficient.measure.targets import resolve_target  # noqa: E402
+from lightning_efficient.measure.memory.targets import resolve_target  # noqa: E402
 from lightning_efficient.planning.fit import (  # noqa: E402
     estimate_measure,
     ladder_for,

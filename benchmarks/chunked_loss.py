@@ -56,11 +56,11 @@ from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.measure.allocator import allocator_step_peak  # noqa: E402
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.allocator import allocator_step_peak  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
+from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
 from lightning_efficient.measure.step import loss_of  # noqa: E402
-from lightning_efficient.measure.timing import time_fn  # noqa: E402
-from lightning_efficient.measure.track import measure_step  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch  # noqa: E402
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy  # noqa: E402

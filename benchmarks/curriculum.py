@@ -56,7 +56,7 @@ from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.core.report import report_for  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.timing import time_fn  # noqa: E402
+from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
 from lightning_efficient.techniques.compile import TorchCompile  # noqa: E402
 from lightning_efficient.techniques.curriculum import Curriculum, SequenceLengthWarmup  # noqa: E402
 

@@ -54,7 +54,7 @@ from lightning_efficient.functional import (
     LengthBucketSampler,
     padding_stats,
 )
-from lightning_efficient.measure.timing import StepTimer  # noqa: E402
+from lightning_efficient.measure.speed.timing import StepTimer  # noqa: E402
 from lightning_efficient.techniques.dataloading import (  # noqa: E402
     DataLoaderTuning,
     DevicePreload,

@@ -2,7 +2,7 @@
 
 For each model (random init, built from small configs, no download) two real training steps'
 worth of work is measured: one AdamW step on a fresh model, run for real on the CPU
-(``measure.allocator.allocator_step_peak``). Columns:
+(``measure.memory.allocator.allocator_step_peak``). Columns:
 
 - estimate: ``estimate_memory`` (fake tensors) of the same step;
 - tracked: the storage tracker on the real step (what ``measure_step`` reports; it sees the
@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _results import environment, provenance, save_results, table  # noqa: E402
 
-from lightning_efficient.measure import estimate as estimate_module  # noqa: E402
 from lightning_efficient.measure import estimate_memory  # noqa: E402
-from lightning_efficient.measure.allocator import allocator_step_peak  # noqa: E402
+from lightning_efficient.measure.memory import estimate as estimate_module  # noqa: E402
+from lightning_efficient.measure.memory.allocator import allocator_step_peak  # noqa: E402
 
 MIB = 2**20
 

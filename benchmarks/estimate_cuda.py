@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _gpu_common import AC, SWAP8, build_model, build_technique, meta_batch  # noqa: E402
 from _results import environment, provenance, save_results, table  # noqa: E402
 
-from lightning_efficient.measure.caching_allocator import replay  # noqa: E402
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.targets import DeviceTarget  # noqa: E402
+from lightning_efficient.measure.memory.caching_allocator import replay  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
 
 RECORDED = ROOT / "benchmarks" / "recorded" / "h200_2026-12-04.json"
 GPT2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}

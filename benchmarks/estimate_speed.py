@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _results import environment, save_results  # noqa: E402
 
 from lightning_efficient.measure import estimate_memory, measure_step  # noqa: E402
-from lightning_efficient.measure.estimate import CATEGORIES  # noqa: E402
+from lightning_efficient.measure.memory.estimate import CATEGORIES  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 
 GIB = 2**30

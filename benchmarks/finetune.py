@@ -36,8 +36,8 @@ from lightning_efficient import (  # noqa: E402
     FrozenWeights4bit,
     OptimizerSwap,
 )
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.targets import DeviceTarget  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
 
 GIB = 2**30
 TARGET = DeviceTarget("cuda", (9, 0), (2, 11), name="H100")

@@ -38,7 +38,7 @@ from _results import environment, fmt_bytes, save_results, table  # noqa: E402
 from gallery_models import GALLERY  # noqa: E402
 
 from lightning_efficient.functional import find_repeated_blocks  # noqa: E402
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
     apply_activation_checkpointing,
     rank_blocks,

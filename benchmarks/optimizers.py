@@ -44,8 +44,8 @@ from _results import environment as base_environment  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.timing import time_fn  # noqa: E402
-from lightning_efficient.measure.track import measure_step  # noqa: E402
+from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
+from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
 from lightning_efficient.techniques.optimizers import (  # noqa: E402
     EIGHT_BIT_NAMES,
     OptimizerSwap,

@@ -2,7 +2,7 @@
 
 Each precision trains the same TinyGPT (same seed, same batches) with the Lightning Trainer for
 ``--steps`` steps, then validates. Step time is the median of the steps after the first two
-(``measure.timing.StepTimer``); memory is the instrument's estimate (``estimate_memory``, exact
+(``measure.speed.timing.StepTimer``); memory is the instrument's estimate (``estimate_memory``, exact
 peak bytes of a training step on fake tensors, per category); the losses are the last training
 loss and the validation loss after training. Ratios are against fp32 in the same run.
 
@@ -29,8 +29,8 @@ from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.timing import StepTimer  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.speed.timing import StepTimer  # noqa: E402
 from lightning_efficient.techniques.precision import best_precision  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -57,8 +57,8 @@ from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
-from lightning_efficient.measure.flops import count_flops  # noqa: E402
-from lightning_efficient.measure.step_phases import FetchWatch  # noqa: E402
+from lightning_efficient.measure.profiling.step_phases import FetchWatch  # noqa: E402
+from lightning_efficient.measure.speed.flops import count_flops  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = dict(seq_len=128, n_layer=4, n_embd=128, n_head=4, dropout=0.1)

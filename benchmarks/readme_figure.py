@@ -42,7 +42,7 @@ from lightning_efficient.core.validate import (  # noqa: E402
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
     ActivationCheckpointing,
 )

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _results import environment, fmt_bytes, save_results, table  # noqa: E402
 
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.per_rank import (  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.per_rank import (  # noqa: E402
     parameter_bytes,
     per_rank_estimate,
     root_parameter_bytes,
@@ -167,7 +167,7 @@ def measured() -> dict:
         "2 CPU processes",
         "runs": rows,
         "allocator_note": "the CPU allocator's peak over the same step (torch.profiler memory "
-        "events, measure/allocator.py), an instrument independent of the tracker; it also sees "
+        "events, measure/memory/allocator.py), an instrument independent of the tracker; it also sees "
         "what kernels and gloo's collectives allocate inside an operation (gloo copies the block "
         "inside all-gather and reduce-scatter). The profiler sees no free of a block allocated "
         "before it started, so the last step's gradients (freed by zero_grad before backward, "
@@ -184,7 +184,7 @@ def main() -> None:
         "# One rank's peak: GPT-2 small (124M), seq 1024, batch 8 per rank, fp32 AdamW",
         "",
         "Estimated on fake tensors (CUDA allocator rounding), no GPU; one estimate of the step, "
-        "divided per rank by `measure/per_rank.py`.",
+        "divided per rank by `measure/memory/per_rank.py`.",
         "",
         table(
             [

@@ -96,7 +96,7 @@ def environment() -> dict[str, str]:
 def estimate(
     model: torch.nn.Module, batch: Any, setting: dict[str, Any] | None, rounding: bool
 ) -> Any:
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
     from lightning_efficient.techniques.zero_offload import ZeROOffload
 
     callbacks: list[Any] = [] if setting is None else [ZeROOffload(**setting)]
@@ -208,7 +208,7 @@ def _host_once(setting_name: str, width: int = 1024, layers: int = 8) -> dict[st
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     from torch import nn
 
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
     from lightning_efficient.techniques.zero_offload import (
         ZeROOffload,
         ensure_extensions,

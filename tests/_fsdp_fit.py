@@ -28,7 +28,7 @@ from lightning_efficient.techniques.activation_checkpointing import checkpointed
 
 class AllocatorPeak(Callback):
     """The CPU allocator's peak in the backward of optimizer step ``step`` (``torch.profiler``
-    memory events, ``measure.allocator``): an instrument that does not share the storage
+    memory events, ``measure.memory.allocator``): an instrument that does not share the storage
     tracker's view."""
 
     def __init__(self, step: int) -> None:
@@ -39,8 +39,8 @@ class AllocatorPeak(Callback):
             return
         from torch.profiler import ProfilerActivity, profile
 
-        from lightning_efficient.measure.allocator import live_bytes
-        from lightning_efficient.measure.optimizer_models import optimizer_state_tensors
+        from lightning_efficient.measure.memory.allocator import live_bytes
+        from lightning_efficient.measure.memory.optimizer_models import optimizer_state_tensors
 
         # the profiler sees no free of a block allocated before it started: the last step's
         # gradients, freed by zero_grad before backward (where the peak is), are left out
@@ -56,7 +56,7 @@ class AllocatorPeak(Callback):
             return
         import tempfile
 
-        from lightning_efficient.measure.allocator import memory_events, running_peak
+        from lightning_efficient.measure.memory.allocator import memory_events, running_peak
 
         self.prof.__exit__(None, None, None)
         with tempfile.TemporaryDirectory() as tmp:

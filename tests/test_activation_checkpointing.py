@@ -434,13 +434,13 @@ def test_offload_on_cuda_moves_activations_to_host_and_keeps_maths() -> None:
 
 # -- memory, via the instrument ---------------------------------------------------------------
 def _estimate(model, batch, **kw):
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     return estimate_memory(model, batch, **kw)
 
 
 def test_auto_halves_activation_memory_and_estimate_matches_tracking() -> None:
-    from lightning_efficient.measure.track import measure_step
+    from lightning_efficient.measure.memory.track import measure_step
 
     model, batch = gpt(n_layer=4, seq_len=64, n_embd=64), batch_for(seq_len=64, batch=8)
     plain = _estimate(model, batch)

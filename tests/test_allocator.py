@@ -1,4 +1,4 @@
-"""The CPU allocator's peak from torch.profiler's memory events (``measure.allocator``), and the
+"""The CPU allocator's peak from torch.profiler's memory events (``measure.memory.allocator``), and the
 estimate judged by it on a CNN with BatchNorm (the Hugging Face families are in
 ``test_estimate_hf.py``)."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.measure import estimate_memory
-from lightning_efficient.measure.allocator import (
+from lightning_efficient.measure.memory.allocator import (
     allocator_step_peak,
     live_bytes,
     memory_events,

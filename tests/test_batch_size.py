@@ -21,7 +21,7 @@ from lightning_efficient.functional import (
     largest_fitting_batch,
     micro_batch_step,
 )
-from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.techniques.batch_size import (
     EfficientBatchSize,
     OOMRecovery,

@@ -82,15 +82,15 @@ def test_the_rules_see_what_they_look_for() -> None:
         "from lightning_efficient.techniques._blocks import find_repeated_blocks\n"
         "def f():\n"
         "    from lightning_efficient.core import _internals\n"
-        "    from lightning_efficient.measure.flops import _NAME_PATTERNS, gpu_peak\n"
+        "    from lightning_efficient.measure.speed.flops import _NAME_PATTERNS, gpu_peak\n"
         "    import lightning_efficient.techniques._compile_scope\n"
-        "from lightning_efficient.measure.peak import PeakMemory\n"
+        "from lightning_efficient.measure.memory.peak import PeakMemory\n"
         "from lightning_efficient import __version__\n"
     )
     assert sorted(private_imports(source)) == [
         "line 1: lightning_efficient.techniques._blocks",
         "line 3: lightning_efficient.core._internals",
-        "line 4: lightning_efficient.measure.flops._NAME_PATTERNS",
+        "line 4: lightning_efficient.measure.speed.flops._NAME_PATTERNS",
         "line 5: lightning_efficient.techniques._compile_scope",
     ]
 

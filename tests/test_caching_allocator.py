@@ -1,9 +1,9 @@
-"""measure/caching_allocator.py: the CUDA caching allocator's algorithm replayed on a log of
+"""measure/memory/caching_allocator.py: the CUDA caching allocator's algorithm replayed on a log of
 allocations (pools, segment sizes, best fit, splitting, merging, releasing the cache at a cap)."""
 
 from __future__ import annotations
 
-from lightning_efficient.measure.caching_allocator import replay, round_request
+from lightning_efficient.measure.memory.caching_allocator import replay, round_request
 
 MiB = 2**20
 

@@ -21,8 +21,8 @@ from torch import nn
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.track import measure_step
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (
     ChunkedCrossEntropy,
     LazyLogits,

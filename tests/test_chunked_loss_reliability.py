@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from helpers import tiny_model
 from torch import nn
 
-from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.track import measure_step
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (
     ChunkedCrossEntropy,
     apply_chunked_cross_entropy,

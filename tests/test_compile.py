@@ -363,7 +363,7 @@ def test_trial_puts_the_module_back_and_survives_a_failing_scope() -> None:
     not chosen."""
     import contextlib
 
-    from lightning_efficient.measure.compile_trial import trial_scopes
+    from lightning_efficient.measure.trials.compile_trial import trial_scopes
     from lightning_efficient.techniques.compile.scope import choose_scope
 
     model = tiny_model()
@@ -421,7 +421,7 @@ class _Raises(pl.LightningModule):
 def test_scope_auto_raises_the_users_own_error() -> None:
     import contextlib
 
-    from lightning_efficient.measure.compile_trial import trial_scopes
+    from lightning_efficient.measure.trials.compile_trial import trial_scopes
 
     model = _Raises()
 
@@ -447,7 +447,7 @@ def test_compile_trial_changes_no_state_outside_the_state_dict() -> None:
 
     from test_scratch import Stateful, _stateful_batch
 
-    from lightning_efficient.measure.compile_trial import trial_scopes
+    from lightning_efficient.measure.trials.compile_trial import trial_scopes
 
     torch.manual_seed(0)
     model = Stateful()

@@ -106,7 +106,7 @@ REFERENCE = Case(
 CASES: list[Case] = []
 
 # the instrument's tracking callback (issue 3)
-from lightning_efficient.measure.memory import MemoryBreakdown  # noqa: E402
+from lightning_efficient.measure.memory.breakdown import MemoryBreakdown  # noqa: E402
 
 CASES.append(
     Case(
@@ -132,7 +132,7 @@ CASES.append(
 )
 
 # the instrument's profiler (issue 13): measures, changes nothing
-from lightning_efficient.measure.profiler import StepProfiler  # noqa: E402
+from lightning_efficient.measure.profiling.profiler import StepProfiler  # noqa: E402
 
 CASES.append(
     Case(

@@ -1,4 +1,4 @@
-"""measure/cuda_kernels.py: CUDA's kernels modelled on a CPU (attention backend, dropout,
+"""measure/memory/cuda_kernels.py: CUDA's kernels modelled on a CPU (attention backend, dropout,
 autocast policy, cuBLAS workspaces), checked against torch's own registrations and rules, and
 by what the modelled kernels save for backward."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_efficient.core._internals import FakeTensorMode, ops_with_kernel
-from lightning_efficient.measure.cuda_kernels import (
+from lightning_efficient.measure.memory.cuda_kernels import (
     AUTOCAST_CUDA,
     PRIORITY,
     AttentionCall,
@@ -20,8 +20,8 @@ from lightning_efficient.measure.cuda_kernels import (
     cuda_kernels,
     priority,
 )
-from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.targets import DeviceTarget, resolve_target, workspace_bytes
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.targets import DeviceTarget, resolve_target, workspace_bytes
 
 H200 = resolve_target("cuda:h200")
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16

@@ -513,7 +513,7 @@ def test_fit_fails_at_the_first_batch_without_a_sequence_dim(tmp_path) -> None:
 
 
 def test_estimate_sizes_the_full_length() -> None:
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     model = tiny_model()
     batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))

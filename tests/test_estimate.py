@@ -22,7 +22,7 @@ from lightning_efficient.measure import (
     estimate_memory,
     measure_step,
 )
-from lightning_efficient.measure.estimate import EstimateError, cuda_round
+from lightning_efficient.measure.memory.estimate import EstimateError, cuda_round
 
 
 def _batch(b: int = 4, t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,7 +407,7 @@ def test_estimate_uses_the_configured_optimizer() -> None:
 def test_estimate_configured_optimizer_keeps_the_groups() -> None:
     from helpers import TINY_MODEL
 
-    from lightning_efficient.measure.settings import configured_optimizer
+    from lightning_efficient.measure.memory.settings import configured_optimizer
 
     model = SingleTensorAdamW(**TINY_MODEL)
     factory, note = configured_optimizer(model)
@@ -459,7 +459,7 @@ def test_estimate_plan_keeps_its_changes_on_the_one_log() -> None:
     """issue 38: the plan records ``Change``s (core/change.py), undone last first; an undo that
     raises does not stop the others."""
     from lightning_efficient.core.change import Change
-    from lightning_efficient.measure.types import EstimatePlan
+    from lightning_efficient.measure.memory.types import EstimatePlan
 
     plan = EstimatePlan(model=torch.nn.Linear(2, 2), batch=None, optimizer=lambda g: None)
     order: list[str] = []

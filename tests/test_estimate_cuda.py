@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 
 from _gpu_common import AC, SWAP8, build_model, meta_batch  # noqa: E402
 
-from lightning_efficient.measure.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.targets import DeviceTarget  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
 
 GPT2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}
 H200_TORCH_2_11 = DeviceTarget("cuda", (9, 0), (2, 11), name="H200")
@@ -87,7 +87,7 @@ def test_the_planner_pick_that_ran_out_of_memory_is_refused() -> None:
     was estimated at 23.86 GiB, under its 24 GiB cap; the real step reached 23.34 GiB allocated
     and 23.56 GiB reserved and ran out of memory. Replayed through the caching allocator under
     the cap, it runs out of memory at the same reserve."""
-    from lightning_efficient.measure.caching_allocator import replay
+    from lightning_efficient.measure.memory.caching_allocator import replay
 
     est = estimate_memory(
         build_model("hf_gpt2", GPT2, "meta"),

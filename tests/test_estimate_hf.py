@@ -3,9 +3,9 @@
 Under fake tensors transformers believes it is being traced and, unable to read the padding mask
 or the position ids, builds a batch x 1 x seq x seq attention mask that a real run on a batch
 without padding never builds. The estimate answers those checks from the real batch's values
-(``measure.hf_masks.hf_mask_checks_on_values``), so it takes the real run's path: within 2% of
+(``measure.memory.hf_masks.hf_mask_checks_on_values``), so it takes the real run's path: within 2% of
 the same steps tracked on real tensors, with and without padding, and within 5% of the CPU
-allocator's own peak (``torch.profiler`` memory events, ``measure.allocator``)."""
+allocator's own peak (``torch.profiler`` memory events, ``measure.memory.allocator``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_efficient.measure import estimate_memory
-from lightning_efficient.measure.allocator import allocator_step_peak
-from lightning_efficient.measure.hf_masks import NO_PADDING_NOTE
+from lightning_efficient.measure.memory.allocator import allocator_step_peak
+from lightning_efficient.measure.memory.hf_masks import NO_PADDING_NOTE
 
 transformers = pytest.importorskip("transformers")
 

@@ -127,7 +127,7 @@ def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
     step (fake tensors, FSDP full over 2 ranks: the root and the current block gathered, the
     head's and the current block's gradients whole, the last reduce-scatter input kept) is within
     5% of it. Measured here: within 0.01% (benchmarks/scale_out.py, two sizes and shardings)."""
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
     from lightning_efficient.techniques.activation_checkpointing import (
         apply_activation_checkpointing,
     )

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
-from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques.activation_checkpointing import (
     ActivationCheckpointing,

@@ -297,7 +297,7 @@ def test_mfu_uses_the_package_peaks_and_flops() -> None:
     token agree with the package's FLOP counter on the dry run's model."""
     import torch
 
-    from lightning_efficient.measure.flops import GPU_PEAKS, count_flops, gpu_peak
+    from lightning_efficient.measure.speed.flops import GPU_PEAKS, count_flops, gpu_peak
 
     common = _load("_gpu_common")
     for key, peaks in GPU_PEAKS.items():

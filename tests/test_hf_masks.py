@@ -1,4 +1,4 @@
-"""measure/hf_masks.py: transformers' SDPA mask checks answered from the real batch under fake
+"""measure/memory/hf_masks.py: transformers' SDPA mask checks answered from the real batch under fake
 tensors (the estimate end to end is in tests/test_estimate_hf.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from lightning_efficient.core._internals import (
     HF_MASK_SKIP_CHECKS,
     FakeTensorMode,
 )
-from lightning_efficient.measure.hf_masks import NO_PADDING_NOTE, hf_mask_checks_on_values
+from lightning_efficient.measure.memory.hf_masks import NO_PADDING_NOTE, hf_mask_checks_on_values
 
 
 def test_hf_mask_checks_answer_from_the_real_batch() -> None:

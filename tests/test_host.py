@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from lightning_efficient.measure.host import (
+from lightning_efficient.measure.speed.host import (
     available_bytes,
     child_pids,
     private_bytes,

@@ -109,9 +109,10 @@ def _layer(module: str) -> int | None:
 
 def test_the_graph_was_read() -> None:
     # the test reads something: the package has its layers and they import each other
-    assert {"lightning_efficient.core.technique", "lightning_efficient.measure.estimate"} <= set(
-        MODULES
-    )
+    assert {
+        "lightning_efficient.core.technique",
+        "lightning_efficient.measure.memory.estimate",
+    } <= set(MODULES)
     assert "lightning_efficient.core.compat" in GRAPH["lightning_efficient.core.technique"]
     assert sum(len(v) for v in GRAPH.values()) > 50
 
@@ -148,6 +149,44 @@ def test_planning_sits_between_techniques_and_commands() -> None:
     assert _layer(f"{PACKAGE}.techniques") < _layer(f"{PACKAGE}.planning") < _layer(PACKAGE)
     below = [f"{m} imports {d}" for m in MODULES if _layer(m) == 2 for d in GRAPH[m] & planning]
     assert not below, "\n".join(below)
+
+
+#: The measure floor's rooms, each with the rooms it may import besides its own and the floor's
+#: root (``step``, ``scratch``, ``plots``: what every room runs on, importing no room).
+MEASURE = f"{PACKAGE}.measure"
+MEASURE_ROOMS = {
+    "memory": set(),
+    "speed": {"memory"},  # FLOPs are counted on the estimate's fake tensors
+    "trials": {"memory", "speed"},  # a real step's peak and time
+    "profiling": {"memory", "speed"},  # the profiler reads both; it runs no trial
+}
+
+
+def _room(module: str) -> str | None:
+    """The measure room of ``module``: ``""`` at the floor's root, ``"measure"`` for the floor's
+    package itself (its public names and old paths: no module of the floor imports it), None
+    outside the floor."""
+    if module == MEASURE:
+        return "measure"
+    if not module.startswith(f"{MEASURE}."):
+        return None
+    room = module.split(".")[2]
+    return room if room in MEASURE_ROOMS else ""
+
+
+def test_measure_rooms_import_one_way() -> None:
+    """memory <- speed <- trials, profiling: a room imports the floor's root, itself and the
+    rooms before it; the root imports no room."""
+    floor = {m: _room(m) for m in MODULES if m.startswith(f"{MEASURE}.")}
+    assert set(floor.values()) == {"", *MEASURE_ROOMS}  # the rule sees every room
+    assert f"{MEASURE}.memory.peak" in GRAPH[f"{MEASURE}.trials.trial"]  # it reads real edges
+    wrong = [
+        f"{m} ({room or 'root'}) imports {d}"
+        for m, room in floor.items()
+        for d in GRAPH[m]
+        if (other := _room(d)) not in (None, "", room) and other not in MEASURE_ROOMS.get(room, ())
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 #: The one module that imports by name: the class paths a user writes in yaml or a checkpoint.

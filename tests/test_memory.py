@@ -117,9 +117,9 @@ def test_memory_figure_bars_are_the_measured_categories(tmp_path) -> None:
     """`MemoryBreakdown(plot=...)`'s picture: one bar per category, its height the bytes in MiB,
     the size written on it (issue 42)."""
     from lightning_efficient.core.validate import format_bytes
-    from lightning_efficient.measure.memory import plot_measurement
+    from lightning_efficient.measure.memory.breakdown import plot_measurement
+    from lightning_efficient.measure.memory.types import MemoryEstimate
     from lightning_efficient.measure.plots import memory_figure
-    from lightning_efficient.measure.types import MemoryEstimate
 
     cats = {"parameters": 2**20, "gradients": 2**20, "optimizer_state": 2 * 2**20}
     cats |= {"activations": 5 * 2**20 + 2**19, "temporaries": 0}

@@ -12,7 +12,7 @@ import torch
 from helpers import SaveAt, fit, params_of, tiny_model
 from torch import nn
 
-from lightning_efficient.measure.track import measure_step
+from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.optimizers import (
     EIGHT_BIT_NAMES,
     NAMES,
@@ -304,7 +304,7 @@ def test_8bit_estimate_matches_real_bitsandbytes(name: str) -> None:
     bitsandbytes optimizer on real CPU tensors, and the two agree. Adafactor (``.item()`` in its
     step) likewise, through AdafactorStateModel."""
     from lightning_efficient.demos import TinyGPT
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     torch.manual_seed(0)
     est = estimate_memory(TinyGPT(), _demo_batch(), callbacks=[OptimizerSwap(name)])
@@ -354,7 +354,7 @@ def test_eight_bit_state_model_layout() -> None:
 
 def test_estimate_in_backward() -> None:
     from lightning_efficient.demos import TinyGPT
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     est = estimate_memory(
         TinyGPT(),
@@ -623,8 +623,8 @@ def test_estimate_of_a_running_or_named_memory_lean_optimizer() -> None:
     import bitsandbytes as bnb
 
     from lightning_efficient.demos import TinyGPT
-    from lightning_efficient.measure.estimate import estimate_memory
-    from lightning_efficient.measure.optimizer_models import running_estimate_factory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
+    from lightning_efficient.measure.memory.optimizer_models import running_estimate_factory
 
     model = TinyGPT()
     running = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)

@@ -1,4 +1,4 @@
-"""The output head, one rule in one place (``measure.heads.find_output_head``, issue 39): the
+"""The output head, one rule in one place (``measure.memory.heads.find_output_head``, issue 39): the
 profiler, the chunked loss and the planner's ``worth_chunking`` read it; LitGPT's ``GPT`` (its
 ``lm_head`` registered before the blocks) and ``litgpt.lora.GPT`` are served."""
 
@@ -12,8 +12,8 @@ from helpers import tiny_model
 from torch import nn
 
 from lightning_efficient.core.report import report_for
-from lightning_efficient.measure.heads import find_output_head
-from lightning_efficient.measure.profile_summary import output_head
+from lightning_efficient.measure.memory.heads import find_output_head
+from lightning_efficient.measure.profiling.profile_summary import output_head
 from lightning_efficient.techniques.chunked_loss import (
     ChunkedCrossEntropy,
     find_output_projection,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.measure.tokens import count_tokens
+from lightning_efficient.measure.speed.tokens import count_tokens
 from lightning_efficient.techniques.packing import (
     PackedRowSampler,
     SequencePacking,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.per_rank import (
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.per_rank import (
     SHARDINGS,
     buffer_bytes,
     fsdp_whole_gradients,
@@ -20,7 +20,7 @@ from lightning_efficient.measure.per_rank import (
     shard_factors,
     world_size_of,
 )
-from lightning_efficient.measure.types import MemoryEstimate
+from lightning_efficient.measure.memory.types import MemoryEstimate
 
 P, OPT, A, T, B = (
     1000,
@@ -149,7 +149,7 @@ def test_the_rank_peak_is_the_largest_moment() -> None:
 def test_tracker_follows_storage_resizes() -> None:
     """FSDP2 frees gathered parameters with ``untyped_storage().resize_(0)``, no operation a
     dispatch mode sees: the tracker hears of it while active, and puts the method back."""
-    from lightning_efficient.measure.track import StorageTracker
+    from lightning_efficient.measure.memory.track import StorageTracker
 
     tracker = StorageTracker(fake=False)
     with tracker:

@@ -1,6 +1,6 @@
 """The planner and the fit's own estimates on several ranks: every rung is one rank's peak, the
 ladder shards the state across ranks before it offloads, and a trainer's strategy tells the
-estimate how it divides the state (``measure.settings.estimate_settings``)."""
+estimate how it divides the state (``measure.memory.settings.estimate_settings``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning_efficient.cli import main
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory
-from lightning_efficient.measure.settings import estimate_settings, strategy_sharding
+from lightning_efficient.measure.memory.settings import estimate_settings, strategy_sharding
 from lightning_efficient.planning import default_ladder, plan_stack
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 from lightning_efficient.techniques.zero_offload import ZeROOffload

@@ -103,7 +103,7 @@ def test_plan_command(tmp_path) -> None:
 
 
 def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload) -> None:
-    from lightning_efficient.measure.trial import TrialResult
+    from lightning_efficient.measure.trials.trial import TrialResult
 
     model, batch = workload
     estimated = plan_stack(model, batch, "1TiB", device="cpu")
@@ -199,7 +199,7 @@ def test_one_yaml_writer_and_the_ladder_classes() -> None:
     ``Stack.to_yaml()``; the ladder names its technique classes from a table of imported classes
     (never a module path)."""
     from lightning_efficient import ActivationCheckpointing, OptimizerSwap
-    from lightning_efficient.measure.advice import Findings, advise
+    from lightning_efficient.measure.profiling.advice import Findings, advise
     from lightning_efficient.planning import Decision, PlanResult
     from lightning_efficient.planning.ladder import LADDER_CLASSES, technique_class
 

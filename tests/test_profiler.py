@@ -22,9 +22,9 @@ from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory
-from lightning_efficient.measure.advice import Findings, advise
-from lightning_efficient.measure.flops import compute_dtype, count_flops, gpu_peak
-from lightning_efficient.measure.profiler import PHASES, phase_summary
+from lightning_efficient.measure.profiling.advice import Findings, advise
+from lightning_efficient.measure.profiling.profiler import PHASES, phase_summary
+from lightning_efficient.measure.speed.flops import compute_dtype, count_flops, gpu_peak
 
 ROOT = Path(__file__).parents[1]
 PLAIN = ROOT / "configs" / "demo_plain.yaml"
@@ -280,7 +280,7 @@ def test_recorded_h200_figures_follow_from_the_package() -> None:
     the MFU from ``mfu`` on the measured tokens/s, the FLOPs per token from the demo TinyGPT built
     at the stated shape (nanoGPT's formula on its own parameter count), and every finding the
     issue does not state is named as derived."""
-    from lightning_efficient.measure.flops import mfu
+    from lightning_efficient.measure.speed.flops import mfu
 
     work = RECORDED_SPEED["workload"]
     bf16, _ = gpu_peak("NVIDIA H200", "bf16")
@@ -394,7 +394,7 @@ def test_gpu_lever_rules_one_by_one() -> None:
 
 
 def test_output_head_is_a_language_models_vocabulary_only() -> None:
-    from lightning_efficient.measure.profile_summary import output_head
+    from lightning_efficient.measure.profiling.profile_summary import output_head
 
     lm = TinyGPT(vocab_size=300, n_layer=1, n_embd=32, n_head=2, seq_len=8)
     assert output_head(lm) == (300, 32)
@@ -589,7 +589,7 @@ def test_plot_without_matplotlib_names_the_install_line(tmp_path, monkeypatch) -
 def test_phases_figure_stacks_each_phase_and_draws_memory_bars(tmp_path) -> None:
     """The bars are the numbers: phase widths in ms, stacked in order; category heights in MiB."""
     from lightning_efficient.measure.plots import phases_figure, save_figure
-    from lightning_efficient.measure.profile_report import profile_png
+    from lightning_efficient.measure.profiling.profile_report import profile_png
 
     phases = {"data": 0.002, "forward": 0.010, "backward": 0.020, "optimizer": 0.005, "rest": 0.001}
     cats = {"parameters": 3 * 2**20, "activations": 12 * 2**20}
@@ -607,7 +607,7 @@ def test_phases_figure_stacks_each_phase_and_draws_memory_bars(tmp_path) -> None
 
 
 def test_trace_path_per_rank_and_never_a_false_written_note(tmp_path) -> None:
-    from lightning_efficient.measure.trace_window import rank_trace_path
+    from lightning_efficient.measure.profiling.trace_window import rank_trace_path
 
     assert rank_trace_path("out/trace.json", 0, 1) == Path("out/trace.json")
     assert rank_trace_path("out/trace.json", 1, 2) == Path("out/trace.rank1.json")

@@ -21,8 +21,8 @@ from lightning_efficient.functional import (
     apply_frozen_weights_4bit,
     apply_training_without_cache,
 )
-from lightning_efficient.measure.kv_cache import training_caches
-from lightning_efficient.measure.track import measure_step
+from lightning_efficient.measure.memory.kv_cache import training_caches
+from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.quantize import FrozenWeights4bit, linear_weight_bytes
 
 transformers = pytest.importorskip("transformers")

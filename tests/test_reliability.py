@@ -18,7 +18,7 @@ from lightning_efficient import (
 )
 from lightning_efficient.cli import reason_first
 from lightning_efficient.core.validate import SettingsError, parse_bytes
-from lightning_efficient.measure.types import resolve_optimizer
+from lightning_efficient.measure.memory.types import resolve_optimizer
 from lightning_efficient.planning import plan_stack
 
 ROOT = Path(__file__).parents[1]

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_efficient.measure.estimate import estimate_memory
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.types import EstimateError
 from lightning_efficient.measure.scratch import keep_module_state, scratch
-from lightning_efficient.measure.trial import throughput, trial_step, trial_within
-from lightning_efficient.measure.types import EstimateError
+from lightning_efficient.measure.trials.trial import throughput, trial_step, trial_within
 
 
 def _square_loss(mod: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_model
 from torch import nn
 
-from lightning_efficient.measure.step_rate import STEP_PER_FORWARD, estimated_step_rate
+from lightning_efficient.measure.speed.step_rate import STEP_PER_FORWARD, estimated_step_rate
 
 
 def test_step_rate_leaves_weights_buffers_rng_and_mode_alone() -> None:

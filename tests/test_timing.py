@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from lightning_efficient.measure.timing import StepTimer, time_fn
+from lightning_efficient.measure.speed.timing import StepTimer, time_fn
 
 
 def test_regions_accumulate_wall_clock() -> None:

@@ -1,4 +1,4 @@
-"""measure/tokens.py: one definition of a batch's samples and tokens, used by the profiler,
+"""measure/speed/tokens.py: one definition of a batch's samples and tokens, used by the profiler,
 EarlyStopper(max_tokens=) and the OOM split's loss weighting."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from helpers import tiny_trainer
 from torch.utils.data import DataLoader
 
-from lightning_efficient.measure.profiler import StepProfiler
-from lightning_efficient.measure.tokens import (
+from lightning_efficient.measure.profiling.profiler import StepProfiler
+from lightning_efficient.measure.speed.tokens import (
     BatchCounter,
     batch_counts,
     count_loss_tokens,

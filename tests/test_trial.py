@@ -1,4 +1,4 @@
-"""measure/trial.py: real trial steps measured by the instrument (the storage tracker on a CPU,
+"""measure/trials/trial.py: real trial steps measured by the instrument (the storage tracker on a CPU,
 the CUDA allocator on a GPU), leaving the module as it was."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import params_of, tiny_model
 
-from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.track import measure_step
-from lightning_efficient.measure.trial import is_out_of_memory, throughput, trial_step
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.measure.trials.trial import is_out_of_memory, throughput, trial_step
 
 
 def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,7 @@ def test_trial_step_on_cuda_reads_the_allocator() -> None:
 
 
 def test_trial_within_a_budget_on_cpu() -> None:
-    from lightning_efficient.measure.trial import trial_within
+    from lightning_efficient.measure.trials.trial import trial_within
     from lightning_efficient.techniques import ActivationCheckpointing
 
     model = tiny_model()
@@ -89,3 +89,16 @@ def test_trial_within_a_budget_on_cpu() -> None:
     # an out-of-memory error is a result, not an exception
     oom = trial_within(Greedy(), (torch.randn(2, 4),), 2**30, optimizer="sgd")
     assert not oom.ok and "can't allocate memory" in oom.error
+
+
+@pytest.mark.gpu
+def test_trial_within_on_cuda_reads_the_peak_meter() -> None:
+    from lightning_efficient.measure.trials.trial import trial_within
+
+    model = tiny_model()
+    plain = trial_within(model, _batch(8), None, optimizer="adamw", device="cuda")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the allocator's figures, the module's own parameters on the device counted
+    assert plain.ok and plain.reserved_bytes >= plain.allocated_bytes > params
+    assert not trial_within(model, _batch(8), plain.allocated_bytes // 2, device="cuda").ok
+    assert next(model.parameters()).device.type == "cpu"  # put back where it was

@@ -432,7 +432,7 @@ def test_short_name_and_registry() -> None:
 
 # -- the memory estimate ---------------------------------------------------------------------
 def test_estimate_device_peak_falls_with_offload() -> None:
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     model = tiny_model()
     batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))

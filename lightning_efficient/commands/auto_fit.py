@@ -85,7 +85,7 @@ def _checkpoint_error(path: str | None) -> str:
 def auto_fit_command(argv: Sequence[str]) -> int:
     """Run ``fit`` with the stack AutoEfficient picks (``argv``: the arguments after ``fit``)."""
     from lightning_efficient.core.validate import parse_bytes
-    from lightning_efficient.measure.estimate import EstimateError
+    from lightning_efficient.measure.memory.estimate import EstimateError
     from lightning_efficient.planning import AutoEfficient
     from lightning_efficient.planning.fit import decide_for
     from lightning_efficient.techniques.precision import best_precision

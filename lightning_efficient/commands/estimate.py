@@ -13,10 +13,10 @@ from typing import Any
 
 from lightning_efficient.commands.options import command_parser, config_workload, fail
 from lightning_efficient.core.report import print_table
-from lightning_efficient.measure.estimate import EstimateError, estimate_memory
-from lightning_efficient.measure.per_rank import SHARDINGS, world_size_of
-from lightning_efficient.measure.settings import estimate_settings
-from lightning_efficient.measure.targets import resolve_target
+from lightning_efficient.measure.memory.estimate import EstimateError, estimate_memory
+from lightning_efficient.measure.memory.per_rank import SHARDINGS, world_size_of
+from lightning_efficient.measure.memory.settings import estimate_settings
+from lightning_efficient.measure.memory.targets import resolve_target
 
 __all__ = ["HELP", "estimate_command"]
 

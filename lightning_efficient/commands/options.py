@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_efficient.commands.cli import EfficientCLI
-from lightning_efficient.measure.estimate import PRECISIONS
+from lightning_efficient.measure.memory.estimate import PRECISIONS
 
 __all__ = ["OPTIONS", "command_parser", "config_workload", "fail"]
 

@@ -12,8 +12,8 @@ from typing import Any
 from lightning_efficient.commands.options import command_parser, config_workload, fail
 from lightning_efficient.core.report import print_table
 from lightning_efficient.core.validate import check_int, format_bytes, parse_bytes
-from lightning_efficient.measure.settings import estimate_settings
-from lightning_efficient.measure.targets import is_local_gpu, resolve_target
+from lightning_efficient.measure.memory.settings import estimate_settings
+from lightning_efficient.measure.memory.targets import is_local_gpu, resolve_target
 from lightning_efficient.planning import plan_stack
 
 __all__ = ["HELP", "plan_command"]

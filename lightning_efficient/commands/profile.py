@@ -16,7 +16,7 @@ from pathlib import Path
 from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.commands.options import command_parser, fail
 from lightning_efficient.core.validate import check_output_path, same_file
-from lightning_efficient.measure.profiler import StepProfiler
+from lightning_efficient.measure.profiling.profiler import StepProfiler
 
 __all__ = ["HELP", "profile_command"]
 

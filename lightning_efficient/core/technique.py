@@ -26,7 +26,7 @@ class ChangesEstimate(Protocol):
     """Takes part in the memory estimate (a technique or a strategy): ``configure_estimate(plan)``
     changes the estimate's plan as the fit would (the optimizer, the blocks checkpointed, the
     sharding, ...) and undoes its changes to the plan's model with ``plan.on_exit``. The
-    estimate and ``measure.settings`` ask for it with ``isinstance``."""
+    estimate and ``measure.memory.settings`` ask for it with ``isinstance``."""
 
     def configure_estimate(self, plan: Any) -> None: ...
 

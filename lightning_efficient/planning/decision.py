@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_efficient.core.stack import Stack
 from lightning_efficient.core.validate import format_bytes
-from lightning_efficient.measure.estimate import PRECISIONS
+from lightning_efficient.measure.memory.estimate import PRECISIONS
 from lightning_efficient.planning.ladder import Part, Rung, technique_class
 
 __all__ = [

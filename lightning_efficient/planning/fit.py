@@ -20,8 +20,8 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.measure.estimate import EstimateError
-from lightning_efficient.measure.settings import (
+from lightning_efficient.measure.memory.estimate import EstimateError
+from lightning_efficient.measure.memory.settings import (
     configured_optimizer,
     configured_optimizer_class,
     estimate_settings,
@@ -163,7 +163,7 @@ def trial_runner(
     existing: Sequence[Any] = (),
 ) -> Callable[[Rung, int], Any]:
     """``trial(rung, micro)``: two real training steps of ``module`` on ``device`` with the
-    rung's techniques, within the budget (``measure.trial.trial_within``: on CUDA under the
+    rung's techniques, within the budget (``measure.trials.trial.trial_within``: on CUDA under the
     allocator's cap, what it reserves compared). ``None`` for a rung with a strategy (it runs
     only inside a fit)."""
     factory, _ = configured_optimizer(module)

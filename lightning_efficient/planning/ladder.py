@@ -16,7 +16,7 @@ import torch
 
 from lightning_efficient.core.stack import Stack, spec
 from lightning_efficient.core.validate import check_int
-from lightning_efficient.measure.optimizer_models import optimizer_class
+from lightning_efficient.measure.memory.optimizer_models import optimizer_class
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy

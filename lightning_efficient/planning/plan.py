@@ -29,10 +29,13 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.estimate import PRECISIONS, EstimateError, MemoryEstimate
-from lightning_efficient.measure.per_rank import SHARDINGS
-from lightning_efficient.measure.settings import configured_optimizer, configured_optimizer_class
-from lightning_efficient.measure.targets import resolve_target
+from lightning_efficient.measure.memory.estimate import PRECISIONS, EstimateError, MemoryEstimate
+from lightning_efficient.measure.memory.per_rank import SHARDINGS
+from lightning_efficient.measure.memory.settings import (
+    configured_optimizer,
+    configured_optimizer_class,
+)
+from lightning_efficient.measure.memory.targets import resolve_target
 from lightning_efficient.planning.ladder import Rung, default_ladder
 from lightning_efficient.planning.search import decide, estimate_rung, rung_sharding, try_rung
 from lightning_efficient.techniques.chunked_loss import worth_chunking

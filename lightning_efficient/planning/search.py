@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.validate import format_bytes
-from lightning_efficient.measure.estimate import MemoryEstimate, estimate_memory
-from lightning_efficient.measure.settings import strategy_sharding
-from lightning_efficient.measure.trial import trial_within
+from lightning_efficient.measure.memory.estimate import MemoryEstimate, estimate_memory
+from lightning_efficient.measure.memory.settings import strategy_sharding
+from lightning_efficient.measure.trials.trial import trial_within
 from lightning_efficient.planning.decision import GOALS, Decision, divisors
 from lightning_efficient.planning.ladder import Rung
 
@@ -98,7 +98,7 @@ def try_rung(
 ) -> Any:
     """Try a rung: real training steps of ``module`` on ``device`` (a name, ``torch.device`` or
     ``DeviceTarget``) with the rung's techniques on top of ``existing``, within the budget
-    (``measure.trial.trial_within``: on CUDA under the allocator's cap). ``None`` for a rung
+    (``measure.trials.trial.trial_within``: on CUDA under the allocator's cap). ``None`` for a rung
     with a strategy (it runs only inside a fit)."""
     callbacks, strategy = rung.build()
     if strategy is not None:

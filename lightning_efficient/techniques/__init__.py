@@ -6,9 +6,9 @@ the contract tests and the CLI use.
 """
 
 from lightning_efficient.core.technique import NoEffectWarning, Technique
-from lightning_efficient.measure.input_stall import InputStallMonitor
-from lightning_efficient.measure.memory import MemoryBreakdown
-from lightning_efficient.measure.profiler import StepProfiler
+from lightning_efficient.measure.memory.breakdown import MemoryBreakdown
+from lightning_efficient.measure.profiling.profiler import StepProfiler
+from lightning_efficient.measure.speed.input_stall import InputStallMonitor
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy

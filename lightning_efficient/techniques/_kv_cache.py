@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.measure.kv_cache import cache_models, mark_cache_off, unmark_cache_off
+from lightning_efficient.measure.memory.kv_cache import (
+    cache_models,
+    mark_cache_off,
+    unmark_cache_off,
+)
 
 __all__ = ["apply_training_without_cache"]
 

@@ -165,7 +165,7 @@ class FullyShardedStrategy(ModelParallelStrategy):
 
     @property
     def estimate_sharding(self) -> str:
-        """Read by ``measure.settings``: the per-rank estimate's ``sharding`` for this strategy."""
+        """Read by ``measure.memory.settings``: the per-rank estimate's ``sharding`` for this strategy."""
         return self.sharding
 
     def __init__(

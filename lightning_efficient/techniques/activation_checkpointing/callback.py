@@ -10,7 +10,7 @@ from torch import nn
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_int, parse_bytes
-from lightning_efficient.measure.settings import estimate_settings
+from lightning_efficient.measure.memory.settings import estimate_settings
 from lightning_efficient.techniques._blocks import check_policy, select_modules
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.activation_checkpointing.apply import (

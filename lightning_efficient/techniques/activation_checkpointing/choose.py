@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: What a nested estimate repeats of the plan (world size and sharding: the budget bounds one
-#: rank's peak, ``measure/per_rank.py``; the allocator rounding of the outer estimate).
+#: rank's peak, ``measure/memory/per_rank.py``; the allocator rounding of the outer estimate).
 PLAN_SETTINGS = (
     "optimizer",
     "precision",
@@ -146,7 +146,7 @@ def blocks_for_budget(
     (one if the plain run fits). Raises ``ValueError`` giving the smallest achievable peak if
     even checkpointing every candidate block does not fit.
     """
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     budget_bytes = parse_bytes("budget", budget)
     check_int("every_n", every_n, minimum=1)

@@ -139,7 +139,7 @@ def rank_groups(
     wraps them; ``restore()`` puts the model back as it was), best saving first (ties keep the
     order of ``groups``). ``estimate_kwargs`` as ``estimate_memory``'s (precision, callbacks,
     accumulation, loss_fn); the optimizer and the number of steps are set here."""
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     kwargs = {k: v for k, v in estimate_kwargs.items() if k not in ("optimizer", "steps")}
     kwargs.update(optimizer=_stateless_sgd, steps=1)

@@ -10,13 +10,13 @@ as before the split):
   and the retry state machine, on callables (no trainer).
 - :mod:`.guard`: that splitter wired to a LightningModule's step methods for a fit.
 - :mod:`.choice`: the decision for a running fit (reads the trainer, measures with the
-  instrument; real trial steps are :mod:`lightning_efficient.measure.trial`).
+  instrument; real trial steps are :mod:`lightning_efficient.measure.trials.trial`).
 - :mod:`.callbacks`: :class:`EfficientBatchSize` (acts in ``setup``, before the optimizer and the
   train DataLoader exist; holds an OOM guard) and :class:`OOMRecovery` (arms the guard for the
   duration of training; the class itself is untouched, so state_dict keys never change).
 """
 
-from lightning_efficient.measure.trial import free_memory, is_out_of_memory
+from lightning_efficient.measure.trials.trial import free_memory, is_out_of_memory
 from lightning_efficient.techniques.batch_size.callbacks import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.batch_size.guard import OOMGuard
 from lightning_efficient.techniques.batch_size.sizing import (

@@ -23,9 +23,9 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.estimate import estimate_memory
-from lightning_efficient.measure.settings import estimate_settings
-from lightning_efficient.measure.trial import throughput, trial_within
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.settings import estimate_settings
+from lightning_efficient.measure.trials.trial import throughput, trial_within
 from lightning_efficient.techniques.batch_size.sizing import (
     MAX_TARGET_BATCH,
     candidate_sizes,

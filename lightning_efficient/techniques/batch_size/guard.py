@@ -19,9 +19,9 @@ from torch import nn
 
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import check_choice, check_int, import_object
+from lightning_efficient.measure.speed.tokens import count_loss_tokens
 from lightning_efficient.measure.step import silenced_logging
-from lightning_efficient.measure.tokens import count_loss_tokens
-from lightning_efficient.measure.trial import is_out_of_memory
+from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.batch_size.split import (
     OOMSplitter,
     OutOfMemoryRecoveryError,

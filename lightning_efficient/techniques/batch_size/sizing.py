@@ -7,7 +7,7 @@
   :func:`first_fitting` / :func:`fastest`: walk candidates with a real measurement.
 - :func:`longest_sample` / :func:`worst_case_batch` / :func:`resize_batch`: the worst-case input.
 - :func:`batch_length` / :func:`sample_size`: reading a batch (its tokens:
-  :mod:`lightning_efficient.measure.tokens`).
+  :mod:`lightning_efficient.measure.speed.tokens`).
 """
 
 from __future__ import annotations

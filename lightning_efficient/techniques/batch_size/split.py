@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.validate import check_choice, check_int
+from lightning_efficient.measure.speed.tokens import count_loss_tokens
 from lightning_efficient.measure.step import loss_of
-from lightning_efficient.measure.tokens import count_loss_tokens
-from lightning_efficient.measure.trial import free_memory, is_out_of_memory
+from lightning_efficient.measure.trials.trial import free_memory, is_out_of_memory
 from lightning_efficient.techniques.batch_size.sizing import batch_length
 
 __all__ = [
@@ -206,7 +206,7 @@ class OOMSplitter:
 
     Args:
         weighting: ``"samples"`` or ``"tokens"`` (see :func:`chunk_weights`).
-        token_counter: ``fn(chunk) -> int`` for ``"tokens"`` (default :func:`~lightning_efficient.measure.tokens.count_loss_tokens`).
+        token_counter: ``fn(chunk) -> int`` for ``"tokens"`` (default :func:`~lightning_efficient.measure.speed.tokens.count_loss_tokens`).
     """
 
     def __init__(

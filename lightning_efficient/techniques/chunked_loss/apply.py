@@ -2,7 +2,7 @@
 
 - ``find_output_projection(model, head=None)``: the ``nn.Linear`` whose output is the logits:
   ``head`` when named; else the output head by the package's one rule
-  (``measure.heads.find_output_head``: a Hugging Face model's output embeddings, a linear layer
+  (``measure.memory.heads.find_output_head``: a Hugging Face model's output embeddings, a linear layer
   tied to an embedding, a linear layer as wide as the largest embedding); else, in a model
   without embeddings, the last linear layer.
 - ``loss_refusal(model)``: why the model's loss cannot be reproduced from chunks (a Hugging Face
@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.measure.heads import find_output_head, hf_output_head
+from lightning_efficient.measure.memory.heads import find_output_head, hf_output_head
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.kernel import (
     DEFAULT_CHUNK_BYTES,
@@ -58,7 +58,7 @@ _LOGIT_TRANSFORMS = {
 def find_output_projection(model: nn.Module, head: str | None = None) -> tuple[str, nn.Linear, str]:
     """``(name, linear, how it was found)`` of the layer whose output is the logits: ``head``
     when named; else the output head by the package's one rule
-    (:func:`~lightning_efficient.measure.heads.find_output_head`); else, for a model without
+    (:func:`~lightning_efficient.measure.memory.heads.find_output_head`); else, for a model without
     any ``nn.Embedding`` (one fed hidden states), its last linear layer.
 
     Raises a ``ValueError`` when ``head`` names no ``nn.Linear`` of ``model`` (or a

@@ -37,7 +37,7 @@ class ChunkedCrossEntropy(Technique):
     Args:
         head: Name of the output projection (an ``nn.Linear`` of the LightningModule, e.g.
             ``"model.lm_head"``, or ``"model.lm_head.linear"`` in ``litgpt.lora.GPT``);
-            ``None``: the output head by the package's one rule (``measure.heads``: a Hugging
+            ``None``: the output head by the package's one rule (``measure.memory.heads``: a Hugging
             Face model's output embeddings, else a linear layer tied to an embedding, else one
             as wide as the largest embedding; in a model without embeddings, the last linear
             layer). A name that is no ``nn.Linear`` of the module is refused when fit starts.

@@ -10,8 +10,8 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_int
-from lightning_efficient.measure.compile_trial import describe_error
-from lightning_efficient.measure.timing import StepTimes
+from lightning_efficient.measure.speed.timing import StepTimes
+from lightning_efficient.measure.trials.compile_trial import describe_error
 from lightning_efficient.techniques._blocks import check_policy
 from lightning_efficient.techniques.compile.functions import (
     apply_compile,

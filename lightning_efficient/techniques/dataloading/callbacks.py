@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
-from lightning_efficient.measure.host import available_bytes
+from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.techniques.dataloading.in_fit import StepClock, TunedInFit, WorkerChoice
 from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preloaded_loader
 from lightning_efficient.techniques.dataloading.rebuild import (

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.techniques.dataloading.rebuild import _RNGParityDataLoader
 
 __all__ = ["StepClock", "TunedInFit", "WorkerChoice"]

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_efficient.core._internals import kept_iterator
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_bool, check_choice, check_int
-from lightning_efficient.measure.host import usable_cores
+from lightning_efficient.measure.speed.host import usable_cores
 from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler
 
 __all__ = [

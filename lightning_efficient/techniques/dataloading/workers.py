@@ -30,13 +30,13 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.host import (
+from lightning_efficient.measure.speed.host import (
     available_bytes,
     child_pids,
     private_bytes,
     usable_cores,
 )
-from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.techniques.dataloading.rebuild import (
     _check_num_workers,
     rebuild_dataloader,

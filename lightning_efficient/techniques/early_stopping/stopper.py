@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_int
-from lightning_efficient.measure.tokens import batch_counts
+from lightning_efficient.measure.speed.tokens import batch_counts
 from lightning_efficient.techniques.early_stopping.best import BestWeights, not_kept_message
 from lightning_efficient.techniques.early_stopping.decisions import (
     Budgets,
@@ -54,7 +54,7 @@ class EarlyStopper(Technique):
             every ``half_life`` checks (``None``: the raw value).
         max_time: Wall-clock budget of training, e.g. ``"1h30m"``, ``"90s"``, ``"00:10:00"`` or
             seconds; counted over resumed runs too.
-        max_tokens: Token budget (summed over ranks, as ``measure.tokens`` counts), e.g. ``"2B"``.
+        max_tokens: Token budget (summed over ranks, as ``measure.speed.tokens`` counts), e.g. ``"2B"``.
         max_samples: Sample budget (summed over ranks), e.g. ``"1M"``.
         restore_best: At the end of fit (however it ended) load the best weights seen: from the
             best file of a ``ModelCheckpoint`` on the same metric when it saved them, else from a

@@ -15,10 +15,10 @@ are in :mod:`lightning_efficient.functional`):
 
 :class:`OptimizerSwap` (:mod:`.swap`) is the thin callback that decides *when*. The estimate-only
 state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
-:func:`optimizer_state_bytes` live in :mod:`lightning_efficient.measure.optimizer_models`.
+:func:`optimizer_state_bytes` live in :mod:`lightning_efficient.measure.memory.optimizer_models`.
 """
 
-from lightning_efficient.measure.optimizer_models import (
+from lightning_efficient.measure.memory.optimizer_models import (
     AdafactorStateModel,
     EightBitStateModel,
     optimizer_state_bytes,

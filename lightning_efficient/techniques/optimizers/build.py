@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.measure.optimizer_models import (
+from lightning_efficient.measure.memory.optimizer_models import (
     DEFAULT_MIN_8BIT_SIZE,
     OPTIMIZER_NAMES,
     optimizer_class,
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 #: The names ``OptimizerSwap`` documents -> class paths (any name of
-#: :data:`~lightning_efficient.measure.optimizer_models.OPTIMIZER_NAMES` or class path works).
+#: :data:`~lightning_efficient.measure.memory.optimizer_models.OPTIMIZER_NAMES` or class path works).
 NAMES: dict[str, str] = {
     name: OPTIMIZER_NAMES[name]
     for name in (

@@ -9,7 +9,10 @@ from torch.optim import Optimizer
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice
-from lightning_efficient.measure.optimizer_models import optimizer_class, optimizer_state_bytes
+from lightning_efficient.measure.memory.optimizer_models import (
+    optimizer_class,
+    optimizer_state_bytes,
+)
 from lightning_efficient.techniques.optimizers.build import (
     apply_optimizer_swap,
     estimate_optimizer,

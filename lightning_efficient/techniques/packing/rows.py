@@ -4,7 +4,7 @@
   ``input_ids`` and optionally ``labels``, as Hugging Face datasets give them).
 - ``build_row(documents, row_length, ...)``: the documents one after another, then padding:
   ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` of ``row_length`` tokens
-  (the mask: 1 on the documents, 0 on the padding, so that ``measure/tokens.py`` counts the real
+  (the mask: 1 on the documents, 0 on the padding, so that ``measure/speed/tokens.py`` counts the real
   tokens; the attention paths do not need it and drop it). ``position_ids``
   restart at 0 for every document (and for the padding, which is its own document); ``labels``
   are ``-100`` on the padding and, for labels the model shifts itself (Hugging Face's causal

@@ -120,7 +120,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
 
     @property
     def estimate_sharding(self) -> str:
-        """Read by ``measure.settings``: the per-rank estimate's ``sharding`` (``"zero2"``,
+        """Read by ``measure.memory.settings``: the per-rank estimate's ``sharding`` (``"zero2"``,
         ``"zero3"``)."""
         return f"zero{self.stage}"
 

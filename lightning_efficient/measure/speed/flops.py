@@ -2,7 +2,7 @@
 
 - ``count_flops(model, batch)`` runs the forward of one training step (the LightningModule's
   ``training_step``, or ``loss_fn(model, batch)``) on *fake* tensors (the instrument's
-  ``measure.estimate.faked``: no data, no allocation, nothing trained) under
+  ``measure.memory.estimate.faked``: no data, no allocation, nothing trained) under
   ``torch.utils.flop_counter.FlopCounterMode``, and returns the step's *model FLOPs*: three times
   the forward (backward = 2 x forward, the convention of the PaLM paper's MFU). A forward that
   activation checkpointing re-runs during backward is not counted (hardware FLOPs would count
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_efficient.measure.estimate import faked
+from lightning_efficient.measure.memory.estimate import faked
+from lightning_efficient.measure.memory.track import StorageTracker, _takes_batch_idx
 from lightning_efficient.measure.step import loss_of, silenced_logging
-from lightning_efficient.measure.track import StorageTracker, _takes_batch_idx
 
 __all__ = [
     "GPU_PEAKS",
@@ -271,7 +271,7 @@ def count_flops(
         precision: ``"bf16-true"`` makes weights bf16 (the count does not depend on dtype).
 
     Raises ``TypeError`` for a plain module without ``loss_fn``; whatever the model raises on fake
-    tensors otherwise (``measure.estimate.explain_fake_failure`` turns that into advice).
+    tensors otherwise (``measure.memory.estimate.explain_fake_failure`` turns that into advice).
     """
     from torch.utils.flop_counter import FlopCounterMode
 

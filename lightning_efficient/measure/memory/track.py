@@ -36,20 +36,20 @@ from lightning_efficient.core._internals import (
     tree_flatten,
     tree_map,
 )
-from lightning_efficient.measure.optimizer_models import optimizer_state_tensors
-from lightning_efficient.measure.step import (
-    autocast_for,
-    is_lightning_module,
-    loss_of,
-    silenced_logging,
-)
-from lightning_efficient.measure.types import (
+from lightning_efficient.measure.memory.optimizer_models import optimizer_state_tensors
+from lightning_efficient.measure.memory.types import (
     CATEGORIES,
     EstimatePlan,
     MemoryEstimate,
     check_common,
     cuda_round,
     resolve_optimizer,
+)
+from lightning_efficient.measure.step import (
+    autocast_for,
+    is_lightning_module,
+    loss_of,
+    silenced_logging,
 )
 
 __all__ = ["StorageTracker", "run_steps", "measure_step"]
@@ -260,7 +260,7 @@ class StorageTracker(TorchDispatchMode):
     def requests(self, offload: dict[str, bool] | None = None) -> list[tuple[Any, int, int]]:
         """The device's allocations and frees in order, ``(record, +1 or -1, requested
         bytes)``, without the categories kept in host memory (``offload``): what the caching
-        allocator is asked for (:func:`~lightning_efficient.measure.caching_allocator.replay`)."""
+        allocator is asked for (:func:`~lightning_efficient.measure.memory.caching_allocator.replay`)."""
         offload = offload or {}
         return [
             (rec, sign, rec.requested)

@@ -12,15 +12,15 @@ GPU, so asynchronous work is timed on the device; ``perf_counter`` on a CPU):
   step post-hook);
 - ``rest``: callbacks, logging, LR schedulers, until the next fetch.
 
-Validation is timed apart. FLOPs are counted once on fake tensors (``measure.flops``), the peak
+Validation is timed apart. FLOPs are counted once on fake tensors (``measure.speed.flops``), the peak
 comes from the GPU table or a measured CPU matmul, memory from ``MemoryBreakdown`` when it is on
-(else the CUDA allocator's peak). ``measure.advice`` turns the figures into advice. At the end of
+(else the CUDA allocator's peak). ``measure.profiling.advice`` turns the figures into advice. At the end of
 fit the callback prints one table, logs ``profiler/*`` metrics, adds its row to the efficiency
 report, and keeps everything in ``summary`` (a plain dict).
 
-The callback only decides when: ``measure.step_phases.StepPhases`` keeps the phases and counts,
-``measure.trace_window.TraceWindow`` the trace, ``measure.profile_summary`` works the figures out
-and ``measure.profile_report`` renders them.
+The callback only decides when: ``measure.profiling.step_phases.StepPhases`` keeps the phases and counts,
+``measure.profiling.trace_window.TraceWindow`` the trace, ``measure.profiling.profile_summary`` works the figures out
+and ``measure.profiling.profile_report`` renders them.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from lightning_efficient.core.validate import (
     parse_bytes,
 )
 from lightning_efficient.measure.plots import check_plot_path
-from lightning_efficient.measure.profile_report import (
+from lightning_efficient.measure.profiling.profile_report import (
     PHASES,
     logger_metrics,
     phase_summary,
@@ -50,10 +50,14 @@ from lightning_efficient.measure.profile_report import (
     report_figures,
     report_line,
 )
-from lightning_efficient.measure.profile_summary import count_step_flops, plain_peak, summarize
-from lightning_efficient.measure.step_phases import FetchWatch, StepPhases
-from lightning_efficient.measure.tokens import batch_counts
-from lightning_efficient.measure.trace_window import TraceWindow
+from lightning_efficient.measure.profiling.profile_summary import (
+    count_step_flops,
+    plain_peak,
+    summarize,
+)
+from lightning_efficient.measure.profiling.step_phases import FetchWatch, StepPhases
+from lightning_efficient.measure.profiling.trace_window import TraceWindow
+from lightning_efficient.measure.speed.tokens import batch_counts
 
 __all__ = ["PHASES", "StepProfiler", "profile_table", "profile_png", "phase_summary"]
 

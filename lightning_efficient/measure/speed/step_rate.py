@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.validate import check_int
+from lightning_efficient.measure.memory.track import _takes_batch_idx
+from lightning_efficient.measure.speed.timing import time_fn
 from lightning_efficient.measure.step import autocast_for, silenced_logging
-from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.measure.track import _takes_batch_idx
 
 __all__ = ["STEP_PER_FORWARD", "estimated_step_rate"]
 

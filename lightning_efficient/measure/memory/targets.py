@@ -5,7 +5,7 @@ CPU-side figure was 1.98-2.78x the real peak of GPT-2-sized models without check
 CPU runs attention's math path with dropout, saving the B x H x S x S probabilities, where CUDA
 runs a fused kernel) and 0.54x on a family where CUDA falls back to the math path and the CPU
 does not. So every estimate names its target, and a CUDA target is modelled explicitly
-(:mod:`lightning_efficient.measure.cuda_kernels`).
+(:mod:`lightning_efficient.measure.memory.cuda_kernels`).
 
 ``resolve_target`` turns what a user writes (``"cpu"``, ``"cuda"``, ``"cuda:sm80"``,
 ``"cuda:a100"``, a ``torch.device``) into a :class:`DeviceTarget`; ``None`` is this machine's

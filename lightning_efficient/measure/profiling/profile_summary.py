@@ -10,8 +10,11 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.technique import ReportsCheckpointing, ReportsCompile
-from lightning_efficient.measure.advice import Findings, advise
-from lightning_efficient.measure.flops import (
+from lightning_efficient.measure.memory.breakdown import MemoryBreakdown
+from lightning_efficient.measure.memory.heads import find_output_head
+from lightning_efficient.measure.profiling.advice import Findings, advise
+from lightning_efficient.measure.profiling.step_phases import StepPhases
+from lightning_efficient.measure.speed.flops import (
     FlopCount,
     compute_dtype,
     count_flops,
@@ -19,9 +22,6 @@ from lightning_efficient.measure.flops import (
     mfu,
     peak_flops,
 )
-from lightning_efficient.measure.heads import find_output_head
-from lightning_efficient.measure.memory import MemoryBreakdown
-from lightning_efficient.measure.step_phases import StepPhases
 
 __all__ = [
     "compile_state",
@@ -104,7 +104,7 @@ def optimizer_of(trainer: Any) -> tuple[str | None, bool | None]:
 
 def output_head(module: Any) -> tuple[int | None, int | None]:
     """A language model's ``(vocabulary, hidden size)``: its output head by the one rule
-    (``measure.heads.find_output_head``: a Linear as wide as the largest ``Embedding``, or tied
+    (``measure.memory.heads.find_output_head``: a Linear as wide as the largest ``Embedding``, or tied
     to it, or a Hugging Face model's output embeddings; a classifier's few outputs are not a
     vocabulary); ``(None, None)`` otherwise."""
     head = find_output_head(module)
@@ -162,7 +162,7 @@ def count_step_flops(trainer: Any, pl_module: Any, batch: Any) -> tuple[FlopCoun
 def plain_peak(trainer: Any, pl_module: Any) -> tuple[int | None, str]:
     """The estimated peak bytes of the plain run (fp32, AdamW, no techniques), or ``None`` and
     why not."""
-    from lightning_efficient.measure.estimate import estimate_memory
+    from lightning_efficient.measure.memory.estimate import estimate_memory
 
     if getattr(trainer.strategy, "shards_parameters", False):
         return (

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.technique import ChangesEstimate
-from lightning_efficient.measure.targets import resolve_target
-from lightning_efficient.measure.types import PRECISIONS
+from lightning_efficient.measure.memory.targets import resolve_target
+from lightning_efficient.measure.memory.types import PRECISIONS
 
 __all__ = [
     "configured_optimizer",

@@ -1,6 +1,6 @@
 """The profiler's figures as a person reads them: the report row (``report_line``,
 ``report_figures``), logger metrics, the rich table and the PNG; pure functions of the summary
-(``measure.profile_summary.summarize``)."""
+(``measure.profiling.profile_summary.summarize``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The CPU allocator's own peak, from ``torch.profiler``'s memory events: an instrument that does
 not share the storage tracker's view.
 
-The storage tracker (``measure.track``) sees the tensors that operations return; the allocator
+The storage tracker (``measure.memory.track``) sees the tensors that operations return; the allocator
 also sees what kernels allocate inside an operation and free before returning (oneDNN
 convolution workspaces, the attention matrix of SDPA's math path). ``torch.profiler.profile(
 profile_memory=True)`` records one event per allocation and free with its size; the running
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from lightning_efficient.measure.track import measure_step
-from lightning_efficient.measure.types import MemoryEstimate
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.measure.memory.types import MemoryEstimate
 
 __all__ = ["running_peak", "memory_events", "profiled_peak", "live_bytes", "allocator_step_peak"]
 

@@ -3,7 +3,7 @@
 ``estimate_memory`` runs real training steps (the LightningModule's ``training_step`` or a plain
 module with a loss function; backward; optimizer step; zero_grad) on *fake* tensors
 (torch's ``FakeTensorMode``: shapes, dtypes and strides, no data) under the
-storage tracker of :mod:`lightning_efficient.measure.track`, which counts the bytes of every live
+storage tracker of :mod:`lightning_efficient.measure.memory.track`, which counts the bytes of every live
 storage by category. The result is the peak, the bytes live at the peak per category and the phase
 of the peak. Because storages are tracked directly, recomputed forwards (activation
 checkpointing) are counted as they happen.
@@ -28,16 +28,15 @@ from lightning_efficient.core._internals import (
     module_tensor_slots,
 )
 from lightning_efficient.core.technique import ChangesEstimate
-from lightning_efficient.measure.caching_allocator import replay
-from lightning_efficient.measure.cuda_kernels import cuda_kernels, workspace_hook
-from lightning_efficient.measure.hf_masks import hf_mask_checks_on_values
-from lightning_efficient.measure.kv_cache import cache_note
-from lightning_efficient.measure.per_rank import check_sharding, per_rank_for_model
-from lightning_efficient.measure.scratch import keep_module_state
-from lightning_efficient.measure.settings import configured_optimizer
-from lightning_efficient.measure.targets import DeviceTarget, resolve_target
-from lightning_efficient.measure.track import StorageTracker, run_steps
-from lightning_efficient.measure.types import (
+from lightning_efficient.measure.memory.caching_allocator import replay
+from lightning_efficient.measure.memory.cuda_kernels import cuda_kernels, workspace_hook
+from lightning_efficient.measure.memory.hf_masks import hf_mask_checks_on_values
+from lightning_efficient.measure.memory.kv_cache import cache_note
+from lightning_efficient.measure.memory.per_rank import check_sharding, per_rank_for_model
+from lightning_efficient.measure.memory.settings import configured_optimizer
+from lightning_efficient.measure.memory.targets import DeviceTarget, resolve_target
+from lightning_efficient.measure.memory.track import StorageTracker, run_steps
+from lightning_efficient.measure.memory.types import (
     CATEGORIES,
     PHASES,
     PRECISIONS,
@@ -49,6 +48,7 @@ from lightning_efficient.measure.types import (
     cuda_round,
     resolve_optimizer,
 )
+from lightning_efficient.measure.scratch import keep_module_state
 
 __all__ = [
     "CATEGORIES",
@@ -199,7 +199,7 @@ def explain_fake_failure(err: BaseException) -> EstimateError:
         f"values because {why}."
         + (f" It was called at {where}." if where else "")
         + " Fake tensors carry shapes, not values. Fallback: measure on the real device with a small "
-        "batch, e.g. `lightning_efficient.measure.track.measure_step(model, small_batch)` or a short "
+        "batch, e.g. `lightning_efficient.measure.memory.track.measure_step(model, small_batch)` or a short "
         "fit with the `MemoryBreakdown` callback, and scale the activations with the batch size."
     )
 
@@ -267,13 +267,13 @@ def estimate_memory(
         world_size: Ranks the training state is divided over (``batch`` is one rank's batch).
         sharding: How it is divided: ``"ddp"`` (the default when ``world_size > 1``),
             ``"full"`` / ``"grad_op"`` (FSDP), ``"zero1"``, ``"zero2"``, ``"zero3"``; the result
-            is one rank's peak (:mod:`lightning_efficient.measure.per_rank`).
+            is one rank's peak (:mod:`lightning_efficient.measure.memory.per_rank`).
         block_bytes: Parameter bytes of the largest block (gathered whole by FSDP / ZeRO-3);
             ``None``: the largest member of a ``ModuleList``.
-        device: The device modelled (:func:`~lightning_efficient.measure.targets.resolve_target`):
+        device: The device modelled (:func:`~lightning_efficient.measure.memory.targets.resolve_target`):
             ``None`` (default): this machine's accelerator; ``"cpu"``: the CPU's own kernels;
             ``"cuda"``, ``"cuda:sm80"``, ``"cuda:a100"``, ...: CUDA's kernels, workspaces and
-            allocator, modelled on any machine (:mod:`~lightning_efficient.measure.cuda_kernels`).
+            allocator, modelled on any machine (:mod:`~lightning_efficient.measure.memory.cuda_kernels`).
             The result's ``target`` names it.
     """
     target = resolve_target(device)
@@ -336,7 +336,7 @@ def estimate_memory(
     if target.cuda:  # what the caching allocator reserves for these allocations
         result.allocations = AllocationLog(tracker.requests(plan.offload))
         result.reserved_bytes = replay(result.allocations).reserved_peak
-    if world_size > 1 or sharding is not None:  # one rank's share (measure/per_rank.py)
+    if world_size > 1 or sharding is not None:  # one rank's share (measure/memory/per_rank.py)
         one = result
         result = per_rank_for_model(
             result,

@@ -4,7 +4,7 @@ held (batches, samples, tokens).
 
 - ``StepPhases``: the phase machine. ``switch(phase)`` stops the running phase and starts the
   next; ``begin``/``end`` open and close the measured window; ``count(batch)`` adds a batch's
-  samples and tokens (``measure.tokens.BatchCounter``); ``phases()`` are the seconds per step of
+  samples and tokens (``measure.speed.tokens.BatchCounter``); ``phases()`` are the seconds per step of
   each phase.
 
 Its cost per step is what ``StepProfiler`` costs (it is meant to stay on): a clock read (a CUDA
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from lightning.pytorch.profilers import Profiler
 
-from lightning_efficient.measure.profile_report import phase_summary
-from lightning_efficient.measure.timing import StepTimer
-from lightning_efficient.measure.tokens import BatchCounter
+from lightning_efficient.measure.profiling.profile_report import phase_summary
+from lightning_efficient.measure.speed.timing import StepTimer
+from lightning_efficient.measure.speed.tokens import BatchCounter
 
 __all__ = ["FetchWatch", "StepPhases"]
 

@@ -3,7 +3,7 @@
 On CUDA it reads the caching allocator's statistics (peak allocated bytes of the step) and
 attributes them: parameters, gradients and optimizer state from the tensors themselves,
 activations from the memory still allocated when the forward ends, temporaries the rest. On a
-CPU it runs the instrument's storage tracker (``measure.track.StorageTracker``) on the real
+CPU it runs the instrument's storage tracker (``measure.memory.track.StorageTracker``) on the real
 tensors, with the same categories as ``estimate_memory``. Only sampled steps are measured
 (default: the second step, after one warm-up step), so the other steps run at full speed.
 """
@@ -18,13 +18,13 @@ import torch
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_output_path, format_bytes
-from lightning_efficient.measure.optimizer_models import (
+from lightning_efficient.measure.memory.optimizer_models import (
     optimizer_state_bytes,
     optimizer_state_tensors,
 )
+from lightning_efficient.measure.memory.track import StorageTracker, _tensors, _unique_params
+from lightning_efficient.measure.memory.types import CATEGORIES, MemoryEstimate
 from lightning_efficient.measure.plots import check_plot_path, memory_figure, save_figure
-from lightning_efficient.measure.track import StorageTracker, _tensors, _unique_params
-from lightning_efficient.measure.types import CATEGORIES, MemoryEstimate
 
 __all__ = ["MemoryBreakdown", "check_steps", "plot_measurement"]
 

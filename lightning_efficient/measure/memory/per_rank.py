@@ -1,6 +1,6 @@
 """The memory of one rank when a strategy divides the training state across ranks.
 
-Pure functions on a one-device :class:`~lightning_efficient.measure.types.MemoryEstimate` (the
+Pure functions on a one-device :class:`~lightning_efficient.measure.memory.types.MemoryEstimate` (the
 fake-tensor estimate of one step at the per-rank batch). Each phase's peak (forward, backward,
 optimizer step) is divided as the strategy divides the state, the whole (gathered or not yet
 reduced) tensors and communication buffers the strategy holds in that phase are added, and the
@@ -51,7 +51,7 @@ optimizer step: nothing whole   every block resharded and reduced; the step's te
 ==============================  =================================================================
 
 The real run this is checked against is measured by the same storage tracker on real tensors,
-which follows FSDP2's ``untyped_storage().resize_`` frees (``measure/track.py``); padding of
+which follows FSDP2's ``untyped_storage().resize_`` frees (``measure/memory/track.py``); padding of
 shards to a multiple of N rows is not counted. Activations and temporaries are those of the
 per-rank batch, unchanged. ``zero1/2/3`` are DeepSpeed's stages. A block is the largest
 repeated module (the caller passes its parameter bytes; :func:`largest_block_bytes` is the
@@ -67,7 +67,7 @@ from typing import Any
 from torch import nn
 
 from lightning_efficient.core.validate import check_choice, check_int
-from lightning_efficient.measure.types import MemoryEstimate
+from lightning_efficient.measure.memory.types import MemoryEstimate
 
 __all__ = [
     "SHARDINGS",

@@ -3,7 +3,7 @@ instrument.
 
 On CUDA it reads the caching allocator's statistics (``max_memory_allocated`` above what was
 allocated when the block began, and ``max_memory_reserved``); anywhere else the instrument's
-storage tracker (``measure.track.StorageTracker``) on the real tensors, with the given tensors
+storage tracker (``measure.memory.track.StorageTracker``) on the real tensors, with the given tensors
 (a module's parameters and buffers) counted from the start. It changes nothing it measures.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_efficient.measure.track import StorageTracker
+from lightning_efficient.measure.memory.track import StorageTracker
 
 __all__ = ["PeakMemory"]
 
@@ -28,7 +28,8 @@ class PeakMemory:
             parameters and buffers); on CUDA the allocator already sees them.
         enabled: ``False`` measures nothing (``peak`` and ``reserved`` stay ``None``).
 
-    After the block, ``peak`` holds the peak bytes and ``reserved`` the allocator's peak
+    After the block, ``peak`` holds the peak bytes (``peak_allocated`` the same with what was
+    allocated before the block) and ``reserved`` the allocator's peak
     reserved bytes (CUDA only: ``None`` on a CPU, which has no caching allocator). The block's exception, if any, is
     not swallowed; the figures are still read.
     """
@@ -47,6 +48,12 @@ class PeakMemory:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def peak_allocated(self) -> int | None:
+        """The peak with what was allocated before the block counted too: on CUDA
+        ``max_memory_allocated`` itself; elsewhere ``peak`` (which counts the given tensors)."""
+        return None if self.peak is None else self.peak + self._base
 
     def __enter__(self) -> PeakMemory:
         if not self.enabled:

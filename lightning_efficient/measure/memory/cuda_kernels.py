@@ -19,7 +19,7 @@ replaced for the duration through the dispatcher (``torch.library``) and restore
   ``AutocastCPU`` key, which the fake CPU tensors use. CPU autocast's own list differs.
 
 Plus the **cuBLAS workspaces**: the caching allocator holds one per thread that runs matrix
-products (:func:`~lightning_efficient.measure.targets.workspace_allocations`); :func:`workspace_hook`
+products (:func:`~lightning_efficient.measure.memory.targets.workspace_allocations`); :func:`workspace_hook`
 adds them to the tracker at the first product of the forward and of the backward.
 
 The tables follow torch's sources (``aten/src/ATen/autocast_mode.cpp``,
@@ -39,7 +39,7 @@ import torch
 
 from lightning_efficient.core._internals import kernel_overrides, ops_with_kernel
 from lightning_efficient.core._internals import without_cpu_autocast as _no_autocast
-from lightning_efficient.measure.targets import DeviceTarget, workspace_allocations
+from lightning_efficient.measure.memory.targets import DeviceTarget, workspace_allocations
 
 __all__ = [
     "AUTOCAST_CUDA",

@@ -3,7 +3,7 @@
 ``MemoryEstimate`` (peak, bytes by category, phase of the peak), ``EstimatePlan`` (what the
 techniques change before the steps run), the categories, precisions and phases, and the few
 helpers that the estimate and the tracker share. It imports nothing of the package above ``core``
-but the optimizer names and models of :mod:`lightning_efficient.measure.optimizer_models`.
+but the optimizer names and models of :mod:`lightning_efficient.measure.memory.optimizer_models`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_efficient.core.change import Change, ChangeLog
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
-from lightning_efficient.measure.caching_allocator import replay
-from lightning_efficient.measure.optimizer_models import estimate_factory, optimizer_class
+from lightning_efficient.measure.memory.caching_allocator import replay
+from lightning_efficient.measure.memory.optimizer_models import estimate_factory, optimizer_class
 
 __all__ = [
     "CATEGORIES",
@@ -75,7 +75,7 @@ class MemoryEstimate:
         host_bytes: Peak bytes kept in host memory by offloading techniques.
         notes: What the techniques changed.
         phase_by_category: Bytes live at each phase's peak per category (empty when unknown);
-            the per-rank estimate (``measure.per_rank``) divides each phase as a strategy does.
+            the per-rank estimate (``measure.memory.per_rank``) divides each phase as a strategy does.
         backward_levels: Moments of backward by category, one for each amount of gradients
             live (those no other moment exceeds in both gradients and the rest): sharding
             divides finished gradients, so the rank's peak can be earlier in backward.
@@ -187,7 +187,7 @@ class MemoryEstimate:
 
 class AllocationLog:
     """A compact log of device allocations and frees, ``(key, +1 or -1, requested bytes)`` in
-    order (three ints each), that :func:`~lightning_efficient.measure.caching_allocator.replay`
+    order (three ints each), that :func:`~lightning_efficient.measure.memory.caching_allocator.replay`
     iterates."""
 
     def __init__(self, events: Iterable[tuple[Any, int, int]] = ()) -> None:
@@ -278,7 +278,7 @@ def cuda_round(nbytes: int) -> int:
 def resolve_optimizer(optimizer: Any) -> Callable[[list[dict]], torch.optim.Optimizer]:
     """``optimizer`` as a factory ``factory(param_groups) -> Optimizer``: a short name (``"adamw"``,
     ``"adam"``, ``"sgd"`` with the estimate's settings below, or any other name of
-    :data:`~lightning_efficient.measure.optimizer_models.OPTIMIZER_NAMES`), a class path, an
+    :data:`~lightning_efficient.measure.memory.optimizer_models.OPTIMIZER_NAMES`), a class path, an
     ``Optimizer`` class, or a factory (returned as is).
 
     ``"adamw"``/``"adam"`` step with ``foreach=True`` (torch's choice on CUDA, whose list-wide

@@ -2,15 +2,16 @@
 
 Where the fake-tensor estimate cannot answer (a confirmation on the real device, a model the
 estimate cannot run, samples/s), a technique runs a *real* step here. The peak comes from the
-instrument: the CUDA caching allocator's statistics on a GPU, the :class:`StorageTracker` (live
-storage bytes of real tensors) anywhere else. The module is put back exactly afterwards (weights,
-buffers, gradients, device, train mode), and ``self.log`` is muted during the step.
+instrument's one peak meter (:class:`~lightning_efficient.measure.memory.peak.PeakMemory`): the
+CUDA caching allocator's statistics on a GPU, the :class:`StorageTracker` (live storage bytes of
+real tensors) anywhere else. The module is put back exactly afterwards (weights, buffers,
+gradients, device, train mode), and ``self.log`` is muted during the step.
 
 - :func:`trial_step`: peak bytes of forward + backward + optimizer step.
 - :func:`trial_within`: do real steps with a stack of techniques run within a budget (CUDA:
   under that cap, as the fit will run), and what did the allocator reserve.
 - :func:`throughput`: samples/s of (forward + backward) x accumulation + one optimizer step,
-  timed with :func:`~lightning_efficient.measure.timing.time_fn`; ``None`` on out-of-memory.
+  timed with :func:`~lightning_efficient.measure.speed.timing.time_fn`; ``None`` on out-of-memory.
 - :func:`is_out_of_memory` / :func:`free_memory`.
 """
 
@@ -25,11 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core._internals import tree_flatten
+from lightning_efficient.measure.memory.peak import PeakMemory
+from lightning_efficient.measure.memory.track import StorageTracker, run_steps
+from lightning_efficient.measure.memory.types import EstimatePlan, resolve_optimizer
 from lightning_efficient.measure.scratch import scratch
+from lightning_efficient.measure.speed.timing import time_fn
 from lightning_efficient.measure.step import forward_backward
-from lightning_efficient.measure.timing import time_fn
-from lightning_efficient.measure.track import StorageTracker, run_steps
-from lightning_efficient.measure.types import EstimatePlan, resolve_optimizer
 
 __all__ = [
     "TrialResult",
@@ -85,6 +88,10 @@ def _to(batch: Any, device: torch.device) -> Any:
     return move_data_to_device(batch, device)
 
 
+def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor)]
+
+
 def _optimizer(optimizer: Any, module: nn.Module) -> torch.optim.Optimizer:
     return resolve_optimizer(optimizer)(
         [{"params": [p for p in module.parameters() if p.requires_grad]}]
@@ -121,19 +128,10 @@ def trial_step(
             forward_backward_()
             opt.step()
 
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        alive = [*module.parameters(), *module.buffers(), *_batch_tensors(batch)]
+        with PeakMemory(device, alive) as meter:
             step()
-            torch.cuda.synchronize(device)
-            return int(torch.cuda.max_memory_allocated(device))
-        tracker = StorageTracker(fake=False)
-        with tracker:
-            tracker.label(list(module.parameters()), "parameters")
-            tracker.label(list(module.buffers()), "parameters")
-            tracker.label(batch, "activations")
-            step()
-        return tracker.summary().peak_bytes
+        return int(meter.peak_allocated or 0)
 
 
 def throughput(
@@ -230,6 +228,7 @@ def trial_within(
     precision = str(precision)
     cuda = device.type == "cuda"
     tracker = StorageTracker(fake=False)
+    meter = PeakMemory(device, enabled=cuda)  # a CPU's peak is the tracker's, which the steps run
     error = ""
     with scratch_step(module, device):
         plan = EstimatePlan(
@@ -246,8 +245,7 @@ def trial_within(
                     hook(plan)
             if cuda:
                 free_memory()
-                torch.cuda.reset_peak_memory_stats(device)
-            with memory_cap(device, budget_bytes):
+            with meter, memory_cap(device, budget_bytes):
                 run_steps(plan, tracker, steps=steps)
         except BaseException as err:  # noqa: BLE001 - only OOM is a result, the rest re-raised
             if not is_out_of_memory(err):
@@ -256,9 +254,8 @@ def trial_within(
         finally:
             plan.undo()
             del plan
-    if cuda:
-        allocated = int(torch.cuda.max_memory_allocated(device))
-        reserved = int(torch.cuda.max_memory_reserved(device))
+    if cuda:  # no figures (0) when the steps never began: an out-of-memory error in a hook
+        allocated, reserved = int(meter.peak_allocated or 0), int(meter.reserved or 0)
     else:
         allocated = reserved = tracker.summary().peak_bytes
     ok = not error and (budget_bytes is None or reserved <= budget_bytes)

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_float, check_int
-from lightning_efficient.measure.host import usable_cores
-from lightning_efficient.measure.timing import StepTimer
+from lightning_efficient.measure.speed.host import usable_cores
+from lightning_efficient.measure.speed.timing import StepTimer
 
 __all__ = ["InputStallMonitor"]
 

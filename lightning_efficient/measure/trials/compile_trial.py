@@ -3,7 +3,7 @@ of the module, on the instrument for real steps, the module put back after.
 
 - :func:`trial_scopes`: compile time (Dynamo's compile events) and steady step time of forward +
   backward (:func:`~lightning_efficient.measure.step.forward_backward`, timed with
-  :func:`~lightning_efficient.measure.timing.time_once`) for each scope, the steps of the scopes
+  :func:`~lightning_efficient.measure.speed.timing.time_once`) for each scope, the steps of the scopes
   interleaved, inside :func:`~lightning_efficient.measure.scratch.scratch`: the module's weights,
   buffers, attributes, metric states, gradients and the RNG are put back, so the fit's losses are
   the plain run's. A scope that fails to compile or runs out of memory is a result (the other may
@@ -29,9 +29,9 @@ from lightning_efficient.core._internals import (
 )
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.scratch import scratch
+from lightning_efficient.measure.speed.timing import time_once
 from lightning_efficient.measure.step import forward_backward
-from lightning_efficient.measure.timing import time_once
-from lightning_efficient.measure.trial import is_out_of_memory
+from lightning_efficient.measure.trials.trial import is_out_of_memory
 
 __all__ = ["AUTO_STEPS", "AUTO_WARMUP", "describe_error", "installed", "trial_scopes"]
 

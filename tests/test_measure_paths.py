@@ -1,0 +1,111 @@
+"""The measure floor's rooms and its old flat paths: every module that lay flat in ``measure/``
+before the floor was grouped by subject (``memory/``, ``speed/``, ``trials/``, ``profiling/``)
+still imports from its old path, as the same module object as its new one (deprecated aliases,
+one table in ``lightning_efficient/measure/__init__.py``)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_efficient.core.validate import import_object
+
+MEASURE = "lightning_efficient.measure"
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Old flat module -> its place now (stated here, not read from the package's table, so a
+#: module the table misses fails).
+MOVED = {
+    "allocator": "memory.allocator",
+    "caching_allocator": "memory.caching_allocator",
+    "cuda_kernels": "memory.cuda_kernels",
+    "estimate": "memory.estimate",
+    "heads": "memory.heads",
+    "hf_masks": "memory.hf_masks",
+    "kv_cache": "memory.kv_cache",
+    "optimizer_models": "memory.optimizer_models",
+    "peak": "memory.peak",
+    "per_rank": "memory.per_rank",
+    "settings": "memory.settings",
+    "targets": "memory.targets",
+    "track": "memory.track",
+    "types": "memory.types",
+    "flops": "speed.flops",
+    "host": "speed.host",
+    "input_stall": "speed.input_stall",
+    "step_rate": "speed.step_rate",
+    "timing": "speed.timing",
+    "tokens": "speed.tokens",
+    "compile_trial": "trials.compile_trial",
+    "trial": "trials.trial",
+    "advice": "profiling.advice",
+    "profile_report": "profiling.profile_report",
+    "profile_summary": "profiling.profile_summary",
+    "profiler": "profiling.profiler",
+    "step_phases": "profiling.step_phases",
+    "trace_window": "profiling.trace_window",
+}
+#: Stayed at the floor's root: what every room runs on.
+ROOT_MODULES = {"step", "scratch", "plots"}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_path_is_the_same_module_as_the_new(old: str) -> None:
+    new = importlib.import_module(f"{MEASURE}.{MOVED[old]}")
+    assert new.__name__ == f"{MEASURE}.{MOVED[old]}"
+    assert importlib.import_module(f"{MEASURE}.{old}") is new
+    assert getattr(importlib.import_module(MEASURE), old) is new  # measure.<old> as an attribute
+    for name in new.__all__:  # ``from measure.<old> import name`` gives the same object
+        assert import_object("path", f"{MEASURE}.{old}.{name}") is getattr(new, name)
+
+
+def test_the_old_memory_module_is_the_memory_room() -> None:
+    """``measure.memory`` held ``MemoryBreakdown``; it is now the memory room, which exports the
+    old module's names (a yaml ``class_path`` of the old module still resolves)."""
+    from lightning_efficient.measure.memory import breakdown
+
+    room = importlib.import_module(f"{MEASURE}.memory")
+    assert room.__path__ and room is not breakdown  # a package
+    for name in breakdown.__all__:
+        assert getattr(room, name) is getattr(breakdown, name)
+    cls = import_object("class_path", f"{MEASURE}.memory.MemoryBreakdown")
+    assert cls is breakdown.MemoryBreakdown and cls.__module__ == breakdown.__name__
+
+
+def test_every_flat_module_is_in_a_room_or_at_the_root() -> None:
+    folder = ROOT / "lightning_efficient" / "measure"
+    flat = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    rooms = {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    assert flat == ROOT_MODULES and rooms == {"memory", "speed", "trials", "profiling"}
+    placed = {f"{room.name}.{p.stem}" for room in folder.iterdir() for p in room.glob("*.py")}
+    placed = {m for m in placed if not m.endswith(".__init__")}
+    assert set(MOVED.values()) | {"memory.breakdown"} == placed  # every module accounted for
+
+
+def test_an_old_path_as_a_users_first_import() -> None:
+    """In a fresh interpreter, an old path is the first thing imported (nothing of the package
+    loaded before): the aliases are registered by importing it."""
+    code = (
+        "import lightning_efficient.measure.trial as t\n"
+        "from lightning_efficient.measure.profiler import StepProfiler\n"
+        "from lightning_efficient.measure.estimate import estimate_memory\n"
+        "print(t.__name__, StepProfiler.__module__, estimate_memory.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    ).stdout.split()
+    assert out == [
+        f"{MEASURE}.trials.trial",
+        f"{MEASURE}.profiling.profiler",
+        f"{MEASURE}.memory.estimate",
+    ]

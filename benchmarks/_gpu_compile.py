@@ -80,8 +80,8 @@ def part_compile(ctx: Ctx, rec: Recorder) -> None:
         f"{'bf16 autocast' if bf16 else 'fp32'}, AdamW; one training step = forward + "
         f"cross-entropy + backward + step. Backend {backend}, caches disabled (cold compiles); "
         f"compile time = Dynamo compile events (CompileWatch); steady step = median of "
-        f"{p['compile_repeats']} (measure.speed.timing.time_fn). One process, variants in this order. "
-        "The auto choice: TorchCompile(scope='auto')'s rule (choose_scope) on these figures."
+        f"{p['compile_repeats']} (measure.speed.timing.time_fn). One process, variants in this "
+        "order. The auto choice: TorchCompile(scope='auto')'s rule (choose_scope) on these figures."
     )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, dims["vocab"], (batch, seq + 1), generator=g).to(ctx.device)

@@ -2,8 +2,8 @@
 
 Each precision trains the same TinyGPT (same seed, same batches) with the Lightning Trainer for
 ``--steps`` steps, then validates. Step time is the median of the steps after the first two
-(``measure.speed.timing.StepTimer``); memory is the instrument's estimate (``estimate_memory``, exact
-peak bytes of a training step on fake tensors, per category); the losses are the last training
+(``measure.speed.timing.StepTimer``); memory is the instrument's estimate (``estimate_memory``,
+exact peak bytes of a training step on fake tensors, per category); the losses are the last training
 loss and the validation loss after training. Ratios are against fp32 in the same run.
 
     python benchmarks/precision.py            # TinyGPT 4 x 128, seq 128, batch 16, 60 steps

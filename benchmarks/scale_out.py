@@ -167,8 +167,8 @@ def measured() -> dict:
         "2 CPU processes",
         "runs": rows,
         "allocator_note": "the CPU allocator's peak over the same step (torch.profiler memory "
-        "events, measure/memory/allocator.py), an instrument independent of the tracker; it also sees "
-        "what kernels and gloo's collectives allocate inside an operation (gloo copies the block "
+        "events, measure/memory/allocator.py), an instrument independent of the tracker; it also "
+        "sees what kernels and gloo's collectives allocate inside an operation (gloo copies the block "
         "inside all-gather and reduce-scatter). The profiler sees no free of a block allocated "
         "before it started, so the last step's gradients (freed by zero_grad before backward, "
         "where every peak here is) are left out of its starting bytes",

@@ -1,5 +1,5 @@
-"""The CPU allocator's peak from torch.profiler's memory events (``measure.memory.allocator``), and the
-estimate judged by it on a CNN with BatchNorm (the Hugging Face families are in
+"""The CPU allocator's peak from torch.profiler's memory events (``measure.memory.allocator``),
+and the estimate judged by it on a CNN with BatchNorm (the Hugging Face families are in
 ``test_estimate_hf.py``)."""
 
 from __future__ import annotations

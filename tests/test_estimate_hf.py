@@ -1,10 +1,10 @@
 """The estimate on Hugging Face models with their default attention (SDPA) at sequence 512.
 
-Under fake tensors transformers believes it is being traced and, unable to read the padding mask
-or the position ids, builds a batch x 1 x seq x seq attention mask that a real run on a batch
-without padding never builds. The estimate answers those checks from the real batch's values
-(``measure.memory.hf_masks.hf_mask_checks_on_values``), so it takes the real run's path: within 2% of
-the same steps tracked on real tensors, with and without padding, and within 5% of the CPU
+Under fake tensors transformers believes it is being traced and, unable to read the padding mask or
+the position ids, builds a batch x 1 x seq x seq attention mask that a real run on a batch without
+padding never builds. The estimate answers those checks from the real batch's values
+(``measure.memory.hf_masks.hf_mask_checks_on_values``), so it takes the real run's path: within 2%
+of the same steps tracked on real tensors, with and without padding, and within 5% of the CPU
 allocator's own peak (``torch.profiler`` memory events, ``measure.memory.allocator``)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""measure/memory/hf_masks.py: transformers' SDPA mask checks answered from the real batch under fake
-tensors (the estimate end to end is in tests/test_estimate_hf.py)."""
+"""measure/memory/hf_masks.py: transformers' SDPA mask checks answered from the real batch under
+fake tensors (the estimate end to end is in tests/test_estimate_hf.py)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,6 @@ one table in ``lightning_efficient/measure/__init__.py``)."""
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -85,27 +82,3 @@ def test_every_flat_module_is_in_a_room_or_at_the_root() -> None:
     placed = {f"{room.name}.{p.stem}" for room in folder.iterdir() for p in room.glob("*.py")}
     placed = {m for m in placed if not m.endswith(".__init__")}
     assert set(MOVED.values()) | {"memory.breakdown"} == placed  # every module accounted for
-
-
-def test_an_old_path_as_a_users_first_import() -> None:
-    """In a fresh interpreter, an old path is the first thing imported (nothing of the package
-    loaded before): the aliases are registered by importing it."""
-    code = (
-        "import lightning_efficient.measure.trial as t\n"
-        "from lightning_efficient.measure.profiler import StepProfiler\n"
-        "from lightning_efficient.measure.estimate import estimate_memory\n"
-        "print(t.__name__, StepProfiler.__module__, estimate_memory.__module__)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-    ).stdout.split()
-    assert out == [
-        f"{MEASURE}.trials.trial",
-        f"{MEASURE}.profiling.profiler",
-        f"{MEASURE}.memory.estimate",
-    ]

@@ -1,4 +1,5 @@
-"""``measure.memory.peak.PeakMemory``: the peak of a block, measured by the instrument (CPU here)."""
+"""``measure.memory.peak.PeakMemory``: the peak of a block, measured by the instrument (CPU
+here; the CUDA test runs where a GPU is)."""
 
 from __future__ import annotations
 

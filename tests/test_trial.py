@@ -1,5 +1,5 @@
-"""measure/trials/trial.py: real trial steps measured by the instrument (the storage tracker on a CPU,
-the CUDA allocator on a GPU), leaving the module as it was."""
+"""measure/trials/trial.py: real trial steps measured by the instrument's peak meter (the storage
+tracker on a CPU, the CUDA allocator on a GPU), leaving the module as it was."""
 
 from __future__ import annotations
 

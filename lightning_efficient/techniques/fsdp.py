@@ -165,7 +165,8 @@ class FullyShardedStrategy(ModelParallelStrategy):
 
     @property
     def estimate_sharding(self) -> str:
-        """Read by ``measure.memory.settings``: the per-rank estimate's ``sharding`` for this strategy."""
+        """Read by ``measure.memory.settings``: the per-rank estimate's ``sharding`` for this
+        strategy."""
         return self.sharding
 
     def __init__(

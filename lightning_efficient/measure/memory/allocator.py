@@ -1,12 +1,12 @@
 """The CPU allocator's own peak, from ``torch.profiler``'s memory events: an instrument that does
 not share the storage tracker's view.
 
-The storage tracker (``measure.memory.track``) sees the tensors that operations return; the allocator
-also sees what kernels allocate inside an operation and free before returning (oneDNN
+The storage tracker (``measure.memory.track``) sees the tensors that operations return; the
+allocator also sees what kernels allocate inside an operation and free before returning (oneDNN
 convolution workspaces, the attention matrix of SDPA's math path). ``torch.profiler.profile(
-profile_memory=True)`` records one event per allocation and free with its size; the running
-total of those sizes, on top of what was live when profiling began, is the allocator's peak.
-Comparing the estimate with it judges the instrument by something other than itself.
+profile_memory=True)`` records one event per allocation and free with its size; the running total of
+those sizes, on top of what was live when profiling began, is the allocator's peak. Comparing the
+estimate with it judges the instrument by something other than itself.
 """
 
 from __future__ import annotations

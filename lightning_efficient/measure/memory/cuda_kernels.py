@@ -18,8 +18,8 @@ replaced for the duration through the dispatcher (``torch.library``) and restore
   ``layer_norm`` and ``softmax`` in fp32, ``cross_entropy`` left to its parts) on the
   ``AutocastCPU`` key, which the fake CPU tensors use. CPU autocast's own list differs.
 
-Plus the **cuBLAS workspaces**: the caching allocator holds one per thread that runs matrix
-products (:func:`~lightning_efficient.measure.memory.targets.workspace_allocations`); :func:`workspace_hook`
+Plus the **cuBLAS workspaces**: the caching allocator holds one per thread that runs matrix products
+(:func:`~lightning_efficient.measure.memory.targets.workspace_allocations`); :func:`workspace_hook`
 adds them to the tracker at the first product of the forward and of the backward.
 
 The tables follow torch's sources (``aten/src/ATen/autocast_mode.cpp``,

@@ -1,12 +1,12 @@
 """Exact memory estimate of training steps, without allocating memory and without a GPU.
 
 ``estimate_memory`` runs real training steps (the LightningModule's ``training_step`` or a plain
-module with a loss function; backward; optimizer step; zero_grad) on *fake* tensors
-(torch's ``FakeTensorMode``: shapes, dtypes and strides, no data) under the
-storage tracker of :mod:`lightning_efficient.measure.memory.track`, which counts the bytes of every live
-storage by category. The result is the peak, the bytes live at the peak per category and the phase
-of the peak. Because storages are tracked directly, recomputed forwards (activation
-checkpointing) are counted as they happen.
+module with a loss function; backward; optimizer step; zero_grad) on *fake* tensors (torch's
+``FakeTensorMode``: shapes, dtypes and strides, no data) under the storage tracker of
+:mod:`lightning_efficient.measure.memory.track`, which counts the bytes of every live storage by
+category. The result is the peak, the bytes live at the peak per category and the phase of the peak.
+Because storages are tracked directly, recomputed forwards (activation checkpointing) are counted as
+they happen.
 
 Techniques of this package take part through ``configure_estimate(plan)``: they change the
 ``EstimatePlan`` (the fake model, the optimizer factory, offloading, ...) before the steps run.
@@ -199,8 +199,8 @@ def explain_fake_failure(err: BaseException) -> EstimateError:
         f"values because {why}."
         + (f" It was called at {where}." if where else "")
         + " Fake tensors carry shapes, not values. Fallback: measure on the real device with a small "
-        "batch, e.g. `lightning_efficient.measure.memory.track.measure_step(model, small_batch)` or a short "
-        "fit with the `MemoryBreakdown` callback, and scale the activations with the batch size."
+        "batch, e.g. `lightning_efficient.measure.measure_step(model, small_batch)` or a "
+        "short fit with the `MemoryBreakdown` callback, and scale the activations with the batch size."
     )
 
 
@@ -270,11 +270,12 @@ def estimate_memory(
             is one rank's peak (:mod:`lightning_efficient.measure.memory.per_rank`).
         block_bytes: Parameter bytes of the largest block (gathered whole by FSDP / ZeRO-3);
             ``None``: the largest member of a ``ModuleList``.
-        device: The device modelled (:func:`~lightning_efficient.measure.memory.targets.resolve_target`):
-            ``None`` (default): this machine's accelerator; ``"cpu"``: the CPU's own kernels;
-            ``"cuda"``, ``"cuda:sm80"``, ``"cuda:a100"``, ...: CUDA's kernels, workspaces and
-            allocator, modelled on any machine (:mod:`~lightning_efficient.measure.memory.cuda_kernels`).
-            The result's ``target`` names it.
+        device: The device modelled
+            (:func:`~lightning_efficient.measure.memory.targets.resolve_target`): ``None``
+            (default): this machine's accelerator; ``"cpu"``: the CPU's own kernels; ``"cuda"``,
+            ``"cuda:sm80"``, ``"cuda:a100"``, ...: CUDA's kernels, workspaces and allocator,
+            modelled on any machine (:mod:`~lightning_efficient.measure.memory.cuda_kernels`). The
+            result's ``target`` names it.
     """
     target = resolve_target(device)
     if cuda_rounding is None:

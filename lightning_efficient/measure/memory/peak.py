@@ -2,9 +2,9 @@
 instrument.
 
 On CUDA it reads the caching allocator's statistics (``max_memory_allocated`` above what was
-allocated when the block began, and ``max_memory_reserved``); anywhere else the instrument's
-storage tracker (``measure.memory.track.StorageTracker``) on the real tensors, with the given tensors
-(a module's parameters and buffers) counted from the start. It changes nothing it measures.
+allocated when the block began, and ``max_memory_reserved``); anywhere else the instrument's storage
+tracker (``measure.memory.track.StorageTracker``) on the real tensors, with the given tensors (a
+module's parameters and buffers) counted from the start. It changes nothing it measures.
 """
 
 from __future__ import annotations

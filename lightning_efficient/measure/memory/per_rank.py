@@ -1,11 +1,11 @@
 """The memory of one rank when a strategy divides the training state across ranks.
 
-Pure functions on a one-device :class:`~lightning_efficient.measure.memory.types.MemoryEstimate` (the
-fake-tensor estimate of one step at the per-rank batch). Each phase's peak (forward, backward,
+Pure functions on a one-device :class:`~lightning_efficient.measure.memory.types.MemoryEstimate`
+(the fake-tensor estimate of one step at the per-rank batch). Each phase's peak (forward, backward,
 optimizer step) is divided as the strategy divides the state, the whole (gathered or not yet
 reduced) tensors and communication buffers the strategy holds in that phase are added, and the
-largest phase is the rank's peak: dividing finished gradients moves an FSDP rank's peak earlier
-in backward than the one device's, so every backward moment the estimate kept
+largest phase is the rank's peak: dividing finished gradients moves an FSDP rank's peak earlier in
+backward than the one device's, so every backward moment the estimate kept
 (``MemoryEstimate.backward_levels``) is a candidate.
 
 ======================  ==========  ==========  ===========  =====================================

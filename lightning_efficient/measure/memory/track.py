@@ -258,9 +258,9 @@ class StorageTracker(TorchDispatchMode):
 
     # -- results -----------------------------------------------------------------------------
     def requests(self, offload: dict[str, bool] | None = None) -> list[tuple[Any, int, int]]:
-        """The device's allocations and frees in order, ``(record, +1 or -1, requested
-        bytes)``, without the categories kept in host memory (``offload``): what the caching
-        allocator is asked for (:func:`~lightning_efficient.measure.memory.caching_allocator.replay`)."""
+        """The device's allocations and frees in order, ``(record, +1 or -1, requested bytes)``,
+        without the categories kept in host memory (``offload``): what the caching allocator is
+        asked for (:func:`~lightning_efficient.measure.memory.caching_allocator.replay`)."""
         offload = offload or {}
         return [
             (rec, sign, rec.requested)

@@ -74,8 +74,8 @@ class MemoryEstimate:
         phase_peaks: The peak of each phase.
         host_bytes: Peak bytes kept in host memory by offloading techniques.
         notes: What the techniques changed.
-        phase_by_category: Bytes live at each phase's peak per category (empty when unknown);
-            the per-rank estimate (``measure.memory.per_rank``) divides each phase as a strategy does.
+        phase_by_category: Bytes live at each phase's peak per category (empty when unknown); the
+            per-rank estimate (``measure.memory.per_rank``) divides each phase as a strategy does.
         backward_levels: Moments of backward by category, one for each amount of gradients
             live (those no other moment exceeds in both gradients and the rest): sharding
             divides finished gradients, so the rank's peak can be earlier in backward.
@@ -186,8 +186,8 @@ class MemoryEstimate:
 
 
 class AllocationLog:
-    """A compact log of device allocations and frees, ``(key, +1 or -1, requested bytes)`` in
-    order (three ints each), that :func:`~lightning_efficient.measure.memory.caching_allocator.replay`
+    """A compact log of device allocations and frees, ``(key, +1 or -1, requested bytes)`` in order
+    (three ints each), that :func:`~lightning_efficient.measure.memory.caching_allocator.replay`
     iterates."""
 
     def __init__(self, events: Iterable[tuple[Any, int, int]] = ()) -> None:

@@ -104,8 +104,8 @@ def optimizer_of(trainer: Any) -> tuple[str | None, bool | None]:
 
 def output_head(module: Any) -> tuple[int | None, int | None]:
     """A language model's ``(vocabulary, hidden size)``: its output head by the one rule
-    (``measure.memory.heads.find_output_head``: a Linear as wide as the largest ``Embedding``, or tied
-    to it, or a Hugging Face model's output embeddings; a classifier's few outputs are not a
+    (``measure.memory.heads.find_output_head``: a Linear as wide as the largest ``Embedding``, or
+    tied to it, or a Hugging Face model's output embeddings; a classifier's few outputs are not a
     vocabulary); ``(None, None)`` otherwise."""
     head = find_output_head(module)
     if head is None:

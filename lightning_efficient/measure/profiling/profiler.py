@@ -12,15 +12,16 @@ GPU, so asynchronous work is timed on the device; ``perf_counter`` on a CPU):
   step post-hook);
 - ``rest``: callbacks, logging, LR schedulers, until the next fetch.
 
-Validation is timed apart. FLOPs are counted once on fake tensors (``measure.speed.flops``), the peak
-comes from the GPU table or a measured CPU matmul, memory from ``MemoryBreakdown`` when it is on
-(else the CUDA allocator's peak). ``measure.profiling.advice`` turns the figures into advice. At the end of
-fit the callback prints one table, logs ``profiler/*`` metrics, adds its row to the efficiency
-report, and keeps everything in ``summary`` (a plain dict).
+Validation is timed apart. FLOPs are counted once on fake tensors (``measure.speed.flops``), the
+peak comes from the GPU table or a measured CPU matmul, memory from ``MemoryBreakdown`` when it is
+on (else the CUDA allocator's peak). ``measure.profiling.advice`` turns the figures into advice. At
+the end of fit the callback prints one table, logs ``profiler/*`` metrics, adds its row to the
+efficiency report, and keeps everything in ``summary`` (a plain dict).
 
-The callback only decides when: ``measure.profiling.step_phases.StepPhases`` keeps the phases and counts,
-``measure.profiling.trace_window.TraceWindow`` the trace, ``measure.profiling.profile_summary`` works the figures out
-and ``measure.profiling.profile_report`` renders them.
+The callback only decides when: ``measure.profiling.step_phases.StepPhases`` keeps the phases and
+counts, ``measure.profiling.trace_window.TraceWindow`` the trace,
+``measure.profiling.profile_summary`` works the figures out and ``measure.profiling.profile_report``
+renders them.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 (``StepTimer``: CUDA events on a GPU, ``perf_counter`` on a CPU), and what the measured steps
 held (batches, samples, tokens).
 
-- ``StepPhases``: the phase machine. ``switch(phase)`` stops the running phase and starts the
-  next; ``begin``/``end`` open and close the measured window; ``count(batch)`` adds a batch's
-  samples and tokens (``measure.speed.tokens.BatchCounter``); ``phases()`` are the seconds per step of
-  each phase.
+- ``StepPhases``: the phase machine. ``switch(phase)`` stops the running phase and starts the next;
+  ``begin``/``end`` open and close the measured window; ``count(batch)`` adds a batch's samples and
+  tokens (``measure.speed.tokens.BatchCounter``); ``phases()`` are the seconds per step of each
+  phase.
 
 Its cost per step is what ``StepProfiler`` costs (it is meant to stay on): a clock read (a CUDA
 event recorded on a GPU) per phase switch and an O(1) batch count; no device synchronisation

@@ -3,11 +3,11 @@ of the module, on the instrument for real steps, the module put back after.
 
 - :func:`trial_scopes`: compile time (Dynamo's compile events) and steady step time of forward +
   backward (:func:`~lightning_efficient.measure.step.forward_backward`, timed with
-  :func:`~lightning_efficient.measure.speed.timing.time_once`) for each scope, the steps of the scopes
-  interleaved, inside :func:`~lightning_efficient.measure.scratch.scratch`: the module's weights,
-  buffers, attributes, metric states, gradients and the RNG are put back, so the fit's losses are
-  the plain run's. A scope that fails to compile or runs out of memory is a result (the other may
-  run); an error of the user's own step (the step raises eagerly too) is raised.
+  :func:`~lightning_efficient.measure.speed.timing.time_once`) for each scope, the steps of the
+  scopes interleaved, inside :func:`~lightning_efficient.measure.scratch.scratch`: the module's
+  weights, buffers, attributes, metric states, gradients and the RNG are put back, so the fit's
+  losses are the plain run's. A scope that fails to compile or runs out of memory is a result (the
+  other may run); an error of the user's own step (the step raises eagerly too) is raised.
 - :func:`installed`: compiled calls put in place for a while.
 - :func:`describe_error`: ``Type: first line`` of a compile error and of its root cause.
 """

@@ -206,7 +206,8 @@ class OOMSplitter:
 
     Args:
         weighting: ``"samples"`` or ``"tokens"`` (see :func:`chunk_weights`).
-        token_counter: ``fn(chunk) -> int`` for ``"tokens"`` (default :func:`~lightning_efficient.measure.speed.tokens.count_loss_tokens`).
+        token_counter: ``fn(chunk) -> int`` for ``"tokens"`` (default
+            :func:`~lightning_efficient.measure.speed.tokens.count_loss_tokens`).
     """
 
     def __init__(

@@ -2,8 +2,8 @@
 
 - ``find_output_projection(model, head=None)``: the ``nn.Linear`` whose output is the logits:
   ``head`` when named; else the output head by the package's one rule
-  (``measure.memory.heads.find_output_head``: a Hugging Face model's output embeddings, a linear layer
-  tied to an embedding, a linear layer as wide as the largest embedding); else, in a model
+  (``measure.memory.heads.find_output_head``: a Hugging Face model's output embeddings, a linear
+  layer tied to an embedding, a linear layer as wide as the largest embedding); else, in a model
   without embeddings, the last linear layer.
 - ``loss_refusal(model)``: why the model's loss cannot be reproduced from chunks (a Hugging Face
   config that caps, scales or adds a z-loss to the logits), or ``None``.

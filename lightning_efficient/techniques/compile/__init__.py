@@ -5,8 +5,8 @@
   backend and mode names.
 - ``scope.py``: what is compiled (``scope``): the rule ``choose_scope`` (a pure function) and
   ``auto_scope``, which chooses from the instrument's compile trial
-  (:mod:`lightning_efficient.measure.trials.compile_trial`: both scopes timed on real steps, the module
-  put back).
+  (:mod:`lightning_efficient.measure.trials.compile_trial`: both scopes timed on real steps, the
+  module put back).
 - ``watch.py``: ``CompileWatch`` (compilations, recompilations, graph breaks and where),
   ``recompile_reasons``.
 - ``report.py``: the report's line and notes (graph breaks in words, no raw Dynamo text).

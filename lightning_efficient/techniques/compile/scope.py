@@ -14,8 +14,8 @@ at about 0.3 of its compile time (``benchmarks/compile.py``). So:
 - ``default_scope``: ``"auto"`` on a CUDA device (measure both there), ``"regional"`` elsewhere
   (measured on the CPU);
 - ``choose_by_trial``: the instrument's compile trial
-  (:func:`~lightning_efficient.measure.trials.compile_trial.trial_scopes`: both scopes compiled and timed
-  on real steps, the module put back after) on the strategy's device, then ``choose_scope``;
+  (:func:`~lightning_efficient.measure.trials.compile_trial.trial_scopes`: both scopes compiled and
+  timed on real steps, the module put back after) on the strategy's device, then ``choose_scope``;
 - ``auto_scope``: what ``TorchCompile(scope="auto")`` does at its first batch: the trial, the
   chosen scope's compiled calls installed (no second compile), and what to tell the user.
 """

@@ -152,7 +152,8 @@ class Budgets:
         return bool(self.max_time_s or self.max_tokens or self.max_samples)
 
     def add(self, samples: int, tokens: int | None) -> None:
-        """Count one local batch (``measure.speed.tokens.batch_counts``: samples, tokens or None)."""
+        """Count one local batch (``measure.speed.tokens.batch_counts``: samples, tokens or
+        None)."""
         self.pending = [self.pending[0] + (tokens or 0), self.pending[1] + samples]
 
     def local(self, now: float) -> list[float]:

@@ -54,7 +54,8 @@ class EarlyStopper(Technique):
             every ``half_life`` checks (``None``: the raw value).
         max_time: Wall-clock budget of training, e.g. ``"1h30m"``, ``"90s"``, ``"00:10:00"`` or
             seconds; counted over resumed runs too.
-        max_tokens: Token budget (summed over ranks, as ``measure.speed.tokens`` counts), e.g. ``"2B"``.
+        max_tokens: Token budget (summed over ranks, as ``measure.speed.tokens`` counts), e.g.
+            ``"2B"``.
         max_samples: Sample budget (summed over ranks), e.g. ``"1M"``.
         restore_best: At the end of fit (however it ended) load the best weights seen: from the
             best file of a ``ModelCheckpoint`` on the same metric when it saved them, else from a

@@ -72,7 +72,8 @@ __all__ = [
 ]
 
 #: The names ``OptimizerSwap`` documents -> class paths (any name of
-#: :data:`~lightning_efficient.measure.memory.optimizer_models.OPTIMIZER_NAMES` or class path works).
+#: :data:`~lightning_efficient.measure.memory.optimizer_models.OPTIMIZER_NAMES` or class path
+#: works).
 NAMES: dict[str, str] = {
     name: OPTIMIZER_NAMES[name]
     for name in (

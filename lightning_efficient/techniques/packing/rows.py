@@ -3,14 +3,13 @@
 - ``read_document(item)``: ``(input_ids, labels or None)`` of a dataset item (a dict with
   ``input_ids`` and optionally ``labels``, as Hugging Face datasets give them).
 - ``build_row(documents, row_length, ...)``: the documents one after another, then padding:
-  ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` of ``row_length`` tokens
-  (the mask: 1 on the documents, 0 on the padding, so that ``measure/speed/tokens.py`` counts the real
-  tokens; the attention paths do not need it and drop it). ``position_ids``
-  restart at 0 for every document (and for the padding, which is its own document); ``labels``
-  are ``-100`` on the padding and, for labels the model shifts itself (Hugging Face's causal
-  LMs: the logits at ``t`` predict ``labels[t + 1]``), on each document's first token, the one
-  that would be predicted from the document before it. The loss over a row is then the token
-  mean over the documents' own targets.
+  ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` of ``row_length`` tokens (the
+  mask: 1 on the documents, 0 on the padding, so that ``measure/speed/tokens.py`` counts the real
+  tokens; the attention paths do not need it and drop it). ``position_ids`` restart at 0 for every
+  document (and for the padding, which is its own document); ``labels`` are ``-100`` on the padding
+  and, for labels the model shifts itself (Hugging Face's causal LMs: the logits at ``t`` predict
+  ``labels[t + 1]``), on each document's first token, the one that would be predicted from the
+  document before it. The loss over a row is then the token mean over the documents' own targets.
 - ``document_ids(position_ids)``: which document each token belongs to (a new document where
   the position does not follow the one before, as ``transformers`` detects packed rows);
   ``document_mask`` the block-diagonal (causal) attention mask from it; ``cu_seqlens`` the

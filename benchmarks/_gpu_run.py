@@ -35,6 +35,7 @@ from _gpu_common import (
     missing_package,
     unique_params,
 )
+from _gpu_processes import kill_group
 from _results import QUIET_TRAINER
 
 from lightning_efficient.core.report import report_for
@@ -328,7 +329,7 @@ class RunPool:
         if code is None and time.time() < run.deadline:
             return None
         if code is None:
-            _kill_group(run.proc)
+            kill_group(run.proc)
             limit = run.deadline - run.started
             run.result = {
                 "ok": False,
@@ -351,7 +352,7 @@ class RunPool:
     def close(self) -> None:
         for run in [*self.waiting, *self.running]:
             if run.proc is not None and run.proc.poll() is None:
-                _kill_group(run.proc)
+                kill_group(run.proc)
         self.waiting, self.running = [], []
 
 
@@ -362,16 +363,6 @@ def run_real(spec: dict[str, Any], ctx: Ctx, isolate: bool, timeout: float) -> d
         return pool.wait([pool.submit(spec, timeout, isolate)])[0]
     finally:
         pool.close()
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
 
 
 def run_status(res: dict[str, Any]) -> str:

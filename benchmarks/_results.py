@@ -20,6 +20,7 @@ __all__ = [
     "PACKAGES",
     "environment",
     "fmt_bytes",
+    "host_ram_bytes",
     "provenance",
     "save_results",
     "table",
@@ -55,7 +56,8 @@ def fmt_bytes(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-def _host_ram_bytes() -> int | None:
+def host_ram_bytes() -> int | None:
+    """The host's RAM (``MemTotal`` of ``/proc/meminfo``); ``None`` where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -72,7 +74,7 @@ def environment(packages: Iterable[str] = PACKAGES) -> dict[str, str]:
         "python": platform.python_version(),
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
     }
-    ram = _host_ram_bytes()
+    ram = host_ram_bytes()
     if ram:
         env["host RAM"] = fmt_bytes(ram)
     for dist in packages:

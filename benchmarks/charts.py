@@ -114,14 +114,28 @@ def _bars(
     unit: str,
     fmt: str = "{:.2f}",
     colour: str = "#4c72b0",
+    colours: Sequence[str] | None = None,
 ) -> None:
-    """Horizontal bars, each with its value written at its end."""
+    """Horizontal bars, each with its value written at its end (``colours``: one per bar)."""
     ax.barh(labels, values, color=colour)
     ax.invert_yaxis()
     ax.set_xlabel(unit)
+    _totals(ax, values, fmt)
+    ax.set_xlim(0, max(values) * 1.2 if values else 1)
+    for patch, each in zip(ax.patches, colours or ()):
+        patch.set_color(each)
+
+
+def _totals(ax: Any, values: Sequence[float], fmt: str) -> None:
+    """Each horizontal bar's value written at its end (``values`` in the axis' unit)."""
     for i, v in enumerate(values):
         ax.text(v, i, " " + fmt.format(v), va="center", fontsize=7)
-    ax.set_xlim(0, max(values) * 1.2 if values else 1)
+
+
+def _budget(ax: Any, budget_bytes: float, y: float) -> None:
+    """The budget as a dashed vertical line (GiB axis), named at ``y``."""
+    ax.axvline(budget_bytes / GIB, color="black", linestyle="--", linewidth=1)
+    ax.text(budget_bytes / GIB, y, f" {budget_bytes / GIB:.0f} GiB", fontsize=7)
 
 
 def _cats(rows: Iterable[dict], keys: Sequence[str], suffix: str = "_bytes") -> dict[str, list]:
@@ -146,11 +160,8 @@ def readme() -> Any:
                 parts[cat].append(got["by_category"].get(cat, 0))
     parts = {k: v + [0] * (len(labels) - len(v)) for k, v in parts.items()}
     _stacked(ax, labels, parts, GIB, "peak GiB (estimated)")
-    ax.axvline(data["budget_bytes"] / GIB, color="black", linestyle="--", linewidth=1)
-    ax.text(data["budget_bytes"] / GIB, -0.6, " 24 GiB", fontsize=7)
-    totals = [sum(v[i] for v in parts.values()) / GIB for i in range(len(labels))]
-    for i, total in enumerate(totals):
-        ax.text(total, i, f" {total:.1f} GiB", va="center", fontsize=7)
+    _budget(ax, data["budget_bytes"], -0.6)
+    _totals(ax, [sum(v[i] for v in parts.values()) / GIB for i in range(len(labels))], "{:.1f} GiB")
     largest = " · ".join(f"{r['stack']} {r['largest_micro_batch']}" for r in data["rows"])
     ax.set_title(
         f"GPT-2 124M, sequence {data['seq']}, in 24 GiB: estimated for a CUDA target, not "
@@ -180,10 +191,9 @@ def readme_reused() -> Any:
     fig, axes = _figure(7.5, 3.0)
     ax = axes[0][0]
     _stacked(ax, labels, parts, GIB, "peak GiB (estimated)")
-    for i, total in enumerate((one["peak_bytes"], big["at"]["chunked"]["peak_bytes"])):
-        ax.text(total / GIB, i, f" {total / GIB:.1f} GiB", va="center", fontsize=7)
-    ax.axvline(big["budget_bytes"] / GIB, color="black", linestyle="--", linewidth=1)
-    ax.text(big["budget_bytes"] / GIB, -0.55, " 24 GiB", fontsize=7)
+    totals = (one["peak_bytes"], big["at"]["chunked"]["peak_bytes"])
+    _totals(ax, [total / GIB for total in totals], "{:.1f} GiB")
+    _budget(ax, big["budget_bytes"], -0.55)
     ax.set_title(
         "GPT-2 124M, sequence 1024, in 24 GiB: estimated for a CUDA target, not measured on a "
         "GPU\n"
@@ -275,20 +285,14 @@ def chunked_loss() -> Any:
     labels = [f"vocab {r['vocab']:,}" for r in phase]
     width = 0.38
     xs = range(len(phase))
-    ax.bar(
-        [x - width / 2 for x in xs],
-        [r["plain_tracked"] / MIB for r in phase],
-        width,
-        label="plain",
-        color="#c44e52",
-    )
-    ax.bar(
-        [x + width / 2 for x in xs],
-        [r["chunked_tracked"] / MIB for r in phase],
-        width,
-        label="chunked",
-        color="#4c72b0",
-    )
+    for side, name, colour in ((-1, "plain", "#c44e52"), (1, "chunked", "#4c72b0")):
+        ax.bar(
+            [x + side * width / 2 for x in xs],
+            [r[f"{name}_tracked"] / MIB for r in phase],
+            width,
+            label=name,
+            color=colour,
+        )
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("loss-phase peak MiB (measured)")
     ax.legend(fontsize=7, frameon=False)
@@ -590,11 +594,9 @@ def packing() -> Any:
     colours = {"packed": "#55a868"}
     fig, axes = _figure(7.0, 3.4, ncols=3)
     ax = axes[0][0]
-    _bars(
-        ax, labels, [runs[n]["tokens_per_s"] for n in names], "tokens/s, wall (measured)", "{:.0f}"
-    )
-    for patch, n in zip(ax.patches, names):
-        patch.set_color(colours.get(n, "#8c8c8c"))
+    bar_colours = [colours.get(n, "#8c8c8c") for n in names]
+    tokens_per_s = [runs[n]["tokens_per_s"] for n in names]
+    _bars(ax, labels, tokens_per_s, "tokens/s, wall (measured)", "{:.0f}", colours=bar_colours)
     ax.set_title(
         textwrap.fill(
             f"{data['documents']} documents (median {data['median_length']} tokens, longest "
@@ -605,11 +607,8 @@ def packing() -> Any:
         fontsize=8,
     )
     ax = axes[0][1]
-    _bars(
-        ax, labels, [runs[n]["fill"] * 100 for n in names], "% of slots that are tokens", "{:.1f}%"
-    )
-    for patch, n in zip(ax.patches, names):
-        patch.set_color(colours.get(n, "#8c8c8c"))
+    fill = [runs[n]["fill"] * 100 for n in names]
+    _bars(ax, labels, fill, "% of slots that are tokens", "{:.1f}%", colours=bar_colours)
     ax.set_xlim(0, 115)
     ax.set_title("Fill", fontsize=8)
     ax = axes[0][2]
@@ -641,10 +640,7 @@ def finetune() -> Any:
     parts = {c: [r["by_category"].get(c, 0) for r in rows] for c in cats}
     labels = [textwrap.fill(r["stack"], 34) for r in rows]
     _stacked(ax, labels, parts, GIB, "peak GiB (estimated)")
-    for i, r in enumerate(rows):
-        ax.text(
-            r["peak_bytes"] / GIB, i, f" {r['peak_bytes'] / GIB:.2f} GiB", va="center", fontsize=7
-        )
+    _totals(ax, [r["peak_bytes"] / GIB for r in rows], "{:.2f} GiB")
     ax.set_xlim(0, max(r["peak_bytes"] for r in rows) / GIB * 1.2)
     ax.set_title(
         "Llama-3-8B shape, LoRA r=16, seq 2048, micro-batch 1, bf16-mixed:\n"

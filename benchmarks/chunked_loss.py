@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +55,12 @@ from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.core.validate import format_bytes  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
+from lightning_efficient.demos.logits import (  # noqa: E402
+    GPTLike,
+    LossHead,
+    llama_128k,
+    logits_loss,
+)
 from lightning_efficient.measure.memory.allocator import allocator_step_peak  # noqa: E402
 from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
@@ -68,24 +73,6 @@ from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E40
 
 GIB = 2**30
 SGD = "torch.optim.SGD"  # no optimizer state: the step's memory is the loss phase's
-
-
-class Head(nn.Module):
-    """The loss phase alone: hidden states through a gain and the output projection."""
-
-    def __init__(self, width: int, vocab: int) -> None:
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(width))
-        self.proj = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(h * self.gain)
-
-
-def head_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    h, y = batch
-    logits = model(h)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
 def head_batch(rows: int, width: int, vocab: int, device: str = "cpu") -> tuple:
@@ -111,23 +98,23 @@ def part1(args: argparse.Namespace) -> list[dict[str, Any]]:
         for on in (False, True):
             key = "chunked" if on else "plain"
             torch.manual_seed(0)
-            model = Head(width, vocab)
+            model = LossHead(width, vocab)
             params = sum(p.numel() * p.element_size() for p in model.parameters())
             tracked, allocator = allocator_step_peak(
                 model,
                 head_batch(rows, width, vocab),
                 optimizer_factory=SGD,
-                loss_fn=head_loss,
+                loss_fn=logits_loss,
                 callbacks=_chunked(on),
                 steps=1,
             )
             with torch.device("meta"):
-                fake = Head(width, vocab)
+                fake = LossHead(width, vocab)
             est = estimate_memory(
                 fake,
                 head_batch(rows, width, vocab, "meta"),
                 optimizer=SGD,
-                loss_fn=head_loss,
+                loss_fn=logits_loss,
                 precision="bf16-mixed",
                 callbacks=_chunked(on),
                 device="cuda",
@@ -147,42 +134,6 @@ def part1(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # -- part 4: moderate logits (issue 37, row 12) -------------------------------------------------------
-class GPTLike(nn.Module):
-    """A plain GPT-like module: embedding, one block, norm, an untied head 64 -> vocabulary."""
-
-    def __init__(self, vocab: int = 64000, width: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.block = nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True)
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.block(self.emb(x))))
-
-
-def lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    x, y = batch
-    logits = model(x)
-    logits = logits if isinstance(logits, torch.Tensor) else logits.logits
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-
-def _llama_128k() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(cfg)
-
-
 def part4(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Whole-step peaks at moderate logits (2 x 256 rows, fp32): a plain GPT-like module with a
     64 -> 64,000 head (131 MB of logits), measured by the tracker (``measure_step``, two real
@@ -198,14 +149,14 @@ def part4(args: argparse.Namespace) -> list[dict[str, Any]]:
                 torch.manual_seed(0)
                 if how == "tracker":
                     r = measure_step(
-                        GPTLike(), batch64, opt, loss_fn=lm_loss, callbacks=_chunked(on)
+                        GPTLike(), batch64, opt, loss_fn=logits_loss, callbacks=_chunked(on)
                     )
                 else:
                     r = estimate_memory(
-                        _llama_128k(),
+                        llama_128k(),
                         (ids, ids),
                         optimizer=opt,
-                        loss_fn=lm_loss,
+                        loss_fn=logits_loss,
                         callbacks=_chunked(on),
                         device="cpu",
                     )
@@ -254,7 +205,7 @@ def _gpt_step(on: bool, dims: dict[str, int], batch: tuple) -> tuple[Any, Any]:
 
 def _head_step(on: bool, vocab: int, rows: int) -> tuple[Any, Any]:
     torch.manual_seed(0)
-    model = Head(768, vocab)
+    model = LossHead(768, vocab)
     change = None
     if on:
         from lightning_efficient.techniques.chunked_loss import apply_chunked_cross_entropy
@@ -264,7 +215,7 @@ def _head_step(on: bool, vocab: int, rows: int) -> tuple[Any, Any]:
     batch = head_batch(rows, 768, vocab)
 
     def step() -> None:
-        head_loss(model, batch).backward()
+        logits_loss(model, batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -19,7 +19,8 @@ ALLOWED = {
     "_results.py": "the one place the .md/.json pair is written",
     "_gpu_common.py": "device-side part files handed back to gpu_suite.py (the Recorder)",
     "_gpu_run.py": "a real run's spec and result files, between a part and its run process",
-    "gpu_suite.py": "the context file handed to a device-side child (results go through _results)",
+    "_gpu_processes.py": "the context file handed to a device-side child, DeepSpeed's build flag "
+    "(the suite's results go through _results)",
     "make_index.py": "reads the results files and writes docs/index.md (no results of its own)",
     "charts.py": "reads the results files and draws docs/img (no results of its own)",
 }

@@ -21,6 +21,7 @@ from torch import nn
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.demos.logits import LossHead, logits_loss
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (
@@ -502,25 +503,6 @@ def test_zero_stage_3_is_refused_stage_2_is_not(tmp_path) -> None:
 
 
 # -- memory: the instrument ------------------------------------------------------------------------------
-class _Head(nn.Module):
-    """The loss phase alone: hidden states in, through a gain (as a final norm) and the output
-    projection, to the loss."""
-
-    def __init__(self, width: int, vocab: int) -> None:
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(width))
-        self.proj = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(h * self.gain)
-
-
-def _head_loss(model: nn.Module, batch) -> torch.Tensor:
-    h, y = batch
-    logits = model(h)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-
 def test_loss_phase_peak_is_several_times_lower_and_the_estimate_says_so() -> None:
     vocab, width, rows = 16384, 64, 2048
     torch.manual_seed(0)
@@ -529,9 +511,9 @@ def test_loss_phase_peak_is_several_times_lower_and_the_estimate_says_so() -> No
     peaks = {}
     for chunks in (False, True):
         cbs = [ChunkedCrossEntropy(chunk_bytes="4MiB")] if chunks else []
-        real = measure_step(_Head(width, vocab), batch, sgd, loss_fn=_head_loss, callbacks=cbs)
+        real = measure_step(LossHead(width, vocab), batch, sgd, loss_fn=logits_loss, callbacks=cbs)
         est = estimate_memory(
-            _Head(width, vocab), batch, optimizer=sgd, loss_fn=_head_loss, callbacks=cbs,
+            LossHead(width, vocab), batch, optimizer=sgd, loss_fn=logits_loss, callbacks=cbs,
             device="cpu",
         )  # fmt: skip
         params = real.by_category["parameters"]
@@ -574,13 +556,13 @@ def test_on_cuda_the_loss_phase_holds_less_and_equals_the_plain_run(backend: str
 
     def step(chunks: bool):
         torch.manual_seed(0)
-        model = _Head(width, vocab).cuda()
+        model = LossHead(width, vocab).cuda()
         change = apply_chunked_cross_entropy(model, backend=backend) if chunks else None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = _head_loss(model, (h, y))
+            loss = logits_loss(model, (h, y))
         loss.backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - start

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import tiny_model
 from torch import nn
 
+from lightning_efficient.demos.logits import GPTLike, llama_128k, logits_loss
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (
@@ -118,28 +119,6 @@ def test_a_chunk_holds_a_fraction_of_the_logits() -> None:
     assert chunk_rows(64000, 512, chunk_bytes=2**20) == 4
 
 
-class _GPTLike(nn.Module):
-    """A plain GPT-like module: embedding, one block, norm, an untied head 64 -> 64000."""
-
-    def __init__(self, vocab: int = 64000, width: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.block = nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True)
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.block(self.emb(x))))
-
-
-def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    logits = model(x)
-    if not isinstance(logits, torch.Tensor):  # a Hugging Face model's output
-        logits = logits.logits
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-
 def test_moderate_logits_peak_is_three_times_lower() -> None:
     """131 MB of fp32 logits (2 x 256 rows of 64,000), which the 128 MiB default chunk held
     whole (the step's peak fell 2.0x): measured by the tracker, loss phase and whole step."""
@@ -149,25 +128,21 @@ def test_moderate_logits_peak_is_three_times_lower() -> None:
     peaks = {}
     for on in (False, True):
         cbs = [ChunkedCrossEntropy()] if on else []
-        real = measure_step(_GPTLike(), batch, sgd, loss_fn=_lm_loss, callbacks=cbs, steps=1)
+        real = measure_step(GPTLike(), batch, sgd, loss_fn=logits_loss, callbacks=cbs, steps=1)
         peaks[on] = real.peak_bytes
     assert peaks[False] / peaks[True] >= 3
 
 
 def test_a_128k_vocabulary_hugging_face_model_peak_is_three_times_lower() -> None:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-    )  # fmt: skip
+    pytest.importorskip("transformers")
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = llama_128k()
     ids = torch.zeros(2, 256, dtype=torch.long, device="meta")
     peaks = {}
     for on in (False, True):
         cbs = [ChunkedCrossEntropy()] if on else []
         est = estimate_memory(
-            model, (ids, ids), optimizer="torch.optim.SGD", loss_fn=_lm_loss, callbacks=cbs,
+            model, (ids, ids), optimizer="torch.optim.SGD", loss_fn=logits_loss, callbacks=cbs,
             device="cpu",
         )  # fmt: skip
         peaks[on] = est.peak_bytes

@@ -31,6 +31,12 @@ def suite():
     return _load("gpu_suite")
 
 
+@pytest.fixture(scope="module")
+def part1(suite):
+    """``_gpu_pytest.py``, part 1 (``pytest -m gpu``), as the suite imported it."""
+    return sys.modules["_gpu_pytest"]
+
+
 # -- the dry run -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_dry_run_writes_every_part(tmp_path) -> None:
@@ -131,7 +137,7 @@ def test_caps_fit_the_budget(suite) -> None:
     assert [p.key for p in suite.PARTS if p.lane == suite.PHASE_B] == ["speed", "compile"]
 
 
-def test_parse_junit_and_collect_only(suite, tmp_path) -> None:
+def test_parse_junit_and_collect_only(part1, tmp_path) -> None:
     xml = tmp_path / "r.xml"
     xml.write_text(
         '<testsuites><testsuite name="pytest" tests="4" failures="1" errors="0" skipped="1">'
@@ -143,7 +149,7 @@ def test_parse_junit_and_collect_only(suite, tmp_path) -> None:
         '<testcase classname="tests.test_b" name="test_ok2"/>'
         "</testsuite></testsuites>"
     )
-    got = suite.parse_junit(xml)
+    got = part1.parse_junit(xml)
     assert got["counts"] == {"tests": 4, "failures": 1, "errors": 0, "skipped": 1, "passed": 2}
     outcomes = {c["test"]: (c["outcome"], c["message"]) for c in got["cases"]}
     assert outcomes["tests.test_a::test_bad"] == ("failed", "assert 1 == 2")
@@ -153,7 +159,7 @@ def test_parse_junit_and_collect_only(suite, tmp_path) -> None:
         "tests/test_precision.py::test_matmul_precision_on_ampere_gpu\n\n"
         "2/407 tests collected (405 deselected) in 9.65s\n"
     )
-    got = suite.parse_collect_only(text)
+    got = part1.parse_collect_only(text)
     assert got["collected"] == 2 and got["total"] == 407 and len(got["cases"]) == 2
 
 
@@ -346,7 +352,7 @@ def test_every_part_runs_a_script_of_its_own() -> None:
         assert list(inspect.signature(run).parameters) == ["ctx", "rec"], part.script
 
 
-def test_gpu_tests_skip_without_torchao_and_nbformat(suite, tmp_path) -> None:
+def test_gpu_tests_skip_without_torchao_and_nbformat(part1, tmp_path) -> None:
     """The GPU machine's image has no torchao and no nbformat: there the FP8 test failed and the
     tutorials' file was a collection error. Both skip now, with the reason (run here as if CUDA
     were present, so that the GPU marker does not skip the FP8 test first)."""
@@ -366,7 +372,7 @@ def test_gpu_tests_skip_without_torchao_and_nbformat(suite, tmp_path) -> None:
         [sys.executable, "-c", shim, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = suite.parse_junit(junit)
+    got = part1.parse_junit(junit)
     assert got["counts"]["failures"] == got["counts"]["errors"] == 0, got
     assert [c["outcome"] for c in got["cases"]] == ["skipped", "skipped"], got["cases"]
     skips = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]

@@ -6,7 +6,8 @@ each of them.
 - ``auto_fit``: ``fit --auto`` (the Trainer built from AutoEfficient's plan).
 - ``estimate``, ``profile``, ``plan``, ``export-zero`` (``export_zero``), ``prepare``: the commands
   that are not trainer methods, listed in :data:`EXTRA_COMMANDS`.
-- ``options``: the options several commands take, the short error, a config's workload.
+- ``options``: the options several commands take, the short error, a config's CLI built without
+  running and its workload.
 
 The commands sit above every other floor of the package (they import the planner, the techniques,
 the instrument); nothing below imports them.

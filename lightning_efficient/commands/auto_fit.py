@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 # fail(message) ends the command with a short ``error: ...`` and exit code 2
-from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.commands.cli import exit_with_error as fail
+from lightning_efficient.commands.options import build_cli
 from lightning_efficient.core.stack import Stack
 from lightning_efficient.techniques.batch_size.choice import batch_size_of
 
@@ -39,14 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-trial", action="store_true", help="no real trial steps before fit")
     p.add_argument("--ckpt_path", "--ckpt-path", default=None, help="checkpoint to resume from")
     return p
-
-
-def _cli(args: Sequence[str]) -> Any:
-    import warnings
-
-    with warnings.catch_warnings():  # the command line is the one given, less `fit --auto ...`
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        return EfficientCLI(args=list(args), run=False)
 
 
 def _plan_config(decision: Any, folder: Path) -> Path:
@@ -107,7 +99,7 @@ def auto_fit_command(argv: Sequence[str]) -> int:
         )
     if _checkpoint_error(args.ckpt_path):
         fail(_checkpoint_error(args.ckpt_path))
-    first = _cli(rest)
+    first = build_cli((), rest)  # the command line given, less `fit --auto ...`
     trainer, model = first.trainer, first.model
     source = first.datamodule if first.datamodule is not None else model
     if first.datamodule is not None:  # as the fit does before the loaders are built
@@ -143,7 +135,7 @@ def auto_fit_command(argv: Sequence[str]) -> int:
         print(f"AutoEfficient: warning: {warning}")
     with tempfile.TemporaryDirectory() as folder:
         plan = _plan_config(decision, Path(folder))
-        final = _cli([*rest, "--config", str(plan)])
+        final = build_cli((), [*rest, "--config", str(plan)])
     final.trainer.callbacks.append(auto.preset(decision))
     final.trainer.fit(final.model, datamodule=final.datamodule, ckpt_path=args.ckpt_path)
     return 0

@@ -1,6 +1,6 @@
 """The options several commands take, declared once, and what the commands share: a short error
-(:func:`fail`) and a config's model, batch and trainer built without fitting
-(:func:`config_workload`)."""
+(:func:`fail`), a LightningCLI built from a command line without running (:func:`build_cli`) and
+a config's model, batch and trainer built without fitting (:func:`config_workload`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.measure.memory.estimate import PRECISIONS
 
-__all__ = ["OPTIONS", "command_parser", "config_workload", "fail"]
+__all__ = ["OPTIONS", "build_cli", "command_parser", "config_workload", "fail"]
 
 
 #: The options several commands take, declared once: name -> (flag, argparse keywords, what the
@@ -68,17 +68,24 @@ def fail(message: str) -> int:
     return 2
 
 
-def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int | None) -> Any:
-    """Build a config's model, datamodule and trainer (without fitting) and take one training
-    batch. Returns ``(model, batch, trainer, precision)``, or an exit code after an error."""
-    if batch_size is not None and batch_size < 1:
-        return fail(f"--batch-size must be an integer >= 1; got {batch_size}.")
+def build_cli(configs: Sequence[str], args: Sequence[str] = (), **kwargs: Any) -> EfficientCLI:
+    """The LightningCLI of ``--config`` files ``configs`` then the command-line ``args``, built
+    without running (``kwargs`` go to ``EfficientCLI``); LightningCLI's note that ``args`` are meant
+    for tests is silenced."""
     cli_args: list[str] = []
     for cfg in configs:
         cli_args += ["--config", cfg]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        cli = EfficientCLI(args=cli_args + list(rest), run=False)
+        return EfficientCLI(args=cli_args + list(args), run=False, **kwargs)
+
+
+def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int | None) -> Any:
+    """Build a config's model, datamodule and trainer (without fitting) and take one training
+    batch. Returns ``(model, batch, trainer, precision)``, or an exit code after an error."""
+    if batch_size is not None and batch_size < 1:
+        return fail(f"--batch-size must be an integer >= 1; got {batch_size}.")
+    cli = build_cli(configs, rest)
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     if batch_size is not None:
         if not hasattr(data, "batch_size"):

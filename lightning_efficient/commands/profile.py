@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_efficient.commands.cli import EfficientCLI
-from lightning_efficient.commands.options import command_parser, fail
+from lightning_efficient.commands.options import build_cli, command_parser, fail
 from lightning_efficient.core.validate import check_output_path, same_file
 from lightning_efficient.measure.profiling.profiler import StepProfiler
 
@@ -78,9 +76,6 @@ def profile_command(argv: Sequence[str]) -> int:
         return fail(str(err))
     if args.json and os.path.lexists(args.json) and not args.force:
         return fail(_exists_message(args.json))
-    cli_args: list[str] = []
-    for cfg in args.config:
-        cli_args += ["--config", cfg]
     forced = [
         f"--trainer.max_steps={args.steps}",
         "--trainer.limit_val_batches=0",
@@ -88,11 +83,7 @@ def profile_command(argv: Sequence[str]) -> int:
         "--trainer.enable_checkpointing=false",
         "--trainer.logger=false",
     ]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        cli = EfficientCLI(
-            args=cli_args + list(rest) + forced, run=False, save_config_callback=None
-        )
+    cli = build_cli(args.config, [*rest, *forced], save_config_callback=None)
     trainer = cli.trainer
     profiler = next((cb for cb in trainer.callbacks if isinstance(cb, StepProfiler)), None)
     if profiler is None:

@@ -1,21 +1,30 @@
-"""The rank bookkeeping shared by the package's samplers that shard themselves.
+"""The rank and resume bookkeeping shared by the package's samplers that shard themselves.
 
 ``ShardedSampler`` is a ``DistributedSampler`` (so Lightning leaves it in place under DDP/FSDP
 instead of wrapping it), whose ``num_replicas``/``rank`` default to the process group's at
 iteration time (1 and 0 without one), and whose per-rank length follows ``drop_last`` as
 torch's ``DistributedSampler`` does. Subclasses set ``self.sample_count`` (samples in the
-dataset) and decide the order.
+dataset) and ``self.seed``, and decide the order.
+
+Its resumable position: ``position`` counts what this rank has handed out this epoch
+(``walk``), goes back to 0 at the end of the epoch and when ``set_epoch`` moves to another one;
+``state_dict()`` holds ``seed``, ``epoch`` and ``position``, and after ``load_state_dict`` the
+next iteration continues from there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_efficient.core.validate import check_bool, check_int
 
 __all__ = ["ShardedSampler", "process_group_ranks"]
+
+T = TypeVar("T")
 
 
 def process_group_ranks() -> tuple[int, int]:
@@ -31,6 +40,7 @@ class ShardedSampler(DistributedSampler):
     """Base of the samplers that shard themselves (see the module docstring)."""
 
     sample_count: int = 0
+    seed: int = 0
     epoch: int = 0
     position: int = 0
 
@@ -71,3 +81,25 @@ class ShardedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    # -- the resumable position ------------------------------------------------------------------
+    def walk(self, order: Sequence[T], start: int) -> Iterator[T]:
+        """``order`` from ``start`` on, counting ``position`` (0 again once the epoch is out)."""
+        self.position = start
+        for item in order[start:]:
+            self.position += 1
+            yield item
+        self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.position = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state.get("seed", self.seed))
+        self.epoch = int(state.get("epoch", self.epoch))
+        self.position = int(state.get("position", 0))

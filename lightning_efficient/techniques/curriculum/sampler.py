@@ -221,24 +221,17 @@ class CurriculumSampler(ShardedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.position = 0
             self.start_batch = None
-        self.epoch = epoch
+        super().set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "position": self.position,
-            "start_batch": self.start_batch,
-        }
+        return {**super().state_dict(), "start_batch": self.start_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        seed = int(state.get("seed", self.seed))
-        if seed != self.seed:
-            self.seed, self.order = seed, easiest_first(self.difficulty, seed)
-        self.epoch = int(state.get("epoch", self.epoch))
-        self.position = int(state.get("position", 0))
+        seed = self.seed
+        super().load_state_dict(state)
+        if self.seed != seed:
+            self.order = easiest_first(self.difficulty, self.seed)
         start = state.get("start_batch")
         self.start_batch = None if start is None else int(start)
 

@@ -128,29 +128,7 @@ class LengthBucketSampler(ShardedSampler):
         return order[self.rank : total : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.rank_order()
-        start = self.position
-        return self._walk(order, start)
-
-    def _walk(self, order: list[int], start: int) -> Iterator[int]:
-        self.position = start
-        for i in order[start:]:
-            self.position += 1
-            yield i
-        self.position = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.position = 0
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seed = int(state.get("seed", self.seed))
-        self.epoch = int(state.get("epoch", self.epoch))
-        self.position = int(state.get("position", 0))
+        return self.walk(self.rank_order(), self.position)
 
 
 def padding_stats(

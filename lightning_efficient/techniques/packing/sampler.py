@@ -114,25 +114,7 @@ class PackedRowSampler(ShardedSampler):
         return self.num_samples
 
     def __iter__(self) -> Iterator[Row]:
-        rows = self.rank_rows()
-        start, self.position = self.position, self.position
-        for row in rows[start:]:
-            self.position += 1
-            yield row
-        self.position = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.position = 0
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seed = int(state.get("seed", self.seed))
-        self.epoch = int(state.get("epoch", self.epoch))
-        self.position = int(state.get("position", 0))
+        yield from self.walk(self.rank_rows(), self.position)
 
 
 class PackedDocuments(Dataset):

@@ -2,8 +2,10 @@
 
 The planner walks a ladder of stacks ordered by what they cost in speed (precision first, then
 the chunked loss where the logits are wide, 8-bit optimizer states, the fewest checkpointed
-blocks, then all blocks, then ZeRO offload to host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
-no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried.
+blocks, then all blocks, 4-bit frozen weights where frozen weights dominate, then ZeRO offload to
+host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
+no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried
+(a rung that needs no less than a rung it extends: "saves nothing over ...").
 
 On several ranks (``world_size > 1``) every rung is one rank's peak (``batch`` is one rank's
 batch), and the ladder shards the state across the ranks (FSDP SHARD_GRAD_OP, then FULL_SHARD,

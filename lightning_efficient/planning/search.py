@@ -21,6 +21,12 @@ answer. Otherwise each stack is estimated at the smallest divisor and at the lar
 the largest divisor that fits. Only the best predictions are estimated at their size, a size
 down while the estimate does not fit and a size up while the next one fits too; a confirmed
 micro-batch that no other prediction beats (or ties, cheaper) ends the search.
+
+Never a rung that saves nothing: a rung whose estimate is not lower than that of an earlier rung
+it extends (:func:`~lightning_efficient.planning.ladder.extended_by`: the same precision, all of
+its techniques and more) at every size estimated for both is passed over, and ``tried`` says so
+(8-bit states on tensors that stay 32-bit, ZeRO offload of a tiny optimizer state), also where
+the rung it extends ran out of memory in real steps (it would too).
 """
 
 from __future__ import annotations

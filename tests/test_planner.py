@@ -284,8 +284,8 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
 
 def test_plan_takes_the_4bit_rung_and_passes_over_one_that_saves_nothing() -> None:
     """Estimated through its ``configure_estimate``: the 4-bit rung's weights are a fraction of
-    bf16's, and a budget between the two picks it; a rung whose estimate is not lower than the
-    rung it extends (8-bit states on adapters that stay 32-bit) is said to save nothing."""
+    bf16's, and a budget just under bf16's peak picks it; a rung whose estimate is not lower than
+    the rung it extends (8-bit states on adapters that stay 32-bit) is said to save nothing."""
     from lightning_efficient.planning.ladder import ADAMW8BIT, FROZEN_4BIT
 
     lora = _llama(lora=True)
@@ -296,16 +296,16 @@ def test_plan_takes_the_4bit_rung_and_passes_over_one_that_saves_nothing() -> No
         Rung("bf16-mixed + adamw8bit", "bf16-mixed", (ADAMW8BIT,)),
         Rung("bf16-mixed + 4-bit frozen weights", "bf16-mixed", (FROZEN_4BIT,)),
     ]
-    kw = dict(ladder=ladder, loss_fn=_hf_loss, optimizer="adamw", device="cpu")
-    full = plan_stack(lora, (ids,), "1TiB", try_all=True, **kw)
-    bf16, eight, four = (est for _, est, _ in full.tried)
+    kw = dict(loss_fn=_hf_loss, optimizer="adamw", device="cpu")
+    bf16 = plan_stack(lora, (ids,), "1TiB", ladder=ladder[:1], **kw).tried[0][1]
+    # just under bf16's peak: the 8-bit rung does not fit either, the 4-bit one does
+    plan = plan_stack(lora, (ids,), bf16.peak_bytes - 1, ladder=ladder, try_all=True, **kw)
+    _, eight, four = (est for _, est, _ in plan.tried)
     assert eight.peak_bytes >= bf16.peak_bytes  # tensors under 4,096 elements keep 32-bit state
-    assert [p for _, _, p in full.tried] == ["", "saves nothing over bf16-mixed", ""]
-    assert "saves nothing over bf16-mixed" in full.to_markdown()
+    assert [p for _, _, p in plan.tried] == ["over budget", "saves nothing over bf16-mixed", ""]
+    assert "saves nothing over bf16-mixed" in plan.to_markdown()
     weights = (four.by_category["parameters"], bf16.by_category["parameters"])
     assert weights[0] < 0.5 * weights[1] and four.peak_bytes < bf16.peak_bytes
-    kw["ladder"] = [ladder[0], ladder[2]]
-    plan = plan_stack(lora, (ids,), (four.peak_bytes + bf16.peak_bytes) // 2, **kw)
     assert plan.chosen is ladder[2] and "class_path: FrozenWeights4bit" in plan.to_yaml()
     after = lora.state_dict()  # the estimates left the model as given
     assert all(torch.equal(before[k], after[k]) for k in before)

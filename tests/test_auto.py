@@ -173,9 +173,11 @@ def test_family_within_budget_and_not_wasteful(name: str, tmp_path) -> None:
         # budget): no larger micro-batch exists to use the rest for. Not wasteful then means no
         # more techniques than needed: every cheaper stack was estimated short of the batch
         # (and the fit's measured peak is the trial steps', within 2%)
-        # (the stacks this trainer cannot take say why, without a micro-batch)
+        # (the stacks this trainer cannot take say why, without a micro-batch; a stack that
+        # saves nothing over one it extends is passed over and says so)
         verdicts = [w for n, w in d.tried if n != d.rung.name and "micro-batch" in w]
-        assert verdicts and all(w.startswith("does not fit") for w in verdicts), d.tried
+        short = ("does not fit", "saves nothing over")
+        assert verdicts and all(w.startswith(short) for w in verdicts), d.tried
         assert abs(peak - d.trial_bytes) <= 0.02 * peak, (peak, d.trial_bytes)
     assert d.trial_bytes is not None and d.trial_bytes <= budget
     # the same stack configured by hand: the same losses
@@ -360,3 +362,98 @@ def test_refused_next_to_another_sizer(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="Keep one of them"):
         fit(tmp_path, [AutoEfficient(budget="1GiB"), EfficientBatchSize(target_batch_size=8)])
+
+
+# -- issue 39: a rung that saves nothing; the key/value cache -------------------------------------
+def test_a_rung_that_saves_nothing_is_passed_over() -> None:
+    """A rung whose estimate is not lower than the rung it extends (8-bit states on adapters that
+    stay 32-bit) is never the pick: where the rung it extends ran out of memory in real steps,
+    the search goes on to a rung that saves memory, and says why."""
+    eight = Rung("plain + 8bit", "32-true", (Part("OptimizerSwap", {"name": "adamw8bit"}),))
+    rungs = [_rungs()[0], eight, _rungs()[3]]
+
+    def measure(rung: Rung, n: int) -> tuple[bool, float, Any]:
+        used = 100.0 + (10 if rung.name == "all" else 40) * n  # the 8-bit rung: as plain
+        return used <= 1000, used, None
+
+    def trial(rung: Rung, n: int) -> Any:
+        return SimpleNamespace(ok=rung.name != "plain", reserved_bytes=1)
+
+    for effective in (16, 128):  # the whole batch at once; a line through two estimates
+        d = decide(rungs, measure, 1000, effective, trial=trial)
+        assert d.rung.name == "all"
+        said = dict(d.tried)["plain + 8bit"]
+        assert said.startswith("saves nothing over plain") and "passed over" in said
+        memory = decide(rungs, measure, 1000, effective, goal="memory", trial=trial)
+        assert memory.rung.name == "all" and "next stack" in memory.notes[-1]
+        assert dict(memory.tried)["plain + 8bit"].startswith("saves nothing over plain")
+
+
+class _GPT2(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
+    """A tiny Hugging Face GPT-2 built from its default config (``use_cache=True``) unless told,
+    trained with SGD (no 8-bit rung, so the stacks are exact)."""
+
+    def __init__(self, use_cache: bool = True) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2, use_cache=use_cache
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _gpt2_data() -> FamilyData:
+    def sample(i: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i)),)
+
+    return FamilyData(sample, 32, 8)
+
+
+def test_every_rung_estimated_as_autoefficient_trains_it() -> None:
+    """A rung that adds techniques is estimated without the key/value cache, as AutoEfficient
+    trains it (an 8-bit swap alone switches nothing off itself); "as configured" keeps the
+    cache, and its estimate costs it and names it."""
+    from lightning_efficient.planning.ladder import ADAMW8BIT
+
+    def bytes_of(use_cache: bool, rung: Rung) -> tuple[float, Any]:
+        model = _GPT2(use_cache)
+        ids = torch.zeros(8, 32, dtype=torch.long)
+        settings = {"precision": "32-true", "device": "cpu", "optimizer": "adamw"}
+        measure = auto_fit.estimate_measure(model, lambda n: (ids[:n],), 2**40, 8, settings)
+        _, used, est = measure(rung, 8)
+        assert model.model.config.use_cache is use_cache  # the estimate changed nothing
+        return used, est
+
+    swap = Rung("32-true + adamw8bit", "32-true", (ADAMW8BIT,))
+    assert bytes_of(True, swap)[0] == bytes_of(False, swap)[0]
+    plain = Rung("as configured", "32-true")
+    (cache_on, est_on), (cache_off, est_off) = bytes_of(True, plain), bytes_of(False, plain)
+    assert cache_on > cache_off
+    assert any("key/value cache built while training" in n for n in est_on.notes)
+    assert not any("key/value cache" in n for n in est_off.notes)
+
+
+def test_default_gpt2_config_gets_the_same_micro_batch_and_losses(tmp_path) -> None:
+    """GPT-2 from its default config (``use_cache=True``) under AutoEfficient: at a budget the
+    cache matters for (the cache-off model's own step at the whole batch), the same micro-batch
+    as with ``use_cache=False``, and the same losses."""
+    off = AutoEfficient(budget="1TiB", trial=False)
+    _, _, rec_off = fit(tmp_path / "off", [off], model=_GPT2(False), data=_gpt2_data(),
+                        max_steps=3, limit_val_batches=0)  # fmt: skip
+    assert (off.decision.rung.name, off.decision.micro) == ("as configured", 8)
+    budget = int(off.decision.estimate_bytes)  # the cache-off step at the whole batch fits it
+    on = AutoEfficient(budget=budget, trial=False)
+    _, module, rec_on = fit(tmp_path / "on", [on], model=_GPT2(True), data=_gpt2_data(),
+                            max_steps=3, limit_val_batches=0)  # fmt: skip
+    assert dict(on.decision.tried)["as configured"].startswith("does not fit")  # the cache's cost
+    assert on.decision.micro == off.decision.micro == 8
+    assert on.decision.rung.name != "as configured"
+    torch.testing.assert_close(rec_on.losses, rec_off.losses, rtol=1e-6, atol=0)
+    assert module.model.config.use_cache is True  # the user's config as given

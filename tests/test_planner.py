@@ -223,3 +223,89 @@ def test_one_yaml_writer_and_the_ladder_classes() -> None:
     pressure = next(a for a in advise(findings) if a.technique == "ActivationCheckpointing")
     spec = yaml.safe_load(pressure.yaml)["trainer"]["callbacks"][0]
     assert spec == {"class_path": "ActivationCheckpointing", "init_args": {"policy": "auto"}}
+
+
+# -- fine-tuning: the 4-bit rung, and no rung that saves nothing (issue 39) --------------------
+def _llama(lora: bool) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    if not lora:
+        return model
+    adapters = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    return peft.get_peft_model(model, adapters)
+
+
+def _hf_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[0]).loss
+
+
+def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapters() -> None:
+    """LoRA on a tiny Llama: frozen linear weights are most of the parameter bytes, so the ladder
+    offers 4-bit frozen weights (after exact checkpointing, before ZeRO offload) and, every
+    adapter being under bitsandbytes' 4,096-element minimum, no 8-bit rung. Full-weight training
+    of the same model gets no 4-bit rung (nothing is frozen)."""
+    from lightning_efficient.planning.ladder import FROZEN_4BIT, ladder_options
+    from lightning_efficient.techniques.quantize import frozen_linear_share, select_frozen_linears
+
+    full, lora = _llama(lora=False), _llama(lora=True)
+    assert frozen_linear_share(full) == 0.0 and 0.5 < frozen_linear_share(lora) < 1.0
+    assert ladder_options(full) == {"chunked_loss": False, "frozen_4bit": False, "eight_bit": True}
+    assert ladder_options(lora) == {"chunked_loss": False, "frozen_4bit": True, "eight_bit": False}
+    plain = default_ladder(2**30, **ladder_options(full))
+    assert not any(FROZEN_4BIT in r.callbacks for r in plain)
+    assert any(p.class_path == "OptimizerSwap" for r in plain for p in r.callbacks)
+    names = [r.name for r in default_ladder(2**30, **ladder_options(lora))]
+    assert not any("8bit" in n for n in names)  # 8-bit states would stay 32-bit on the adapters
+    four = [i for i, n in enumerate(names) if "4-bit frozen weights" in n]
+    assert [names[i] for i in four] == [
+        "bf16-mixed + 4-bit frozen weights",
+        "bf16-mixed + 4-bit frozen weights + checkpoint fewest blocks",
+        "bf16-mixed + 4-bit frozen weights + checkpoint all blocks",
+    ]
+    assert names.index("bf16-mixed + checkpoint all blocks") < four[0]
+    assert four[-1] < min(i for i, n in enumerate(names) if "ZeRO" in n)
+    # the technique picks frozen weights only: never a trainable one (the adapters)
+    layers = dict(lora.named_modules())
+    chosen = select_frozen_linears(lora).chosen
+    assert chosen and not any(layers[n].weight.requires_grad for n in chosen)
+    # the same on several ranks: one 4-bit rung under DDP, none where FSDP is configured
+    ddp = default_ladder(2**30, world_size=2, **ladder_options(lora))
+    assert sum(FROZEN_4BIT in r.callbacks for r in ddp) == 1
+    assert not any(FROZEN_4BIT in r.callbacks and r.strategy is not None for r in ddp)
+    fsdp = default_ladder(2**30, world_size=2, configured_sharding="full", **ladder_options(lora))
+    assert not any(FROZEN_4BIT in r.callbacks for r in fsdp)
+
+
+def test_plan_takes_the_4bit_rung_and_passes_over_one_that_saves_nothing() -> None:
+    """Estimated through its ``configure_estimate``: the 4-bit rung's weights are a fraction of
+    bf16's, and a budget just under bf16's peak picks it; a rung whose estimate is not lower than
+    the rung it extends (8-bit states on adapters that stay 32-bit) is said to save nothing."""
+    from lightning_efficient.planning.ladder import ADAMW8BIT, FROZEN_4BIT
+
+    lora = _llama(lora=True)
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    ladder = [
+        Rung("bf16-mixed", "bf16-mixed"),
+        Rung("bf16-mixed + adamw8bit", "bf16-mixed", (ADAMW8BIT,)),
+        Rung("bf16-mixed + 4-bit frozen weights", "bf16-mixed", (FROZEN_4BIT,)),
+    ]
+    kw = dict(loss_fn=_hf_loss, optimizer="adamw", device="cpu")
+    bf16 = plan_stack(lora, (ids,), "1TiB", ladder=ladder[:1], **kw).tried[0][1]
+    # just under bf16's peak: the 8-bit rung does not fit either, the 4-bit one does
+    plan = plan_stack(lora, (ids,), bf16.peak_bytes - 1, ladder=ladder, try_all=True, **kw)
+    _, eight, four = (est for _, est, _ in plan.tried)
+    assert eight.peak_bytes >= bf16.peak_bytes  # tensors under 4,096 elements keep 32-bit state
+    assert [p for _, _, p in plan.tried] == ["over budget", "saves nothing over bf16-mixed", ""]
+    assert "saves nothing over bf16-mixed" in plan.to_markdown()
+    weights = (four.by_category["parameters"], bf16.by_category["parameters"])
+    assert weights[0] < 0.5 * weights[1] and four.peak_bytes < bf16.peak_bytes
+    assert plan.chosen is ladder[2] and "class_path: FrozenWeights4bit" in plan.to_yaml()
+    after = lora.state_dict()  # the estimates left the model as given
+    assert all(torch.equal(before[k], after[k]) for k in before)

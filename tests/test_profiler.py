@@ -722,3 +722,59 @@ def test_png_is_the_deprecated_name_of_plot(tmp_path) -> None:
     assert profiler.plot == str(tmp_path / "steps.png") == profiler.png
     with pytest.raises(ValueError, match="give `plot` only"):
         StepProfiler(png=str(tmp_path / "a.png"), plot=str(tmp_path / "b.png"))
+
+
+# -- the key/value cache (issue 39) ------------------------------------------------------------
+class _HFGPT2(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 from its default config (``use_cache=True``) unless told."""
+
+    def __init__(self, use_cache: bool = True) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=use_cache
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _token_loader() -> DataLoader:
+    ids = torch.randint(0, 128, (32, 32), generator=torch.Generator().manual_seed(0))
+    return DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+
+
+def test_verdict_names_a_key_value_cache_built_while_training(tmp_path) -> None:
+    """A model that builds a key/value cache in every training forward: the verdict names it,
+    with its bytes (as a forward really caches them) and the fix; none when a technique (or the
+    config) switches it off."""
+    from lightning_efficient.measure.memory.kv_cache import cache_bytes
+    from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
+    module = _HFGPT2()
+    cache = module.model(torch.zeros(4, 32, dtype=torch.long)).past_key_values
+    real = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cache_bytes(module, 4 * 32, 4) == real  # fp32, 4 x 32 tokens
+
+    def verdict(model: Any, *callbacks: Any) -> list[dict[str, str]]:
+        profiler = StepProfiler(skip_steps=1, print_table=False, log_metrics=False)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+            callbacks=[profiler, *callbacks],
+        )  # fmt: skip
+        trainer.fit(model, train_dataloaders=_token_loader())
+        return [a for a in profiler.summary["advice"] if a["technique"] == "use_cache=False"]
+
+    (said,) = verdict(module)
+    assert said["reason"].startswith("model builds a key/value cache")  # the module's name
+    assert format_bytes(real) in said["reason"]
+    assert "model.config.use_cache = False" in said["yaml"]
+    assert "ActivationCheckpointing" in said["yaml"]
+    assert verdict(_HFGPT2(), ActivationCheckpointing()) == []  # switched off for training
+    assert verdict(_HFGPT2(use_cache=False)) == []

@@ -18,6 +18,7 @@ from lightning_efficient.core.validate import (
 )
 from lightning_efficient.planning import fit as on_fit
 from lightning_efficient.planning.decision import GOALS, Decision
+from lightning_efficient.planning.ladder import trains_without_cache
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 
@@ -162,7 +163,7 @@ class AutoEfficient(Technique):
             ),
         )
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
-        if callbacks:  # a memory stack trains without a Hugging Face key/value cache (issue 39)
+        if trains_without_cache(decision.rung):  # as estimated: no Hugging Face key/value cache
             self.record(trainer, apply_training_without_cache(pl_module))
         for callback in callbacks:
             callback.setup(trainer, pl_module, "fit")

@@ -30,7 +30,9 @@ from lightning_efficient.planning.decision import Decision
 from lightning_efficient.planning.ladder import (
     Rung,
     default_ladder,
+    ladder_options,
     technique_class,
+    trains_without_cache,
     without_configured,
 )
 from lightning_efficient.planning.search import decide, estimate_rung, try_rung
@@ -40,7 +42,6 @@ from lightning_efficient.techniques.batch_size.choice import (
     worst_case_sampler,
 )
 from lightning_efficient.techniques.batch_size.sizing import epoch_end_step
-from lightning_efficient.techniques.chunked_loss import worth_chunking
 
 __all__ = [
     "add_callbacks",
@@ -86,8 +87,8 @@ def ladder_for(
         accumulate_grad_batches=2,
         world_size=world_size,
         configured_sharding=sharding,
-        chunked_loss=worth_chunking(model),
         optimizer=optimizer if optimizer is not None else "adamw",
+        **ladder_options(model),
     )
     # DeepSpeed's ZeRO sets the accumulation itself: never AutoEfficient's (`plan` offers it)
     return [r for r in without_configured(ladder, configured) if not own_accumulation(r)]
@@ -104,7 +105,9 @@ def estimate_measure(
     the worst-case batch of ``micro`` samples with the rung's techniques on top of the ones the
     fit already has (``settings``: ``estimate_settings`` of the trainer, or the same keys), with
     two micro-batches per step where the micro-batch needs accumulation (the gradients stay live
-    through the next forward). ``bytes``: what must fit (CUDA: what the allocator reserves)."""
+    through the next forward), and without a Hugging Face key/value cache where AutoEfficient
+    trains the rung without it (``trains_without_cache``). ``bytes``: what must fit (CUDA: what
+    the allocator reserves)."""
     base = dict(settings)
     existing = list(base.pop("callbacks", ()))
 
@@ -116,6 +119,7 @@ def estimate_measure(
                 make_batch(micro),
                 rung,
                 existing=existing,
+                without_cache=trains_without_cache(rung),  # as AutoEfficient trains it
                 **{**base, "accumulate_grad_batches": accumulation},
             )
         except Exception as err:
@@ -180,6 +184,7 @@ def trial_runner(
             optimizer=factory or "adamw",
             existing=existing,
             accumulate_grad_batches=1 if micro >= effective else 2,
+            without_cache=trains_without_cache(rung),
         )
 
     return trial
@@ -314,7 +319,12 @@ def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: 
 
 
 #: The callbacks a ladder rung adds (their default ``state_key`` is the class name).
-_STACK_CALLBACKS = ("ActivationCheckpointing", "ChunkedCrossEntropy", "OptimizerSwap")
+_STACK_CALLBACKS = (
+    "ActivationCheckpointing",
+    "ChunkedCrossEntropy",
+    "OptimizerSwap",
+    "FrozenWeights4bit",
+)
 
 
 def quiet_restore_warning() -> Change:

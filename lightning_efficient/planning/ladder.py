@@ -18,9 +18,10 @@ from lightning_efficient.core.stack import Stack, spec
 from lightning_efficient.core.validate import check_int
 from lightning_efficient.measure.memory.optimizer_models import optimizer_class
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
-from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
+from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy, worth_chunking
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
-from lightning_efficient.techniques.optimizers import OptimizerSwap
+from lightning_efficient.techniques.optimizers import OptimizerSwap, eight_bit_saves_nothing
+from lightning_efficient.techniques.quantize import FrozenWeights4bit, worth_quantizing
 from lightning_efficient.techniques.zero_offload import ZeROOffload
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ADAMW8BIT_IN_BACKWARD",
     "CHECKPOINT_ALL",
     "CHUNKED_LOSS",
+    "FROZEN_4BIT",
     "FSDP_FULL",
     "FSDP_GRAD_OP",
     "ZERO2_OFFLOAD",
@@ -39,9 +41,12 @@ __all__ = [
     "checkpoint_fewest",
     "default_ladder",
     "eight_bit_form",
+    "extended_by",
+    "ladder_options",
     "offloadable",
     "optimizer_swap",
     "technique_class",
+    "trains_without_cache",
     "without_configured",
 ]
 
@@ -53,6 +58,7 @@ LADDER_CLASSES: dict[str, type] = {
         ActivationCheckpointing,
         ChunkedCrossEntropy,
         OptimizerSwap,
+        FrozenWeights4bit,
         ZeROOffload,
         FullyShardedStrategy,
     )
@@ -140,6 +146,7 @@ ZERO3_OFFLOAD = Part(
 FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
 FSDP_FULL = Part("FullyShardedStrategy")
 CHUNKED_LOSS = Part("ChunkedCrossEntropy")
+FROZEN_4BIT = Part("FrozenWeights4bit")
 
 
 def _optimizer_type(optimizer: Any) -> type | None:
@@ -189,6 +196,19 @@ def checkpoint_fewest(budget_bytes: int) -> Part:
     return Part("ActivationCheckpointing", {"budget": budget_bytes}, estimated_as=CHECKPOINT_ALL)
 
 
+def ladder_options(model: Any) -> dict[str, bool]:
+    """What ``model`` decides of :func:`default_ladder` (its keyword arguments): ``chunked_loss``
+    (wide logits: ``worth_chunking``), ``frozen_4bit`` (frozen linear weights dominate:
+    ``worth_quantizing``) and ``eight_bit`` (not every trainable tensor is under bitsandbytes'
+    ``min_8bit_size``: ``eight_bit_saves_nothing``)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {
+        "chunked_loss": worth_chunking(model),
+        "frozen_4bit": worth_quantizing(model),
+        "eight_bit": not eight_bit_saves_nothing(trainable),
+    }
+
+
 def default_ladder(
     budget_bytes: int,
     *,
@@ -200,6 +220,8 @@ def default_ladder(
     configured_sharding: str | None = None,
     chunked_loss: bool = False,
     optimizer: Any = "adamw",
+    frozen_4bit: bool = False,
+    eight_bit: bool = True,
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
     and strategy) the config already has; the first rung, "as configured", estimates them.
@@ -227,10 +249,27 @@ def default_ladder(
     ``ChunkedCrossEntropy`` gets a rung right after the precision (the same maths, about as
     fast: cheaper than any rung after it) and stays in every later rung but ZeRO-3's (which
     cannot serve it).
+
+    ``eight_bit``: False where 8-bit states would save nothing (every trainable tensor under
+    bitsandbytes' ``min_8bit_size``, e.g. LoRA adapters on a small model:
+    ``techniques.optimizers.eight_bit_saves_nothing``): no 8-bit rung (nor its in-backward one).
+
+    ``frozen_4bit``: the model's frozen linear weights dominate its parameter bytes
+    (``techniques.quantize.worth_quantizing``: adapters or a frozen backbone). Then
+    ``FrozenWeights4bit`` (NF4, double quantization) gets three rungs after the exact ones
+    (checkpointing every block, with 8-bit states where offered): alone, with the fewest
+    checkpointed blocks, then with every block (and the 8-bit states). They come after
+    checkpointing because they are lossy in the forward itself (the frozen weights are rounded
+    to 4 bits; loss within ~2% of the 16-bit run in the card) and dequantize every weight in
+    forward and again in backward, where checkpointing is exact; and before the optimizer in
+    backward and ZeRO offload, which forbid clipping and accumulation or move the step to the
+    host. On several ranks, one rung (with every block checkpointed) under the configured DDP
+    only: 4-bit weights cannot be sharded. Trainable weights are never quantized (the technique
+    picks frozen layers only). Never offered on full-weight training (no frozen weights).
     """
     check_int("world_size", world_size, minimum=1)
     family = optimizer if _optimizer_type(optimizer) is not None else "adamw"
-    eight = eight_bit_form(family)
+    eight = eight_bit_form(family) if eight_bit else None
     swap = (optimizer_swap(eight),) if eight else ()
     low = "bf16-mixed" if bf16 and precision == "32-true" else precision
     fewest = checkpoint_fewest(budget_bytes)
@@ -250,6 +289,8 @@ def default_ladder(
                 Rung(f"{name} + {eight} + checkpoint all blocks", low,
                      (*loss, *swap, CHECKPOINT_ALL), cost=f"{lossy}; recompute every block")
             )  # fmt: skip
+        if frozen_4bit and configured_sharding in (None, "ddp"):  # 4-bit weights are not sharded
+            rungs.append(_4bit_rungs(name, low, fewest, loss, swap, eight)[-1])
     else:
         if swap:
             rungs.append(Rung(f"{name} + {eight}", low, (*loss, *swap), cost=lossy))
@@ -260,6 +301,8 @@ def default_ladder(
         rungs.append(plain_all)
         if swap:
             rungs.append(_checkpoint_rungs(name, low, fewest, loss, swap, eight)[1])
+        if frozen_4bit:
+            rungs += _4bit_rungs(name, low, fewest, loss, swap, eight)
     if accumulate_grad_batches == 1 and world_size == 1 and eight:
         rungs.append(
             Rung(
@@ -313,6 +356,66 @@ def _checkpoint_rungs(
             cost="recompute every block's forward (~+30% step time)",
         ),
     ]
+
+
+def _4bit_rungs(
+    name: str,
+    low: str,
+    fewest: Part,
+    loss: tuple[Part, ...],
+    swap: tuple[Part, ...],
+    eight: str | None,
+) -> list[Rung]:
+    """4-bit frozen weights alone, with the fewest checkpointed blocks, then with every block
+    (and ``swap``'s 8-bit states, if any): see :func:`default_ladder`."""
+    four = f"{name} + 4-bit frozen weights"
+    lossy = "frozen weights in NF4 (lossy), dequantized in every forward and backward"
+    with_swap = f" + {eight}" if swap else ""
+    return [
+        Rung(four, low, (*loss, FROZEN_4BIT), cost=lossy),
+        Rung(
+            f"{four} + checkpoint fewest blocks",
+            low,
+            (*loss, FROZEN_4BIT, fewest),
+            cost=f"{lossy}; recompute some blocks' forward",
+        ),
+        Rung(
+            f"{four}{with_swap} + checkpoint all blocks",
+            low,
+            (*loss, *swap, FROZEN_4BIT, CHECKPOINT_ALL),
+            cost=f"{lossy}; recompute every block's forward",
+        ),
+    ]
+
+
+def extended_by(rung: Rung, earlier: Sequence[Rung]) -> list[Rung]:
+    """The rungs of ``earlier`` that ``rung`` extends: the same precision and configured
+    techniques, each of their parts in ``rung`` too and their strategy (if any) ``rung``'s, and
+    ``rung`` adds a part or a strategy. A rung that needs no less memory than a rung it extends
+    saves nothing by what it adds (8-bit states on tensors that stay 32-bit, ZeRO offload of a
+    tiny optimizer state): the search passes it over and says so."""
+    out = []
+    for base in earlier:
+        if base is rung or base.precision != rung.precision or base.configured != rung.configured:
+            continue
+        if base.strategy is not None and base.strategy != rung.strategy:
+            continue
+        if not all(part in rung.callbacks for part in base.callbacks):
+            continue
+        adds = len(rung.callbacks) > len(base.callbacks) or (
+            rung.strategy is not None and base.strategy is None
+        )
+        if adds:
+            out.append(base)
+    return out
+
+
+def trains_without_cache(rung: Rung) -> bool:
+    """Whether AutoEfficient trains ``rung`` without a Hugging Face model's key/value cache
+    (``techniques._kv_cache.apply_training_without_cache``): a rung that adds techniques does
+    (a training forward never reads the cache); "as configured" and a precision alone keep the
+    model as configured. The search estimates and tries each rung the same way."""
+    return bool(rung.callbacks)
 
 
 def without_configured(rungs: Sequence[Rung], configured: Sequence[Any]) -> list[Rung]:

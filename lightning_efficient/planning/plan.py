@@ -2,8 +2,10 @@
 
 The planner walks a ladder of stacks ordered by what they cost in speed (precision first, then
 the chunked loss where the logits are wide, 8-bit optimizer states, the fewest checkpointed
-blocks, then all blocks, then ZeRO offload to host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
-no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried.
+blocks, then all blocks, 4-bit frozen weights where frozen weights dominate, then ZeRO offload to
+host memory) and estimates each one with the instrument (``estimate_memory`` on fake tensors:
+no GPU, no allocation). The first stack that fits is the plan; the table shows every rung tried
+(a rung that needs no less than a rung it extends: "saves nothing over ...").
 
 On several ranks (``world_size > 1``) every rung is one rank's peak (``batch`` is one rank's
 batch), and the ladder shards the state across the ranks (FSDP SHARD_GRAD_OP, then FULL_SHARD,
@@ -36,9 +38,13 @@ from lightning_efficient.measure.memory.settings import (
     configured_optimizer_class,
 )
 from lightning_efficient.measure.memory.targets import resolve_target
-from lightning_efficient.planning.ladder import Rung, default_ladder
+from lightning_efficient.planning.ladder import (
+    Rung,
+    default_ladder,
+    extended_by,
+    ladder_options,
+)
 from lightning_efficient.planning.search import decide, estimate_rung, rung_sharding, try_rung
-from lightning_efficient.techniques.chunked_loss import worth_chunking
 
 __all__ = ["PlanResult", "plan_stack"]
 
@@ -208,8 +214,8 @@ def plan_stack(
             configured=configured,
             world_size=world_size,
             configured_sharding=sharding,
-            chunked_loss=worth_chunking(model),
             optimizer=optimizer if optimizer is not None else configured_optimizer_class(model),
+            **ladder_options(model),
         )
     )
     target = resolve_target(device)
@@ -272,12 +278,25 @@ def plan_stack(
     shown = rungs if chosen is None or try_all else rungs[: rungs.index(chosen) + 1]
     for rung in shown:
         est, problem, err = outcome(rung)
+        if rung is not chosen and est is not None:
+            problem = _saves_nothing(rung, rungs[: rungs.index(rung)], outcomes) or problem
         result.shardings[id(rung)] = rung_sharding(rung, rung.build()[1], sharding, world_size)
         result.tried.append((rung, est, problem))
         if err is not None:
             result.errors.append(err)
     result.chosen = chosen
     return result
+
+
+def _saves_nothing(rung: Rung, earlier: Sequence[Rung], outcomes: dict[int, Any]) -> str:
+    """The table's verdict for a rung that needs no less than an earlier rung it extends
+    (:func:`extended_by`: what it adds saves nothing; the search passes it over), else ""."""
+    own = outcomes[id(rung)][0]
+    for base in extended_by(rung, earlier):
+        est = outcomes.get(id(base), (None,))[0]
+        if est is not None and own.required_bytes >= est.required_bytes:
+            return f"saves nothing over {base.name}"
+    return ""
 
 
 def _itself(rung: Rung) -> Rung:

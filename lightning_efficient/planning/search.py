@@ -21,24 +21,33 @@ answer. Otherwise each stack is estimated at the smallest divisor and at the lar
 the largest divisor that fits. Only the best predictions are estimated at their size, a size
 down while the estimate does not fit and a size up while the next one fits too; a confirmed
 micro-batch that no other prediction beats (or ties, cheaper) ends the search.
+
+Never a rung that saves nothing: a rung whose estimate is not lower than that of an earlier rung
+it extends (:func:`~lightning_efficient.planning.ladder.extended_by`: the same precision, all of
+its techniques and more) at every size estimated for both is passed over, and ``tried`` says so
+(8-bit states on tensors that stay 32-bit, ZeRO offload of a tiny optimizer state), also where
+the rung it extends ran out of memory in real steps (it would too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.memory.estimate import MemoryEstimate, estimate_memory
 from lightning_efficient.measure.memory.settings import strategy_sharding
 from lightning_efficient.measure.trials.trial import trial_within
 from lightning_efficient.planning.decision import GOALS, Decision, divisors
-from lightning_efficient.planning.ladder import Rung
+from lightning_efficient.planning.ladder import Rung, extended_by
+from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = [
     "GOALS",
@@ -71,18 +80,40 @@ def rung_sharding(rung: Rung, strategy: Any, configured: str | None, world_size:
 
 
 def estimate_rung(
-    model: Any, batch: Any, rung: Rung, *, existing: Sequence[Any] = (), **settings: Any
+    model: Any,
+    batch: Any,
+    rung: Rung,
+    *,
+    existing: Sequence[Any] = (),
+    without_cache: bool = False,
+    **settings: Any,
 ) -> MemoryEstimate:
     """Estimate a rung: ``estimate_memory`` of ``model`` on ``batch`` with the rung's precision
     and techniques (built fresh) on top of ``existing`` (the fit's own); ``settings``: the
-    estimate's other keywords (on several ranks, the sharding is :func:`rung_sharding`'s)."""
+    estimate's other keywords (on several ranks, the sharding is :func:`rung_sharding`'s).
+    ``without_cache``: trained without a Hugging Face key/value cache, as AutoEfficient runs the
+    rung (:func:`~lightning_efficient.planning.ladder.trains_without_cache`); otherwise the
+    rung's own techniques decide, and a cache still built is named in the estimate's notes."""
     callbacks, strategy = rung.build()
     kwargs = {**settings, "precision": rung.precision}
     world_size = kwargs.get("world_size", 1)
     if world_size > 1:
         kwargs["sharding"] = rung_sharding(rung, strategy, kwargs.get("sharding"), world_size)
     techniques = [*existing, *callbacks, *([strategy] if strategy is not None else [])]
-    return estimate_memory(model, batch, callbacks=techniques, **kwargs)
+    with _cache_off(model, without_cache):
+        return estimate_memory(model, batch, callbacks=techniques, **kwargs)
+
+
+@contextlib.contextmanager
+def _cache_off(model: Any, off: bool) -> Iterator[None]:
+    """While it runs, ``model``'s Hugging Face models train without their key/value cache (when
+    ``off``); undone after."""
+    change = apply_training_without_cache(model) if off and isinstance(model, nn.Module) else None
+    try:
+        yield
+    finally:
+        if change is not None:
+            change.undo()
 
 
 def try_rung(
@@ -95,27 +126,29 @@ def try_rung(
     optimizer: Any,
     existing: Sequence[Any] = (),
     accumulate_grad_batches: int = 1,
+    without_cache: bool = False,
 ) -> Any:
     """Try a rung: real training steps of ``module`` on ``device`` (a name, ``torch.device`` or
     ``DeviceTarget``) with the rung's techniques on top of ``existing``, within the budget
     (``measure.trials.trial.trial_within``: on CUDA under the allocator's cap). ``None`` for a rung
-    with a strategy (it runs only inside a fit)."""
+    with a strategy (it runs only inside a fit). ``without_cache``: as :func:`estimate_rung`."""
     callbacks, strategy = rung.build()
     if strategy is not None:
         return None
     if not isinstance(device, torch.device):
         kind = getattr(device, "kind", None) or str(device)
         device = torch.device("cuda" if kind.startswith("cuda") else "cpu")
-    return trial_within(
-        module,
-        batch,
-        budget_bytes,
-        callbacks=[*existing, *callbacks],
-        optimizer=optimizer,
-        precision=rung.precision,
-        device=device,
-        accumulate_grad_batches=accumulate_grad_batches,
-    )
+    with _cache_off(module, without_cache):
+        return trial_within(
+            module,
+            batch,
+            budget_bytes,
+            callbacks=[*existing, *callbacks],
+            optimizer=optimizer,
+            precision=rung.precision,
+            device=device,
+            accumulate_grad_batches=accumulate_grad_batches,
+        )
 
 
 def measured_as(rung: Rung) -> Rung:
@@ -230,13 +263,35 @@ def decide(
         _, used, est = estimate(rung, sizes[i])
         return Option(rung, sizes[i], used, est)
 
+    def known(rung: Rung, n: int) -> float | None:
+        """The bytes of ``rung`` at ``n`` if estimated already (finite), else ``None``."""
+        stand_in = estimated_as(rung)
+        hit = cache.get(repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n)))
+        return hit[1] if hit is not None and math.isfinite(hit[1]) else None
+
+    def saves_nothing(rung: Rung, applicable: list[Rung], at: list[int]) -> str:
+        """Why ``rung`` is passed over ("" when it is not): an earlier rung that can be applied
+        here and that it extends (:func:`~lightning_efficient.planning.ladder.extended_by`)
+        needs no more at every size of ``at``: what the rung adds saves nothing."""
+        for base in extended_by(rung, applicable[: applicable.index(rung)]):
+            pairs = [(known(rung, n), known(base, n)) for n in at]
+            if pairs and all(r is not None and b is not None and r >= b for r, b in pairs):
+                n, (r, b) = at[-1], pairs[-1]
+                return (
+                    f"saves nothing over {base.name} ({format_bytes(int(r))} vs "
+                    f"{format_bytes(int(b))} at micro-batch {n}): passed over"
+                )
+        return ""
+
     def evaluate(excluded: set[str]) -> list[Option]:
         order = {id(r): i for i, r in enumerate(rungs)}
-        usable = []
+        usable: list[Rung] = []
+        applicable: list[Rung] = []  # usable, or out of memory in real steps
         for rung in rungs:
-            why = (unusable(rung) if unusable is not None else "") or (
-                "ran out of memory in real steps" if rung.name in excluded else ""
-            )
+            reason = unusable(rung) if unusable is not None else ""
+            why = reason or ("ran out of memory in real steps" if rung.name in excluded else "")
+            if not reason:
+                applicable.append(rung)
             if why:
                 tried.append((rung.name, why))
             else:
@@ -248,14 +303,19 @@ def decide(
                 ok, used, est = estimate(rung, sizes[-1])
                 fit = "fits" if ok else "does not fit"
                 size = format_bytes(int(used)) if math.isfinite(used) else "not estimated"
-                tried.append((rung.name, f"{fit} micro-batch {sizes[-1]} ({size})"))
-                if ok:
+                nothing = saves_nothing(rung, applicable, [sizes[-1]])
+                tried.append((rung.name, nothing or f"{fit} micro-batch {sizes[-1]} ({size})"))
+                if ok and not nothing:
                     return [Option(rung, sizes[-1], used, est)]
         guesses: list[tuple[Rung, int]] = []
         for rung in usable:
             guess = predicted(rung)
             if guess == 0:
                 tried.append((rung.name, "does not fit at micro-batch 1"))
+                continue
+            nothing = saves_nothing(rung, applicable, sorted({sizes[0], probe}))
+            if nothing:
+                tried.append((rung.name, nothing))
                 continue
             guesses.append((rung, guess))
             tried.append((rung.name, f"about micro-batch {guess} (line through 2 estimates)"))

@@ -16,7 +16,14 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["cache_models", "cache_note", "mark_cache_off", "training_caches", "unmark_cache_off"]
+__all__ = [
+    "cache_bytes",
+    "cache_models",
+    "cache_note",
+    "mark_cache_off",
+    "training_caches",
+    "unmark_cache_off",
+]
 
 _OFF: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
@@ -64,6 +71,30 @@ def training_caches(model: nn.Module) -> list[str]:
             seen.add(id(mod.config))
             names.append(name or type(mod).__name__)
     return names
+
+
+def cache_bytes(model: nn.Module, tokens: int, element_size: int) -> int | None:
+    """Bytes of the keys and values that one training forward over ``tokens`` tokens (micro-batch
+    x sequence) caches in the models that :func:`training_caches` names: layers x 2 x key/value
+    heads x head size x tokens x ``element_size`` (2 in bf16/fp16 autocast); ``None`` where none
+    builds a cache or a config does not state those sizes."""
+    if not training_caches(model):
+        return None
+    total, seen = 0, set()
+    for _, mod in cache_models(model):
+        config = mod.config
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        layers = getattr(config, "num_hidden_layers", None)
+        heads = getattr(config, "num_attention_heads", None)
+        hidden = getattr(config, "hidden_size", None)
+        if not (isinstance(layers, int) and isinstance(heads, int) and isinstance(hidden, int)):
+            return None
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        total += layers * 2 * kv_heads * head_dim * tokens * element_size
+    return total
 
 
 def cache_note(model: Any) -> str | None:

@@ -120,6 +120,8 @@ class Findings:
         forward_fraction: Share of the step in the forward phase.
         checkpointed_share: Share of the model's repeated blocks that activation checkpointing
             recomputes in backward (``None``: no checkpointing).
+        kv_cache: The Hugging Face models that build a key/value cache while training;
+            ``kv_cache_bytes``: its keys and values per micro-batch, where the config says.
     """
 
     data_wait_fraction: float | None = None
@@ -147,6 +149,8 @@ class Findings:
     logits_flops_fraction: float | None = None
     forward_fraction: float | None = None
     checkpointed_share: float | None = None
+    kv_cache: str | None = None
+    kv_cache_bytes: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -227,6 +231,19 @@ def _share(f: Findings, *categories: str) -> float:
     cats = f.by_category or {}
     total = sum(cats.values())
     return sum(cats.get(c, 0) for c in categories) / total if total else 0.0
+
+
+@_rule
+def key_value_cache(f: Findings) -> list[Advice]:
+    """A key/value cache built in every training forward (``config.use_cache=True``), never read."""
+    if not f.kv_cache:
+        return []
+    size = f"; {format_bytes(f.kv_cache_bytes)} of keys and values" if f.kv_cache_bytes else ""
+    size += f", {f.kv_cache_bytes / f.peak_bytes:.0%} of the peak" if size and f.peak_bytes else ""
+    fix = "ActivationCheckpointing, ChunkedCrossEntropy, FrozenWeights4bit and AutoEfficient"
+    reason = f"{f.kv_cache} builds a key/value cache in every training forward, never read{size}"
+    yaml = f"# {fix} switch it off for training;\n# or before fit: model.config.use_cache = False"
+    return [Advice("use_cache=False", reason, yaml, "the cache's memory freed; the same loss")]
 
 
 @_rule

@@ -12,6 +12,7 @@ import torch
 from lightning_efficient.core.technique import ReportsCheckpointing, ReportsCompile
 from lightning_efficient.measure.memory.breakdown import MemoryBreakdown
 from lightning_efficient.measure.memory.heads import find_output_head
+from lightning_efficient.measure.memory.kv_cache import cache_bytes, training_caches
 from lightning_efficient.measure.profiling.advice import Findings, advise
 from lightning_efficient.measure.profiling.step_phases import StepPhases
 from lightning_efficient.measure.speed.flops import (
@@ -203,6 +204,18 @@ def memory_figures(trainer: Any, device: torch.device, budget: int | None) -> di
     return out
 
 
+def _cache_findings(module: Any, phases: StepPhases, precision: str) -> dict[str, Any]:
+    """The key/value cache a training forward builds (issue 39): the models and, from their
+    configs and the tokens per micro-batch, its bytes (2 per element in a 16-bit precision)."""
+    names = training_caches(module) if isinstance(module, torch.nn.Module) else []
+    if not names:
+        return {}
+    tokens = phases.tokens // phases.batches if phases.tokens and phases.batches else 0
+    first = next((p for p in module.parameters() if p.is_floating_point()), None)
+    size = 2 if "16" in precision else (first.element_size() if first is not None else 4)
+    return {"kv_cache": ", ".join(names), "kv_cache_bytes": cache_bytes(module, tokens, size)}
+
+
 # -- the summary -------------------------------------------------------------------------------
 def summarize(
     trainer: Any,
@@ -276,6 +289,7 @@ def summarize(
         logits_flops_fraction=logits_share,
         forward_fraction=per_step["forward"] / step_s if step_s > 0 else None,
         checkpointed_share=checkpointed_share(trainer),
+        **_cache_findings(pl_module, phases, precision),
     )
     tokens = phases.tokens
     return {

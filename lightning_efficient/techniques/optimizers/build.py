@@ -69,6 +69,7 @@ __all__ = [
     "kept_32bit_parameters",
     "swap_messages",
     "set_device_flags",
+    "eight_bit_saves_nothing",
 ]
 
 #: The names ``OptimizerSwap`` documents -> class paths (any name of
@@ -507,6 +508,16 @@ def _params(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
     return [p for o in optimizers for g in o.param_groups for p in g["params"]]
 
 
+def eight_bit_saves_nothing(
+    params: Iterable[torch.Tensor], min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
+) -> bool:
+    """Whether 8-bit optimizer states would save nothing on ``params`` (the trainable tensors):
+    every one has fewer than ``min_8bit_size`` elements, so bitsandbytes keeps its state in 32
+    bits (LoRA adapters on a small model); ``False`` when there is no tensor."""
+    sizes = [p.numel() for p in params]
+    return bool(sizes) and max(sizes) < min_8bit_size
+
+
 def swap_messages(
     name: str, swapped: Sequence[Optimizer], overrides: dict[str, Any], dropped: Iterable[str]
 ) -> tuple[str | None, list[str]]:
@@ -516,7 +527,7 @@ def swap_messages(
     no_effect, notes = None, []
     small = (overrides or {}).get("min_8bit_size", DEFAULT_MIN_8BIT_SIZE)
     sizes = [p.numel() for p in _params(swapped)]
-    if name in EIGHT_BIT_NAMES and sizes and max(sizes) < small:
+    if name in EIGHT_BIT_NAMES and eight_bit_saves_nothing(_params(swapped), small):
         no_effect = (  # e.g. LoRA adapters (issue 39)
             f"every trainable tensor has fewer than min_8bit_size={small:,} elements (largest "
             f"{max(sizes):,}): bitsandbytes keeps their state in 32 bits, so "

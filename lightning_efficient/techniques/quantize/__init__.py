@@ -7,15 +7,19 @@
 
 from lightning_efficient.techniques.quantize.callback import FrozenWeights4bit
 from lightning_efficient.techniques.quantize.weights import (
+    FROZEN_SHARE,
     QUANT_TYPES,
     Selection,
     apply_frozen_weights_4bit,
     compute_dtype_for,
+    frozen_linear_share,
     linear_weight_bytes,
     select_frozen_linears,
+    worth_quantizing,
 )
 
 __all__ = [
+    "FROZEN_SHARE",
     "QUANT_TYPES",
     "FrozenWeights4bit",
     "Selection",
@@ -23,4 +27,6 @@ __all__ = [
     "compute_dtype_for",
     "linear_weight_bytes",
     "select_frozen_linears",
+    "frozen_linear_share",
+    "worth_quantizing",
 ]

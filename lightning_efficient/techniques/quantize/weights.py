@@ -37,6 +37,9 @@ __all__ = [
     "compute_dtype_for",
     "linear_weight_bytes",
     "select_frozen_linears",
+    "frozen_linear_share",
+    "worth_quantizing",
+    "FROZEN_SHARE",
 ]
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -123,6 +126,33 @@ def select_frozen_linears(
         else:
             out.chosen.append(name)
     return out
+
+
+#: The share of a model's parameter bytes its frozen linear weights must hold for the planner
+#: to offer 4-bit frozen weights (:func:`worth_quantizing`).
+FROZEN_SHARE = 0.5
+
+
+def frozen_linear_share(model: nn.Module) -> float:
+    """The share of ``model``'s parameter bytes (each tensor once) held by the weights that
+    :func:`select_frozen_linears` would store in 4 bits: frozen, plain, untied, not the output
+    head. 0.0 for a model without parameters."""
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    if not total:
+        return 0.0
+    layers = dict(model.named_modules())
+    chosen = {id(layers[n].weight): layers[n].weight for n in select_frozen_linears(model).chosen}
+    return sum(w.numel() * w.element_size() for w in chosen.values()) / total
+
+
+def worth_quantizing(model: nn.Module, share: float = FROZEN_SHARE) -> bool:
+    """Whether frozen weights dominate ``model``: the frozen linear weights that 4 bits would
+    store hold at least ``share`` of its parameter bytes (adapters such as LoRA on a pretrained
+    model, a frozen backbone under a small head). Then 4-bit frozen weights save most of the
+    weights' memory; on full-weight training nothing is frozen and nothing would be quantized
+    (the planner offers the rung only where this holds)."""
+    return frozen_linear_share(model) >= share
 
 
 def compute_dtype_for(precision: Any) -> torch.dtype | None:

@@ -1,6 +1,8 @@
-"""EfficientBatchSize under DDP (2 CPU processes, gloo); each rank writes its result.
+"""EfficientBatchSize under DDP (2 CPU processes, gloo); each rank writes its result. The modes
+run one after the other in the same two processes (one launch: the imports paid once).
 
-Usage: python tests/_batch_size_ddp.py OUT_PREFIX MODE   (MODE: plain | oom)
+Usage: python tests/_batch_size_ddp.py OUT_DIR MODE[,MODE]   (MODE: plain | oom; each writes
+OUT_DIR/MODE.rank{0,1}.json and .pt)
 """
 
 import json
@@ -40,4 +42,5 @@ def main(prefix: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for mode in sys.argv[2].split(","):
+        main(f"{sys.argv[1]}/{mode}", mode)

@@ -3,6 +3,7 @@ out-of-memory in the trial steps, bad arguments, the yaml it prints, and ``fit -
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -131,6 +132,7 @@ def test_budget_required_on_cpu(tmp_path) -> None:
 
 
 # -- five families: within the budget, not wasteful, the same losses as the stack by hand --------
+@functools.cache  # deterministic (a seeded model): the decoder's budget, once for four tests
 def _plain_estimate(name: str, micro: int) -> float:
     model, data = family(name, batch_size=E)
     make, _ = worst_case_sampler(data.train_dataloader(), 100)

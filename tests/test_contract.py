@@ -873,31 +873,87 @@ def test_losses_match_plain_run(case: Case, tmp_path) -> None:
 
 
 # -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------
-@pytest.mark.parametrize("case", ALL, ids=ids)
-def test_ddp_two_processes(case: Case, tmp_path) -> None:
+def _launch_ddp(case_ids: list[str], tmp_path: Path) -> tuple[list[dict], str, int | None]:
+    """One 2-process launch of ``tests/_ddp_fit.py`` running ``case_ids`` in order: the JSON
+    lines rank zero wrote, the launch's stderr and exit code (None: timed out; both ranks'
+    processes are killed at the end)."""
     import os
 
-    out = tmp_path / "ddp.json"
+    out = tmp_path / f"ddp-{len(list(tmp_path.glob('ddp-*')))}.jsonl"
     # a 1-process fit in this process under a launching strategy (FullyShardedStrategy) leaves
     # Lightning's launcher variables in os.environ (LOCAL_RANK: the child would think it was
     # launched and wait for a rank 1; MASTER_PORT: maybe still taken): the child starts clean
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_ddp_fit.py"), case.id, str(out)],
+    timed_out = False
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_ddp_fit.py"), ",".join(case_ids), str(out)],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=subprocess_timeout(600),
+        start_new_session=True,  # rank 1 is rank 0's child: one signal ends both
     )
-    if case.ddp is True:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        result = json.loads(out.read_text())
-        assert result["world_size"] == 2 and result["global_step"] == 3
-        if case.reports:
-            assert case.cls.__name__ in result["report"]
-    else:
-        assert proc.returncode != 0 and str(case.ddp) in proc.stderr, proc.stderr[-4000:]
+    try:
+        _, stderr = proc.communicate(timeout=subprocess_timeout(300 + 60 * len(case_ids)))
+    except subprocess.TimeoutExpired:
+        stderr, timed_out = f"timed out running {case_ids}", True
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    lines = out.read_text().splitlines() if out.exists() else []
+    return (
+        [json.loads(line) for line in lines],
+        stderr or "",
+        None if timed_out else proc.returncode,
+    )
+
+
+def _ddp_outcomes(cases: list[Case], tmp_path: Path) -> dict[str, dict | str]:
+    """Each case's rank-zero result, or why it has none. The cases share one launch; when one
+    fails, its error is kept (the stderr tail) and the cases after it get a fresh launch."""
+    outcomes: dict[str, dict | str] = {}
+    remaining = [c.id for c in cases]
+    while remaining:
+        records, stderr, returncode = _launch_ddp(remaining, tmp_path)
+        started = [r["case"] for r in records if len(r) == 1]
+        outcomes.update({r["case"]: r for r in records if len(r) > 1})
+        failed = [c for c in started if c not in outcomes]
+        if returncode != 0 and not failed:  # the launch failed before a case or after the last
+            failed = started[-1:] or remaining[:1]
+        if not failed and all(c not in outcomes for c in remaining):  # ended, having done nothing
+            failed = remaining[:1]
+        for case_id in failed:
+            outcomes[case_id] = f"exit code {returncode}:\n{stderr[-4000:]}"
+        remaining = [c for c in remaining if c not in outcomes]
+    return outcomes
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(tmp_path, request) -> None:
+    """Every case trains under DDP on 2 CPU processes (a case refusing DDP fails with its message,
+    in a launch of its own); the cases that train share one launch. Each failing case is named."""
+    if any(c.id == "ZeROOffload" for c in ALL):
+        request.getfixturevalue("deepspeed_extensions")
+    trains = [c for c in ALL if c.ddp is True]
+    outcomes = _ddp_outcomes(trains, tmp_path)
+    failures: dict[str, str] = {}
+    for case in trains:
+        result = outcomes[case.id]
+        if isinstance(result, str):
+            failures[case.id] = f"the fit failed:\n{result}"
+        elif not (result["world_size"] == 2 and result["global_step"] == 3):
+            failures[case.id] = f"world size {result['world_size']}, step {result['global_step']}"
+        elif case.reports and case.cls.__name__ not in result["report"]:
+            failures[case.id] = f"no {case.cls.__name__} row in the report {result['report']}"
+    for case in (c for c in ALL if c.ddp is not True):
+        records, stderr, returncode = _launch_ddp([case.id], tmp_path)
+        if returncode == 0 or any(len(r) > 1 for r in records) or str(case.ddp) not in stderr:
+            failures[case.id] = f"should refuse DDP with {case.ddp!r}:\n{stderr[-4000:]}"
+    assert not failures, "\n\n".join(f"[{k}] {v}" for k, v in failures.items())
 
 
 # -- 8. reports what it did; logs once on rank zero, nothing per step ------------------------

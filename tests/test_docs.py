@@ -69,7 +69,7 @@ def _card_of(cls: type) -> Path:
 
 
 #: measuring callbacks documented in a card named after what they measure
-CARD_OF_MODULE = {"profiler": "profiling", "input_stall": "memory"}
+CARD_OF_MODULE = {"profiler": "profiling", "input_stall": "memory", "breakdown": "memory"}
 
 
 def test_every_card_lists_the_bad_inputs_each_argument_refuses() -> None:

@@ -84,6 +84,28 @@ def fit(
     return trainer, model, recorder
 
 
+class HFGPT2(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 built from its default config (``use_cache=True``) unless told,
+    trained with SGD (no 8-bit rung, so a planner's stacks are exact)."""
+
+    def __init__(self, use_cache: bool = True, *, n_embd: int = 64, momentum: float = 0.0) -> None:
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=128, n_positions=32, n_embd=n_embd, n_layer=2, n_head=2, use_cache=use_cache
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.momentum = momentum
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum)
+
+
 def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 

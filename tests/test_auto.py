@@ -12,7 +12,7 @@ import torch
 import yaml
 from _auto_families import FAMILIES, FamilyData, family
 from _batch_size_helpers import OOMGPT
-from helpers import TINY_MODEL, SaveAt, fit, tiny_data
+from helpers import HFGPT2, TINY_MODEL, SaveAt, fit, tiny_data
 
 from lightning_efficient import AutoEfficient, MemoryBreakdown
 from lightning_efficient.core.report import report_for
@@ -391,26 +391,6 @@ def test_a_rung_that_saves_nothing_is_passed_over() -> None:
         assert dict(memory.tried)["plain + 8bit"].startswith("saves nothing over plain")
 
 
-class _GPT2(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
-    """A tiny Hugging Face GPT-2 built from its default config (``use_cache=True``) unless told,
-    trained with SGD (no 8-bit rung, so the stacks are exact)."""
-
-    def __init__(self, use_cache: bool = True) -> None:
-        super().__init__()
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2, use_cache=use_cache
-        )
-        self.model = transformers.GPT2LMHeadModel(config)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-
 def _gpt2_data() -> FamilyData:
     def sample(i: int) -> tuple[torch.Tensor]:
         return (torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i)),)
@@ -425,7 +405,7 @@ def test_every_rung_estimated_as_autoefficient_trains_it() -> None:
     from lightning_efficient.planning.ladder import ADAMW8BIT
 
     def bytes_of(use_cache: bool, rung: Rung) -> tuple[float, Any]:
-        model = _GPT2(use_cache)
+        model = HFGPT2(use_cache, momentum=0.9)
         ids = torch.zeros(8, 32, dtype=torch.long)
         settings = {"precision": "32-true", "device": "cpu", "optimizer": "adamw"}
         measure = auto_fit.estimate_measure(model, lambda n: (ids[:n],), 2**40, 8, settings)
@@ -447,12 +427,12 @@ def test_default_gpt2_config_gets_the_same_micro_batch_and_losses(tmp_path) -> N
     cache matters for (the cache-off model's own step at the whole batch), the same micro-batch
     as with ``use_cache=False``, and the same losses."""
     off = AutoEfficient(budget="1TiB", trial=False)
-    _, _, rec_off = fit(tmp_path / "off", [off], model=_GPT2(False), data=_gpt2_data(),
+    _, _, rec_off = fit(tmp_path / "off", [off], model=HFGPT2(False, momentum=0.9), data=_gpt2_data(),
                         max_steps=3, limit_val_batches=0)  # fmt: skip
     assert (off.decision.rung.name, off.decision.micro) == ("as configured", 8)
     budget = int(off.decision.estimate_bytes)  # the cache-off step at the whole batch fits it
     on = AutoEfficient(budget=budget, trial=False)
-    _, module, rec_on = fit(tmp_path / "on", [on], model=_GPT2(True), data=_gpt2_data(),
+    _, module, rec_on = fit(tmp_path / "on", [on], model=HFGPT2(True, momentum=0.9), data=_gpt2_data(),
                             max_steps=3, limit_val_batches=0)  # fmt: skip
     assert dict(on.decision.tried)["as configured"].startswith("does not fit")  # the cache's cost
     assert on.decision.micro == off.decision.micro == 8

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from helpers import fit, tiny_data, tiny_model
+from helpers import HFGPT2, fit, tiny_data, tiny_model
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -725,25 +725,6 @@ def test_png_is_the_deprecated_name_of_plot(tmp_path) -> None:
 
 
 # -- the key/value cache (issue 39) ------------------------------------------------------------
-class _HFGPT2(pl.LightningModule):
-    """A tiny Hugging Face GPT-2 from its default config (``use_cache=True``) unless told."""
-
-    def __init__(self, use_cache: bool = True) -> None:
-        super().__init__()
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=use_cache
-        )
-        self.model = transformers.GPT2LMHeadModel(config)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _token_loader() -> DataLoader:
     ids = torch.randint(0, 128, (32, 32), generator=torch.Generator().manual_seed(0))
     return DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
@@ -756,7 +737,7 @@ def test_verdict_names_a_key_value_cache_built_while_training(tmp_path) -> None:
     from lightning_efficient.measure.memory.kv_cache import cache_bytes
     from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 
-    module = _HFGPT2()
+    module = HFGPT2(n_embd=32)
     cache = module.model(torch.zeros(4, 32, dtype=torch.long)).past_key_values
     real = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     assert cache_bytes(module, 4 * 32, 4) == real  # fp32, 4 x 32 tokens
@@ -776,5 +757,5 @@ def test_verdict_names_a_key_value_cache_built_while_training(tmp_path) -> None:
     assert format_bytes(real) in said["reason"]
     assert "model.config.use_cache = False" in said["yaml"]
     assert "ActivationCheckpointing" in said["yaml"]
-    assert verdict(_HFGPT2(), ActivationCheckpointing()) == []  # switched off for training
-    assert verdict(_HFGPT2(use_cache=False)) == []
+    assert verdict(HFGPT2(n_embd=32), ActivationCheckpointing()) == []  # switched off for training
+    assert verdict(HFGPT2(use_cache=False, n_embd=32)) == []

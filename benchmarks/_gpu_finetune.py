@@ -7,9 +7,11 @@ of the blocks, sequence 2048, micro-batch 1, bf16-mixed, AdamW on the adapters. 
 real Lightning run in a fresh process: LoRA alone, and LoRA + ``FrozenWeights4bit`` +
 ``ActivationCheckpointing`` + ``ChunkedCrossEntropy``. Each row records the real peak (the
 package's ``PeakMemory``: ``torch.cuda.max_memory_allocated``), the package's estimate of the
-same stack for this device (``estimate_memory``, fake tensors, computed in the part's process
-while the row's run trains in its own) and their ratio, and tokens/s over the steps after the
-warm-up (synchronised wall time).
+same stack for this device (``estimate_memory``, fake tensors; on CUDA computed in a thread of
+the part's process while the runs train in their own, on the CPU after them) and their ratio, and tokens/s over the steps after the
+warm-up (synchronised wall time). On CUDA the peak is the training steps' own (the estimate
+models 2 steps); the peak before the first step is recorded beside it: the model moved to the
+device in bf16 and, for the stack, its frozen weights quantized there, layer by layer.
 
 Without peft (or its accelerate) the rows say ``skipped: peft not installed``; without
 bitsandbytes the QLoRA row says so. Run by the suite as ``python benchmarks/_gpu_finetune.py
@@ -19,6 +21,7 @@ bitsandbytes the QLoRA row says so. Run by the suite as ``python benchmarks/_gpu
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any
 
@@ -83,23 +86,64 @@ def part_finetune(ctx: Ctx, rec: Recorder) -> None:
     rec.note(
         f"{shape}; {params_text(rec.data['figures']['parameters'])} parameters, "
         f"{params_text(trainable)} of them trainable. Each row: a real Lightning run in a fresh "
-        "process (on CUDA), its peak by the package's PeakMemory (max_memory_allocated), "
+        "process (on CUDA), its peak by the package's PeakMemory (max_memory_allocated; on "
+        "CUDA the training steps' own, the peak before the first step beside it), "
         f"tokens/s over the optimizer steps after {f['warmup']} warm-up steps (synchronised "
         f"wall time, at most {f['window_s']:.0f} s or {f['steps']} steps); the estimate: "
-        "estimate_memory of 2 steps of the same stack for this device (fake tensors), computed "
-        "while the row's run trains. Ratio = estimate / measured."
+        "estimate_memory of 2 steps of the same stack for this device (fake tensors; on CUDA "
+        "computed on the host while the runs train in their own processes). Ratio = estimate "
+        "/ measured."
     )
+    estimates: dict[str, dict[str, Any]] = {}
+    # on CUDA the runs train in their own processes: the estimates are computed meanwhile, in a
+    # thread of this one (fake tensors: host work only); on the CPU the runs train here, so the
+    # estimates wait for them (the storage tracker must see the run's tensors alone)
+    thread = threading.Thread(
+        target=_estimate_all, args=(dims, f, ctx.cuda, estimates), name="estimates", daemon=True
+    )
+    if ctx.cuda:
+        thread.start()
     pool = RunPool(ctx, warm=1 if ctx.cuda else 0)
     last_wall: float | None = None
     try:
         for name, techniques in STACKS:
-            last_wall = _row(ctx, rec, pool, name, techniques, dims, last_wall)
+            last_wall = _run_row(ctx, rec, pool, name, techniques, dims, last_wall)
     finally:
         pool.close()
+    if not ctx.cuda:
+        thread.start()
+    thread.join(max(0.0, ctx.left() - 1))
+    for row in rec.data["rows"]:
+        row.update(estimates.get(row["stack"]) or {"estimate_error": "not finished in the cap"})
+        if row.get("status") == "ok" and row.get("estimate_bytes") and row.get("measured_bytes"):
+            row["ratio"] = row["estimate_bytes"] / row["measured_bytes"]
     _finish(rec)
 
 
-def _row(
+def _estimate_all(
+    dims: dict[str, Any], f: dict[str, Any], rounding: bool, out: dict[str, dict[str, Any]]
+) -> None:
+    """Each stack's estimate for this device (2 steps, fake tensors; ``rounding``: CUDA's
+    allocator rounding), into ``out`` by stack as each ends."""
+    for name, techniques in STACKS:
+        t0 = time.time()
+        try:
+            est = estimate("llama_lora", dims, f["batch"], f["precision"], techniques, rounding)
+            out[name] = {
+                "estimate_bytes": est.peak_bytes,
+                "estimate_reserved_bytes": est.reserved_bytes or None,
+                "estimate_target": getattr(est, "target", None),
+                "estimate_phase": est.peak_phase,
+                "estimate_s": round(time.time() - t0, 1),
+            }
+        except ImportError as err:
+            missing = missing_package(err) or type(err).__name__
+            out[name] = {"estimate_error": f"{missing} not installed"}
+        except Exception as err:  # the run's figures stand without the estimate
+            out[name] = {"estimate_error": f"{type(err).__name__}: {first_line(err)}"}
+
+
+def _run_row(
     ctx: Ctx,
     rec: Recorder,
     pool: RunPool,
@@ -108,10 +152,11 @@ def _row(
     dims: dict[str, Any],
     last_wall: float | None,
 ) -> float | None:
+    """One stack's real run; its row is written as soon as the run ends."""
     f = ctx.profile["finetune"]
     need = 1.2 * last_wall if last_wall else 15.0
     if ctx.left() < need:
-        basis = f"the last row took {last_wall:.0f} s" if last_wall else "a first guess"
+        basis = f"the last run took {last_wall:.0f} s" if last_wall else "a first guess"
         rec.row(stack=name, **time_skip(ctx.left(), need, basis))
         return last_wall
     spec = {
@@ -123,42 +168,28 @@ def _row(
         "callbacks": techniques,
         "device": ctx.device,
         "measure_memory": True,
+        "setup_peak": True,  # CUDA: the steps' peak apart from the one before them
         "timing": {"warmup": f["warmup"], "window_s": f["window_s"]},
     }
-    t0 = time.time()
-    run = pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)  # trains while we estimate
-    row: dict[str, Any] = {"stack": name, "precision": f["precision"], "batch": f["batch"]}
-    t_est = time.time()
-    try:
-        est = estimate("llama_lora", dims, f["batch"], f["precision"], techniques, ctx.cuda)
-        row.update(
-            estimate_bytes=est.peak_bytes,
-            estimate_reserved_bytes=est.reserved_bytes or None,
-            estimate_target=getattr(est, "target", None),
-            estimate_phase=est.peak_phase,
-            estimate_s=round(time.time() - t_est, 1),
-        )
-    except ImportError as err:
-        row["estimate_error"] = f"{missing_package(err) or type(err).__name__} not installed"
-    except Exception as err:  # the run's figures stand without the estimate
-        row["estimate_error"] = f"{type(err).__name__}: {first_line(err)}"
-    res = pool.wait([run])[0]
-    row.update(
+    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
+    rec.row(
+        stack=name,
+        precision=res.get("precision", f["precision"]),
+        batch=f["batch"],
         status=run_status(res),
         measured_bytes=res.get("peak_bytes"),
         reserved_bytes=res.get("reserved_bytes"),
+        setup_peak_bytes=res.get("setup_peak_bytes"),
+        fit_peak_bytes=res.get("fit_peak_bytes"),
         tokens_per_s=res.get("tokens_per_s"),
         step_s=res.get("step_s"),
         timed_steps=res.get("timed_steps"),
         first_step_s=res.get("first_step_s"),
         loss=res.get("loss"),
         report=res.get("report"),
-        wall_s=round(time.time() - t0, 1),
+        wall_s=res.get("wall_s"),
     )
-    if row["status"] == "ok" and row.get("estimate_bytes") and row.get("measured_bytes"):
-        row["ratio"] = row["estimate_bytes"] / row["measured_bytes"]
-    rec.row(**row)
-    return row["wall_s"]
+    return res.get("wall_s") or last_wall
 
 
 def _finish(rec: Recorder) -> None:
@@ -173,11 +204,13 @@ def _finish(rec: Recorder) -> None:
     if plain.get("status") == "ok" and stack.get("status") == "ok":
         gib = 2**30
         ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r.get("ratio")) or "-"
+        setup = stack.get("setup_peak_bytes")
+        before = f"; {setup / gib:.2f} GiB before its first step" if setup else ""
         rec.finish(
             f"peak {plain['measured_bytes'] / gib:.2f} -> {stack['measured_bytes'] / gib:.2f} "
-            f"GiB ({stack['peak_vs_lora']:.2f}x), tokens/s {plain['tokens_per_s']:,.0f} -> "
-            f"{stack['tokens_per_s']:,.0f} ({stack['vs_lora']:.2f}x); estimate / measured "
-            f"{ratios}"
+            f"GiB ({stack['peak_vs_lora']:.2f}x{before}), tokens/s "
+            f"{plain['tokens_per_s']:,.0f} -> {stack['tokens_per_s']:,.0f} "
+            f"({stack['vs_lora']:.2f}x); estimate / measured {ratios}"
         )
     else:
         rec.finish("the LoRA run and the stack's run did not both train")

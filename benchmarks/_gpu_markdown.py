@@ -292,6 +292,7 @@ def _render_finetune(p: dict) -> str:
             r.get("precision", "-"),
             fmt_bytes(r.get("estimate_bytes")) if r.get("estimate_bytes") else "-",
             fmt_bytes(r.get("measured_bytes")) if r.get("measured_bytes") else "-",
+            fmt_bytes(r.get("setup_peak_bytes")) if r.get("setup_peak_bytes") else "-",
             _num(r.get("ratio")),
             _num(r.get("peak_vs_lora"), "{:.2f}x"),
             _num(r.get("tokens_per_s"), "{:,.0f}"),
@@ -307,7 +308,8 @@ def _render_finetune(p: dict) -> str:
             "Stack",
             "Precision",
             "Estimate",
-            "Measured peak",
+            "Measured peak (steps)",
+            "Peak before the first step",
             "Ratio",
             "Peak vs LoRA",
             "Tokens/s",
@@ -316,7 +318,7 @@ def _render_finetune(p: dict) -> str:
             "Status",
         ],
         rows,
-        "llrrrrrrrl",
+        "llrrrrrrrrl",
     )
 
 

@@ -40,6 +40,7 @@ from _gpu_common import (
     unique_params,
 )
 from _gpu_run import RunPool, run_status
+from _results import fmt_bytes
 
 __all__ = ["STACKS", "part_finetune"]
 
@@ -202,13 +203,12 @@ def _finish(rec: Recorder) -> None:
             r["peak_vs_lora"] = r["measured_bytes"] / plain["measured_bytes"]
     rec.save()
     if plain.get("status") == "ok" and stack.get("status") == "ok":
-        gib = 2**30
         ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r.get("ratio")) or "-"
         setup = stack.get("setup_peak_bytes")
-        before = f"; {setup / gib:.2f} GiB before its first step" if setup else ""
+        before = f"; {fmt_bytes(setup)} before its first step" if setup else ""
         rec.finish(
-            f"peak {plain['measured_bytes'] / gib:.2f} -> {stack['measured_bytes'] / gib:.2f} "
-            f"GiB ({stack['peak_vs_lora']:.2f}x{before}), tokens/s "
+            f"peak {fmt_bytes(plain['measured_bytes'])} -> {fmt_bytes(stack['measured_bytes'])} "
+            f"({stack['peak_vs_lora']:.2f}x{before}), tokens/s "
             f"{plain['tokens_per_s']:,.0f} -> {stack['tokens_per_s']:,.0f} "
             f"({stack['vs_lora']:.2f}x); estimate / measured {ratios}"
         )

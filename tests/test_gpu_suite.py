@@ -115,8 +115,11 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
     # part 7 (issue 39): PEFT LoRA alone and with the QLoRA stack, real runs against estimates
     tune = by["finetune"]["rows"]
     assert [r["status"] for r in tune] == ["ok", "ok"], tune
-    for r in tune:  # on the CPU the estimate is exact (same storages, tracked both ways)
-        assert r["tokens_per_s"] > 0 and r["timed_steps"] > 0 and abs(r["ratio"] - 1) < 0.05, r
+    assert all(r["tokens_per_s"] > 0 and r["timed_steps"] > 0 for r in tune), tune
+    assert abs(tune[0]["ratio"] - 1) < 0.05, tune[0]  # on the CPU the estimate is exact
+    # the stack's estimate leaves out the original weights FrozenWeights4bit keeps for its undo
+    # (off the device on CUDA; on a CPU the same memory, which the fit's tracker counts)
+    assert 0.75 < tune[1]["ratio"] <= 1.05, tune[1]
     assert "FrozenWeights4bit" in " ".join(tune[1]["report"]), tune[1]["report"]
     assert tune[1]["measured_bytes"] < tune[0]["measured_bytes"]  # the stack saves memory
     assert tune[1]["peak_vs_lora"] < 1 and tune[1]["vs_lora"] > 0

@@ -1,9 +1,9 @@
 """What every part process of ``benchmarks/gpu_suite.py`` shares: the context a part is given
-(``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config),
-the instrument's estimate of a spec, the suite's MFU terms (the device's bf16 peak from the
-package's ``measure.speed.flops`` table, FLOPs per token), and ``child_main``, which runs one part
-in its own process (``python benchmarks/<part script> --ctx FILE``; the scripts are named in
-``_gpu_registry.PARTS``).
+(``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config,
+an HF Llama with PEFT LoRA), the instrument's estimate of a spec, the suite's MFU terms (the
+device's bf16 peak from the package's ``measure.speed.flops`` table, FLOPs per token), and
+``child_main``, which runs one part in its own process (``python benchmarks/<part script> --ctx
+FILE``; the scripts are named in ``_gpu_registry.PARTS``).
 
 Each part takes a ``Ctx`` (device, profile of shapes, deadline) and a ``Recorder`` that saves
 its rows to a JSON file after every row, so a part stopped at its cap keeps what it measured.
@@ -42,6 +42,7 @@ __all__ = [
     "SWAP8",
     "Ctx",
     "HFGPT2",
+    "HFLlamaLoRA",
     "INCOMPLETE",
     "Recorder",
     "bf16_peak",
@@ -237,9 +238,62 @@ class HFGPT2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class HFLlamaLoRA(pl.LightningModule):
+    """A transformers Llama built from its config (no download; its default ``use_cache=True``,
+    as a user loads it), its weights in ``dtype``, wrapped with PEFT LoRA (rank ``lora_r``,
+    alpha ``2 * lora_r``) on every linear layer of the blocks; next-token loss, AdamW on the
+    adapters only (the base is frozen by PEFT)."""
+
+    def __init__(
+        self,
+        n_layer: int = 16,
+        n_embd: int = 2048,
+        n_head: int = 32,
+        n_kv_head: int = 8,
+        intermediate: int = 8192,
+        vocab: int = 128256,
+        seq: int = 2048,
+        dtype: str = "bfloat16",
+        lora_r: int = 16,
+        lr: float = 1e-4,
+    ) -> None:
+        super().__init__()
+        import peft
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=n_embd,
+            intermediate_size=intermediate,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
+            num_key_value_heads=n_kv_head,
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        base = LlamaForCausalLM(config).to(getattr(torch, dtype))
+        lora = peft.LoraConfig(
+            r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear", lora_dropout=0.0
+        )
+        self.model = peft.get_peft_model(base, lora)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
 def build_model(kind: str, dims: dict[str, Any], device: str = "cpu") -> pl.LightningModule:
-    """``kind`` ``"tinygpt"`` (the demo module) or ``"hf_gpt2"``; ``dims``: n_layer, n_embd,
-    n_head, vocab, seq and optionally dropout. Parameters are created on ``device``."""
+    """``kind`` ``"tinygpt"`` (the demo module), ``"hf_gpt2"`` or ``"llama_lora"``
+    (``HFLlamaLoRA``'s arguments); ``dims``: n_layer, n_embd, n_head, vocab, seq and optionally
+    dropout (``"llama_lora"``: its own). Parameters are created on ``device``."""
     with torch.device(device):
         if kind == "tinygpt":
             return TinyGPT(
@@ -252,6 +306,8 @@ def build_model(kind: str, dims: dict[str, Any], device: str = "cpu") -> pl.Ligh
             )
         if kind == "hf_gpt2":
             return HFGPT2(**dims)
+        if kind == "llama_lora":
+            return HFLlamaLoRA(**dims)
     raise ValueError(f"unknown model kind {kind!r}")
 
 

@@ -285,6 +285,43 @@ def _render_compile(p: dict) -> str:
     )
 
 
+def _render_finetune(p: dict) -> str:
+    rows = [
+        (
+            r["stack"],
+            r.get("precision", "-"),
+            fmt_bytes(r.get("estimate_bytes")) if r.get("estimate_bytes") else "-",
+            fmt_bytes(r.get("measured_bytes")) if r.get("measured_bytes") else "-",
+            fmt_bytes(r.get("setup_peak_bytes")) if r.get("setup_peak_bytes") else "-",
+            _num(r.get("ratio")),
+            _num(r.get("peak_vs_lora"), "{:.2f}x"),
+            _num(r.get("tokens_per_s"), "{:,.0f}"),
+            _num(r.get("vs_lora"), "{:.2f}x"),
+            _ms(r.get("step_s")),
+            r["status"]
+            + (f" (estimate: {r['estimate_error']})" if r.get("estimate_error") else ""),
+        )
+        for r in p["rows"]
+    ]
+    return table(
+        [
+            "Stack",
+            "Precision",
+            "Estimate",
+            "Measured peak (steps)",
+            "Peak before the first step",
+            "Ratio",
+            "Peak vs LoRA",
+            "Tokens/s",
+            "Tokens/s vs LoRA",
+            "Step",
+            "Status",
+        ],
+        rows,
+        "llrrrrrrrrl",
+    )
+
+
 RENDER = {
     "pytest": _render_pytest,
     "estimate": _render_estimate,
@@ -292,6 +329,7 @@ RENDER = {
     "ladder": _render_ladder,
     "speed": _render_speed,
     "compile": _render_compile,
+    "finetune": _render_finetune,
 }
 
 
@@ -360,10 +398,13 @@ def markdown(data: dict[str, Any]) -> str:
             + (f"; part 4 waited {waited:.0f} s for them" if waited is not None else "")
             + ").",
         ]
+    timed = [str(p["number"]) for p in data["parts"] if p.get("lane") == "timed"]
     lines += [
         "",
-        "Parts 1-4 run side by side (1; 2 then 3; 4), parts 5 and 6 alone afterwards. A part not "
-        "`ok` says why, and what its unfinished rows would have needed. Caps (at the default "
+        "Parts 1-4 run side by side (1; 2 then 3; 4), the parts that time something"
+        + (f" ({', '.join(timed)})" if timed else "")
+        + " alone afterwards, one after the other. A part not `ok` says why, and what its "
+        "unfinished rows would have needed. Caps (at the default "
         "budget) are sized from what each part took on an H200: "
         + "; ".join(f"{p['number']}: {p['cap_basis']}" for p in data["parts"] if p.get("cap_basis"))
         + ".",

@@ -10,7 +10,7 @@ pytest instead. Modules import downward only:
     _gpu_common   context, recorder, models, the suite's MFU peak, a part's process
     _gpu_run      a real training run and the pool of processes that run them
     _gpu_estimate, _gpu_batch, _gpu_ladder      parts 2-4 (memory)
-    _gpu_speed, _gpu_compile                    parts 5-6 (timed)
+    _gpu_speed, _gpu_compile, _gpu_finetune     parts 5-7 (timed)
     gpu_suite                                   the parent: starts, caps, writes the results
 """
 
@@ -109,6 +109,17 @@ PARTS = [
         "timed",
         "finished within 75 s",
         "_gpu_compile.py",
+    ),
+    Part(
+        7,
+        "finetune",
+        "Fine-tuning: LoRA vs the QLoRA stack on a Llama shape",
+        60,
+        25,
+        "timed",
+        "not yet run on a GPU: 2 real runs of a few seconds of steps each, the estimates "
+        "computed while they train",
+        "_gpu_finetune.py",
     ),
 ]
 BY_KEY = {p.key: p for p in PARTS}

@@ -44,7 +44,16 @@ from lightning_efficient.measure.memory.peak import PeakMemory
 from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.precision import resolve_precision
 
-__all__ = ["Clock", "Run", "RunPool", "real_fit", "run_real", "run_spec_main", "run_status"]
+__all__ = [
+    "Clock",
+    "Run",
+    "RunPool",
+    "SetupPeak",
+    "real_fit",
+    "run_real",
+    "run_spec_main",
+    "run_status",
+]
 
 RUN_SCRIPT = Path(__file__).resolve()
 
@@ -100,6 +109,21 @@ class Clock(pl.Callback):
             self.loss = float(loss.detach().float())
 
 
+class SetupPeak(pl.Callback):
+    """CUDA: the peak allocated from the start of the fit to the first training step (the model
+    moved to the device, the techniques applied: 4-bit weights are quantized there), read at
+    ``on_train_start``; then the peak counter starts again, so that the fit's ``PeakMemory``
+    reads the training steps' own peak."""
+
+    def __init__(self) -> None:
+        self.peak: int | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        torch.cuda.synchronize()
+        self.peak = int(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+
+
 def make_loader(spec: dict[str, Any]) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -132,7 +156,8 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     the package's ``best_precision``), ``callbacks`` and ``strategy`` (technique specs),
     ``device``, ``cap_bytes`` (CUDA: ``set_per_process_memory_fraction``), ``measure_memory``,
     ``timing`` (``{"warmup", "window_s"}``), ``seed``, ``accumulate`` (micro-batches per
-    optimizer step, default 1).
+    optimizer step, default 1), ``setup_peak`` (CUDA: ``peak_bytes`` is the training steps'
+    peak, ``setup_peak_bytes`` the peak before the first step, ``fit_peak_bytes`` the larger).
     """
     cuda = spec["device"] == "cuda"
     out: dict[str, Any] = {"ok": False, "oom": False, "error": None}
@@ -163,6 +188,7 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
     timing = spec.get("timing") or {}
     clock = Clock(cuda, timing.get("warmup", 0), timing.get("window_s", 1e9))
+    setup = SetupPeak() if cuda and spec.get("setup_peak") else None
     meter = PeakMemory(
         spec["device"],
         [*model.parameters(), *model.buffers()],
@@ -175,7 +201,7 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         precision=precision,
         max_steps=spec["steps"],
         accumulate_grad_batches=spec.get("accumulate", 1),
-        callbacks=[*callbacks, clock],
+        callbacks=[*callbacks, clock, *([setup] if setup else [])],
         **QUIET_TRAINER,
         num_sanity_val_steps=0,
         limit_val_batches=0,
@@ -197,6 +223,10 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     out["steps_run"] = trainer.global_step
     out["peak_bytes"] = meter.peak
     out["reserved_bytes"] = meter.reserved
+    if setup is not None and setup.peak is not None and meter.peak is not None:
+        base = meter.peak_allocated - meter.peak  # allocated before the fit
+        out["setup_peak_bytes"] = setup.peak - base
+        out["fit_peak_bytes"] = max(out["setup_peak_bytes"], meter.peak)
     if not cuda and cap and out["ok"] and meter.peak is not None and meter.peak > cap:
         # the CPU has no cap: a run whose tracked peak passed it counts as out of memory
         out.update(ok=False, oom=True, emulated_oom=True)

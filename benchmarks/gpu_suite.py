@@ -3,11 +3,11 @@
     python benchmarks/gpu_suite.py                 # on a CUDA machine, at most 9 minutes
     python benchmarks/gpu_suite.py --dry-run       # the same script on the CPU, tiny shapes
 
-Six parts, each in its own process with its own time cap (a part that would pass the suite's
+Seven parts, each in its own process with its own time cap (a part that would pass the suite's
 limit is skipped and says so; a failure in one does not stop the others). DeepSpeed's CPU
 extensions are built first, in a process of their own that no part's cap counts; the parts that
 measure memory or correctness (1-4) run side by side, each within its own caps, and the parts
-that time something (5, 6) run alone afterwards:
+that time something (5-7) run alone afterwards:
 
 1. ``pytest -m gpu``: the GPU-marked tests (dry run: collected only, ``--co``).
 2. Estimate vs reality: HF GPT-2 124M and TinyGPT at GPT-2 small shape, sequence 1024, for
@@ -24,6 +24,10 @@ that time something (5, 6) run alone afterwards:
    micro-batch (the effective batch kept), the chunked loss and CUDA graphs; each row's
    ``StepProfiler`` verdict, and the profiler's own cost on the last stack.
 6. Compile: regional vs whole-model compile time and steady step time, and the auto choice.
+7. Fine-tuning (issue 39): a Llama shape (8 layers of Llama-3.2-1B's, vocabulary 128,256, bf16
+   weights) with PEFT LoRA r=16 on every linear layer, seq 2048, bf16-mixed: LoRA alone and
+   LoRA + ``FrozenWeights4bit`` + ``ActivationCheckpointing`` + ``ChunkedCrossEntropy``, each
+   a real run: its peak against ``estimate_memory``'s for the same stack, and tokens/s.
 
 Writes ``gpu_<device>.md``, ``.json`` and ``.log`` to ``--out`` (default
 ``benchmarks/results``; a dry run writes to a temporary folder unless ``--out`` is given). The
@@ -33,10 +37,10 @@ This parent process imports no torch for the parts: it starts them, enforces the
 writes the results. The parts, their caps and the script each part's process runs are one
 registry, ``benchmarks/_gpu_registry.py`` (standard library only); the measuring code is in those
 scripts (``_gpu_estimate.py``, ``_gpu_batch.py``, ``_gpu_ladder.py``, ``_gpu_speed.py``,
-``_gpu_compile.py``) over ``_gpu_common.py`` and ``_gpu_run.py`` (a real run and its processes).
-This script is the runner; what it runs with is in ``_gpu_processes.py`` (a part's process and
-its cap, DeepSpeed's build), ``_gpu_pytest.py`` (part 1) and ``_gpu_markdown.py`` (the ``.md``),
-all standard library only.
+``_gpu_compile.py``, ``_gpu_finetune.py``) over ``_gpu_common.py`` and ``_gpu_run.py`` (a real
+run and its processes). This script is the runner; what it runs with is in ``_gpu_processes.py``
+(a part's process and its cap, DeepSpeed's build), ``_gpu_pytest.py`` (part 1) and
+``_gpu_markdown.py`` (the ``.md``), all standard library only.
 """
 
 from __future__ import annotations
@@ -115,6 +119,23 @@ PROFILES: dict[str, dict[str, Any]] = {
         "compile_backend": "inductor",
         "compile_precision": "bf16-mixed",
         "real_steps": 2,
+        # part 7 (issue 39): the Llama-3.2-1B block shape at 8 of its 16 layers, LoRA r=16
+        "finetune": {
+            "n_layer": 8,
+            "n_embd": 2048,
+            "n_head": 32,
+            "n_kv_head": 8,
+            "intermediate": 8192,
+            "vocab": 128256,
+            "seq": 2048,
+            "batch": 1,
+            "lora_r": 16,
+            "dtype": "bfloat16",
+            "precision": "bf16-mixed",
+            "steps": 30,
+            "warmup": 3,
+            "window_s": 3.0,
+        },
     },
     "dry": {
         "seq": 64,
@@ -139,6 +160,22 @@ PROFILES: dict[str, dict[str, Any]] = {
         "compile_backend": "aot_eager",
         "compile_precision": "32-true",
         "real_steps": 2,
+        "finetune": {
+            "n_layer": 2,
+            "n_embd": 64,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "intermediate": 128,
+            "vocab": 512,
+            "seq": 64,
+            "batch": 2,
+            "lora_r": 16,
+            "dtype": "float32",
+            "precision": "32-true",
+            "steps": 4,
+            "warmup": 1,
+            "window_s": 3.0,
+        },
     },
 }
 
@@ -219,7 +256,11 @@ def _parser() -> argparse.ArgumentParser:
         help="folder for gpu_<device>.{md,json,log} (default: benchmarks/results"
         "; a dry run: a new temporary folder)",
     )
-    p.add_argument("--parts", default="1,2,3,4,5,6", help="parts to run, e.g. 2,3 (default: all)")
+    p.add_argument(
+        "--parts",
+        default=",".join(str(p.number) for p in PARTS),
+        help="parts to run, e.g. 2,3 (default: all)",
+    )
     p.add_argument(
         "--budget-s",
         type=float,
@@ -252,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         selected = {int(x) for x in args.parts.split(",") if x.strip()}
     except ValueError:
-        print(f"error: --parts takes numbers 1-6 separated by commas; got {args.parts!r}")
+        print(
+            f"error: --parts takes numbers 1-{len(PARTS)} separated by commas; got {args.parts!r}"
+        )
         return 2
     if not args.dry_run:
         import torch
@@ -357,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         timeout = min(entry["cap_s"], left)
         with say:
-            print(f"[{part.number}/6] {part.title} (cap {timeout:.0f} s)", flush=True)
+            print(f"[{part.number}/{len(PARTS)}] {part.title} (cap {timeout:.0f} s)", flush=True)
         if part.key == "pytest":
             child = start_pytest(args.dry_run, work)
             child.go(None, timeout)
@@ -373,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["seconds"] = time.time() - child.started
         with say:
             print(
-                f"[{part.number}/6] {part.title}: {entry['status']}: "
+                f"[{part.number}/{len(PARTS)}] {part.title}: {entry['status']}: "
                 f"{entry.get('headline') or entry.get('reason', '')}",
                 flush=True,
             )

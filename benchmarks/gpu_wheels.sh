@@ -2,7 +2,9 @@
 # Wheels for the Python packages the GPU machine's image lacks, for its Python 3.12 on x86-64:
 # DeepSpeed (a pure-Python wheel built here from its sdist, ops compiled there at first use) and
 # its missing dependencies, bitsandbytes (CUDA 13 kernels included), jsonargparse (the CLI
-# tests) and torchao (FP8 training: its wheel is abi3 and takes torch >= 2.11, the image's).
+# tests), torchao (FP8 training: its wheel is abi3 and takes torch >= 2.11, the image's), and
+# peft with what it imports beyond transformers' own dependencies, accelerate and psutil (part
+# 7's LoRA; peft and accelerate are pure Python, psutil an abi3 wheel).
 # Versions are the ones installed here, so the GPU run uses what the tests passed with.
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]      # default DIR: .whl (keep it out of git)
@@ -34,6 +36,9 @@ binary=(
   "docstring-parser==$(version docstring-parser)"
   "typeshed-client==$(version typeshed-client)"
   "torchao==$(version torchao)"
+  "peft==$(version peft)"
+  "accelerate==$(version accelerate)"
+  "psutil==$(version psutil)"
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${platforms[@]}" -d "$dir" "${binary[@]}"

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-KEYS = ["pytest", "estimate", "batch", "ladder", "speed", "compile"]
+KEYS = ["pytest", "estimate", "batch", "ladder", "speed", "compile", "finetune"]
 
 
 def _load(name: str):
@@ -73,7 +73,7 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
     # the parts whose code would otherwise meet the GPU untested must have run
     assert by["pytest"]["reason"] == "collected only (dry run)" and by["pytest"]["rows"]
     assert all(r["outcome"] == "collected" for r in by["pytest"]["rows"])
-    for key in ("estimate", "batch", "speed", "compile"):
+    for key in ("estimate", "batch", "speed", "compile", "finetune"):
         assert by[key]["status"] in ("ok", "partial") and by[key]["headline"], by[key]
     estimate = [r for r in by["estimate"]["rows"] if "ratio" in r]
     assert estimate, by["estimate"]
@@ -112,6 +112,18 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
     assert "StepProfiler's cost" in md.read_text()
     assert {r["variant"] for r in by["compile"]["rows"]} == {"regional", "whole", "eager"}
     assert by["compile"]["figures"]["auto_choice"] in ("regional", "whole")
+    # part 7 (issue 39): PEFT LoRA alone and with the QLoRA stack, real runs against estimates
+    tune = by["finetune"]["rows"]
+    assert [r["status"] for r in tune] == ["ok", "ok"], tune
+    assert all(r["tokens_per_s"] > 0 and r["timed_steps"] > 0 for r in tune), tune
+    assert abs(tune[0]["ratio"] - 1) < 0.05, tune[0]  # on the CPU the estimate is exact
+    # the stack's estimate leaves out the original weights FrozenWeights4bit keeps for its undo
+    # (off the device on CUDA; on a CPU the same memory, which the fit's tracker counts)
+    assert 0.75 < tune[1]["ratio"] <= 1.05, tune[1]
+    assert "FrozenWeights4bit" in " ".join(tune[1]["report"]), tune[1]["report"]
+    assert tune[1]["measured_bytes"] < tune[0]["measured_bytes"]  # the stack saves memory
+    assert tune[1]["peak_vs_lora"] < 1 and tune[1]["vs_lora"] > 0
+    assert "| LoRA | 32-true |" in md.read_text()
     assert "**Dry run**" in md.read_text()
 
 
@@ -125,16 +137,22 @@ def test_results_name_and_sizes(suite) -> None:
 
 
 def test_caps_fit_the_budget(suite) -> None:
-    """Nine minutes: the longest lane of the parts side by side, then the timed parts alone, with
-    room left for waiting on DeepSpeed's build."""
+    """Nine minutes: the longest lane of the parts side by side, then the timed parts alone.
+    DeepSpeed's build runs alongside; a wait on it past what is left is taken from the last
+    timed part, which the suite gives what is left (or skips below its minimum)."""
     assert suite.TOTAL_S == 540
     registry = sys.modules["_gpu_registry"]  # what the suite imported
     assert suite.PARTS is registry.PARTS  # the suite starts the registry's parts
-    assert registry.critical_path_s() <= suite.TOTAL_S - 60, registry.critical_path_s()
+    assert registry.critical_path_s() <= suite.TOTAL_S, registry.critical_path_s()
     assert [p.key for p in suite.PARTS] == KEYS
+    assert [p.number for p in suite.PARTS] == list(range(1, len(KEYS) + 1))
     assert all(0 < p.min_s < p.cap_s and p.basis for p in suite.PARTS)
     assert {p.lane for p in suite.PARTS} == {*suite.PHASE_A, suite.PHASE_B}
-    assert [p.key for p in suite.PARTS if p.lane == suite.PHASE_B] == ["speed", "compile"]
+    timed = [p.key for p in suite.PARTS if p.lane == suite.PHASE_B]
+    assert timed == ["speed", "compile", "finetune"]
+    # every part runs unless --parts says otherwise
+    args = suite._parser().parse_args([])
+    assert {int(x) for x in args.parts.split(",")} == {p.number for p in suite.PARTS}
 
 
 def test_parse_junit_and_collect_only(part1, tmp_path) -> None:
@@ -264,6 +282,22 @@ def test_markdown_renders_every_part_shape(suite) -> None:
             {"variant": "plain", "status": "ok", "tokens_per_s": 1e5, "step_s": 0.08, "mfu": 0.31}
         ],
         "compile": [{"variant": "eager", "status": "skipped: 3 s left in the part's cap"}],
+        "finetune": [
+            {
+                "stack": "LoRA",
+                "precision": "bf16-mixed",
+                "status": "ok",
+                "estimate_bytes": 6 * 2**30,
+                "measured_bytes": 5 * 2**30,
+                "setup_peak_bytes": 2 * 2**30,
+                "ratio": 1.2,
+                "peak_vs_lora": 1.0,
+                "tokens_per_s": 40_000.0,
+                "vs_lora": 1.0,
+                "step_s": 0.0512,
+            },
+            {"stack": "LoRA + 4-bit", "status": "skipped: bitsandbytes not installed"},
+        ],
     }
     for part in parts:
         part["rows"] = rows[part["key"]]
@@ -296,6 +330,11 @@ def test_markdown_renders_every_part_shape(suite) -> None:
     assert "2.65B" in text and "31.0%" in text and "Planner at batch 32" in text
     assert "| plain | 32-true | 6 (23.00 GiB) | ok, 10.96 GiB / 11.00 GiB | **13** |" in text
     assert "| 41 (not settled) |" in text and "- plain: 6 ok 1 B / 2 B; 14 oom (7 s)" in text
+    assert (
+        "| LoRA | bf16-mixed | 6.00 GiB | 5.00 GiB | 2.00 GiB | 1.20 | 1.00x | 40,000 | 1.00x "
+        "| 51.2 ms | ok |" in text
+    )
+    assert "| LoRA + 4-bit | - | - | - | - | - | - | - | - | - | skipped: bitsandbytes" in text
 
 
 def test_mfu_uses_the_package_peaks_and_flops() -> None:
@@ -350,6 +389,33 @@ def test_every_part_runs_a_script_of_its_own() -> None:
         run = getattr(module, called[0])
         assert inspect.isfunction(run) and run.__module__ == module.__name__, part.script
         assert list(inspect.signature(run).parameters) == ["ctx", "rec"], part.script
+
+
+def test_finetune_part_says_peft_is_missing(suite, tmp_path, monkeypatch) -> None:
+    """The GPU machine's image may lack peft: part 7 then writes its rows as skipped with the
+    package's name, instead of failing."""
+    import time
+
+    common = _load("_gpu_common")
+    finetune = _load("_gpu_finetune")
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    ctx = common.Ctx(
+        dry_run=True,
+        device="cpu",
+        device_name="cpu",
+        profile=suite.PROFILES["dry"],
+        deadline=time.time() + 60,
+        result_file=str(tmp_path / "part.json"),
+        work_dir=str(tmp_path),
+        cap_bytes=0,
+        host_ram_bytes=0,
+    )
+    rec = common.Recorder(ctx.result_file)
+    finetune.part_finetune(ctx, rec)
+    written = json.loads(Path(ctx.result_file).read_text())
+    statuses = [r["status"] for r in written["rows"]]
+    assert statuses == ["skipped: peft not installed"] * len(finetune.STACKS), statuses
+    assert written["status"] == "partial" and "peft not installed" in written["reason"]
 
 
 def test_gpu_tests_skip_without_torchao_and_nbformat(part1, tmp_path) -> None:
@@ -487,5 +553,5 @@ def test_suite_runs_where_the_package_is_not_installed(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "gpu_dry_run_cpu.json").read_text())
-    assert [p["status"] for p in data["parts"]] == ["skipped"] * 6
+    assert [p["status"] for p in data["parts"]] == ["skipped"] * len(KEYS)
     assert data["environment"]["host RAM"]  # written by the package's format_bytes

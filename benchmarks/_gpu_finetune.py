@@ -1,0 +1,220 @@
+"""Part 7 of ``benchmarks/gpu_suite.py``: fine-tuning, LoRA against the QLoRA stack (issue 39).
+
+A Llama shape smaller than ``benchmarks/finetune.py``'s Llama-3-8B estimate (on CUDA: the
+Llama-3.2-1B block shape, hidden 2048, intermediate 8192, GQA 32/8 heads, vocabulary 128,256,
+at 8 of its 16 layers; bf16 weights, default config) with PEFT LoRA r=16 on every linear layer
+of the blocks, sequence 2048, micro-batch 1, bf16-mixed, AdamW on the adapters. Two rows, each a
+real Lightning run in a fresh process: LoRA alone, and LoRA + ``FrozenWeights4bit`` +
+``ActivationCheckpointing`` + ``ChunkedCrossEntropy``. Each row records the real peak (the
+package's ``PeakMemory``: ``torch.cuda.max_memory_allocated``), the package's estimate of the
+same stack for this device (``estimate_memory``, fake tensors; on CUDA computed in a thread of
+the part's process while the runs train in their own, on the CPU after them) and their ratio, and tokens/s over the steps after the
+warm-up (synchronised wall time). On CUDA the peak is the training steps' own (the estimate
+models 2 steps); the peak before the first step is recorded beside it: the model moved to the
+device in bf16 and, for the stack, its frozen weights quantized there, layer by layer.
+
+Without peft (or its accelerate) the rows say ``skipped: peft not installed``; without
+bitsandbytes the QLoRA row says so. Run by the suite as ``python benchmarks/_gpu_finetune.py
+--ctx FILE``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from _gpu_common import (
+    AC,
+    CHUNKED,
+    Ctx,
+    Recorder,
+    build_model,
+    child_main,
+    estimate,
+    first_line,
+    missing_package,
+    params_text,
+    time_skip,
+    unique_params,
+)
+from _gpu_run import RunPool, run_status
+from _results import fmt_bytes
+
+__all__ = ["STACKS", "part_finetune"]
+
+FOUR_BIT = {"class_path": "FrozenWeights4bit", "init_args": {}}
+#: The rows: (stack, the package's techniques).
+STACKS: list[tuple[str, list[dict[str, Any]]]] = [
+    ("LoRA", []),
+    ("LoRA + 4-bit frozen weights + checkpointing + chunked loss", [FOUR_BIT, AC, CHUNKED]),
+]
+
+
+def _missing_peft() -> str | None:
+    """The package missing for the PEFT model (peft, or what it imports), else None."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        return missing_package(err) or "peft"
+    return None
+
+
+def part_finetune(ctx: Ctx, rec: Recorder) -> None:
+    f = ctx.profile["finetune"]
+    dims = {k: f[k] for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate")}
+    dims.update(vocab=f["vocab"], seq=f["seq"], dtype=f["dtype"], lora_r=f["lora_r"])
+    batch, precision = f["batch"], f["precision"]
+    shape = (
+        f"Llama shape {f['n_layer']} layers x hidden {f['n_embd']} (intermediate "
+        f"{f['intermediate']}, GQA {f['n_head']}/{f['n_kv_head']} heads, vocabulary "
+        f"{f['vocab']:,}, {f['dtype']} weights), PEFT LoRA r={f['lora_r']} on every linear "
+        f"layer of the blocks, micro-batch {batch} x {f['seq']}, {precision}, AdamW on the "
+        "adapters, random tokens"
+    )
+    missing = _missing_peft()
+    if missing:
+        rec.note(shape + ".")
+        for name, _ in STACKS:
+            rec.row(stack=name, status=f"skipped: {missing} not installed")
+        rec.finish(f"skipped: {missing} not installed")
+        return
+    model = build_model("llama_lora", dims, "meta")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rec.figure(parameters=unique_params(model), trainable=trainable)
+    del model
+    rec.note(
+        f"{shape}; {params_text(rec.data['figures']['parameters'])} parameters, "
+        f"{params_text(trainable)} of them trainable. Each row: a real Lightning run in a fresh "
+        "process (on CUDA), its peak by the package's PeakMemory (max_memory_allocated; on "
+        "CUDA the training steps' own, the peak before the first step beside it), "
+        f"tokens/s over the optimizer steps after {f['warmup']} warm-up steps (synchronised "
+        f"wall time, at most {f['window_s']:.0f} s or {f['steps']} steps); the estimate: "
+        "estimate_memory of 2 steps of the same stack for this device (fake tensors; on CUDA "
+        "computed on the host while the runs train in their own processes). Ratio = estimate "
+        "/ measured."
+    )
+    estimates: dict[str, dict[str, Any]] = {}
+    # on CUDA the runs train in their own processes: the estimates are computed meanwhile, in a
+    # thread of this one (fake tensors: host work only); on the CPU the runs train here, so the
+    # estimates wait for them (the storage tracker must see the run's tensors alone)
+    thread = threading.Thread(
+        target=_estimate_all, args=(dims, f, ctx.cuda, estimates), name="estimates", daemon=True
+    )
+    if ctx.cuda:
+        thread.start()
+    pool = RunPool(ctx, warm=1 if ctx.cuda else 0)
+    last_wall: float | None = None
+    try:
+        for name, techniques in STACKS:
+            last_wall = _run_row(ctx, rec, pool, name, techniques, dims, last_wall)
+    finally:
+        pool.close()
+    if not ctx.cuda:
+        thread.start()
+    thread.join(max(0.0, ctx.left() - 1))
+    for row in rec.data["rows"]:
+        row.update(estimates.get(row["stack"]) or {"estimate_error": "not finished in the cap"})
+        if row.get("status") == "ok" and row.get("estimate_bytes") and row.get("measured_bytes"):
+            row["ratio"] = row["estimate_bytes"] / row["measured_bytes"]
+    _finish(rec)
+
+
+def _estimate_all(
+    dims: dict[str, Any], f: dict[str, Any], rounding: bool, out: dict[str, dict[str, Any]]
+) -> None:
+    """Each stack's estimate for this device (2 steps, fake tensors; ``rounding``: CUDA's
+    allocator rounding), into ``out`` by stack as each ends."""
+    for name, techniques in STACKS:
+        t0 = time.time()
+        try:
+            est = estimate("llama_lora", dims, f["batch"], f["precision"], techniques, rounding)
+            out[name] = {
+                "estimate_bytes": est.peak_bytes,
+                "estimate_reserved_bytes": est.reserved_bytes or None,
+                "estimate_target": getattr(est, "target", None),
+                "estimate_phase": est.peak_phase,
+                "estimate_s": round(time.time() - t0, 1),
+            }
+        except ImportError as err:
+            missing = missing_package(err) or type(err).__name__
+            out[name] = {"estimate_error": f"{missing} not installed"}
+        except Exception as err:  # the run's figures stand without the estimate
+            out[name] = {"estimate_error": f"{type(err).__name__}: {first_line(err)}"}
+
+
+def _run_row(
+    ctx: Ctx,
+    rec: Recorder,
+    pool: RunPool,
+    name: str,
+    techniques: list[dict[str, Any]],
+    dims: dict[str, Any],
+    last_wall: float | None,
+) -> float | None:
+    """One stack's real run; its row is written as soon as the run ends."""
+    f = ctx.profile["finetune"]
+    need = 1.2 * last_wall if last_wall else 15.0
+    if ctx.left() < need:
+        basis = f"the last run took {last_wall:.0f} s" if last_wall else "a first guess"
+        rec.row(stack=name, **time_skip(ctx.left(), need, basis))
+        return last_wall
+    spec = {
+        "model": "llama_lora",
+        "dims": dims,
+        "batch": f["batch"],
+        "steps": f["steps"],
+        "precision": f["precision"],
+        "callbacks": techniques,
+        "device": ctx.device,
+        "measure_memory": True,
+        "setup_peak": True,  # CUDA: the steps' peak apart from the one before them
+        "timing": {"warmup": f["warmup"], "window_s": f["window_s"]},
+    }
+    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
+    rec.row(
+        stack=name,
+        precision=res.get("precision", f["precision"]),
+        batch=f["batch"],
+        status=run_status(res),
+        measured_bytes=res.get("peak_bytes"),
+        reserved_bytes=res.get("reserved_bytes"),
+        setup_peak_bytes=res.get("setup_peak_bytes"),
+        fit_peak_bytes=res.get("fit_peak_bytes"),
+        tokens_per_s=res.get("tokens_per_s"),
+        step_s=res.get("step_s"),
+        timed_steps=res.get("timed_steps"),
+        first_step_s=res.get("first_step_s"),
+        loss=res.get("loss"),
+        report=res.get("report"),
+        wall_s=res.get("wall_s"),
+    )
+    return res.get("wall_s") or last_wall
+
+
+def _finish(rec: Recorder) -> None:
+    rows = rec.data["rows"]
+    plain, stack = (rows + [{}, {}])[:2]
+    for r in rows:
+        if plain.get("tokens_per_s") and r.get("tokens_per_s"):
+            r["vs_lora"] = r["tokens_per_s"] / plain["tokens_per_s"]
+        if plain.get("measured_bytes") and r.get("measured_bytes"):
+            r["peak_vs_lora"] = r["measured_bytes"] / plain["measured_bytes"]
+    rec.save()
+    if plain.get("status") == "ok" and stack.get("status") == "ok":
+        ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r.get("ratio")) or "-"
+        setup = stack.get("setup_peak_bytes")
+        before = f"; {fmt_bytes(setup)} before its first step" if setup else ""
+        rec.finish(
+            f"peak {fmt_bytes(plain['measured_bytes'])} -> {fmt_bytes(stack['measured_bytes'])} "
+            f"({stack['peak_vs_lora']:.2f}x{before}), tokens/s "
+            f"{plain['tokens_per_s']:,.0f} -> {stack['tokens_per_s']:,.0f} "
+            f"({stack['vs_lora']:.2f}x); estimate / measured {ratios}"
+        )
+    else:
+        rec.finish("the LoRA run and the stack's run did not both train")
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(part_finetune))

@@ -196,7 +196,24 @@ def missing_package(err: BaseException) -> str | None:
 
 
 # -- models ----------------------------------------------------------------------------------------
-class HFGPT2(pl.LightningModule):
+class _HFCausalLM(pl.LightningModule):
+    """A transformers causal LM in ``self.model``: next-token loss on the batch's inputs, AdamW
+    (``self.lr``) on the trainable parameters (all of them, unless the model froze some)."""
+
+    model: torch.nn.Module
+    lr: float
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class HFGPT2(_HFCausalLM):
     """A transformers GPT-2 built from its config (no download), trained on next-token loss."""
 
     def __init__(
@@ -228,17 +245,8 @@ class HFGPT2(pl.LightningModule):
         self.model = GPT2LMHeadModel(config)
         self.lr = lr
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, _ = batch
-        loss = self.model(input_ids=x, labels=x).loss
-        self.log("train_loss", loss)
-        return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
-
-
-class HFLlamaLoRA(pl.LightningModule):
+class HFLlamaLoRA(_HFCausalLM):
     """A transformers Llama built from its config (no download; its default ``use_cache=True``,
     as a user loads it), its weights in ``dtype``, wrapped with PEFT LoRA (rank ``lora_r``,
     alpha ``2 * lora_r``) on every linear layer of the blocks; next-token loss, AdamW on the
@@ -279,15 +287,6 @@ class HFLlamaLoRA(pl.LightningModule):
         )
         self.model = peft.get_peft_model(base, lora)
         self.lr = lr
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, _ = batch
-        loss = self.model(input_ids=x, labels=x).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
 def build_model(kind: str, dims: dict[str, Any], device: str = "cpu") -> pl.LightningModule:

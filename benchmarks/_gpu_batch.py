@@ -368,7 +368,9 @@ def _auto_efficient(
             }
         )
         return
-    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=True)])[0]
+    # in its own process on CUDA (a fresh allocator under the cap); the dry run runs it here,
+    # as its later probe rounds (the first round exercised the run processes)
+    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
     d = res.get("auto") or {}
     planner = next((r for r in rows if str(r.get("stack", "")).startswith("planner:")), None)
     best = max((r.get("largest_real") or 0 for r in rows), default=0)

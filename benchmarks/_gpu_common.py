@@ -391,10 +391,13 @@ def child_main(part: Callable[[Ctx, Recorder], None], argv: list[str] | None = N
     # the dry run leaves a core to the process importing alongside; tiny models need no more
     torch.set_num_threads(1 if ctx.dry_run else min(torch.get_num_threads(), 8))
     rec = Recorder(ctx.result_file)
+    code = 0
     try:
         part(ctx, rec)
     except Exception as err:
         traceback.print_exc()
         rec.fail(err)
-        return 1
-    return 0
+        code = 1
+    # the part has ended (a process shared by several parts in the dry run goes on to the next)
+    path.with_suffix(".done").write_text(str(code))
+    return code

@@ -194,7 +194,8 @@ def _ladder(ctx: Ctx, rec: Recorder, pool: RunPool, ladder: list, cap: int, limi
         if plan["choice"] is not None:
             start = plan["choice"]
             if setting is None:  # the plain run trains while the ZeRO settings are estimated
-                first = pool.submit(spec(plan["choice"], None), ctx.left() - 2, isolate=True)
+                # (the dry run: here, before them; part 3's probes exercise the run processes)
+                first = pool.submit(spec(plan["choice"], None), ctx.left() - 2, isolate=ctx.cuda)
 
     zero_wall: float | None = None
     for plan in (plans[k] for k in RUN_ORDER if k < len(plans)):

@@ -13,7 +13,16 @@ from typing import Any
 
 from _gpu_processes import Child, tail
 
-__all__ = ["PYTEST", "finish_pytest", "parse_collect_only", "parse_junit", "start_pytest"]
+__all__ = [
+    "PYTEST",
+    "finish_pytest",
+    "gpu_test_files",
+    "parse_collect_only",
+    "parse_junit",
+    "start_pytest",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_junit(path: Path) -> dict[str, Any]:
@@ -66,11 +75,23 @@ PYTEST = [
 ]
 
 
+def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
+    """The test files that carry a ``gpu`` mark (``pytest.mark.gpu`` in their text), relative to
+    the repository; ``["tests"]`` when none does. ``-m gpu`` deselects every test of the other
+    files, so collecting them only costs their imports (a minute for the whole folder)."""
+    files = [
+        f"{tests.name}/{f.name}"
+        for f in sorted(tests.glob("test_*.py"))
+        if "mark.gpu" in f.read_text(errors="replace")
+    ]
+    return files or [tests.name]
+
+
 def start_pytest(dry_run: bool, work: Path) -> Child:
-    cmd = [sys.executable, *PYTEST, f"--junitxml={work / 'pytest.xml'}", "tests"]
+    cmd = [sys.executable, *PYTEST, f"--junitxml={work / 'pytest.xml'}"]
     if dry_run:
-        cmd.insert(-1, "--co")
-    return Child("pytest", cmd, work)
+        cmd.append("--co")
+    return Child("pytest", [*cmd, *gpu_test_files()], work)
 
 
 def finish_pytest(child: Child, dry_run: bool, work: Path, log: Path) -> dict[str, Any]:

@@ -8,9 +8,11 @@ use it without importing torch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -49,11 +51,29 @@ QUIET_TRAINER: dict[str, Any] = {
 }
 
 
+def _format_bytes() -> Any:
+    """The package's ``format_bytes``: from the imported package, else from its
+    ``core/validate.py`` alone (standard library only), so that a process that imports no torch
+    (the GPU suite's parent) does not import the package, torch and Lightning (~11 CPU-s) for it."""
+    module = sys.modules.get("lightning_efficient.core.validate")
+    if module is None:
+        module = sys.modules.get("_le_validate")
+    if module is None:
+        path = Path(__file__).resolve().parents[1] / "lightning_efficient" / "core" / "validate.py"
+        spec = importlib.util.spec_from_file_location("_le_validate", path)
+        if not path.exists() or spec is None or spec.loader is None:  # the installed package
+            from lightning_efficient.core.validate import format_bytes
+
+            return format_bytes
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["_le_validate"] = module
+    return module.format_bytes
+
+
 def fmt_bytes(n: float | None) -> str:
     """Binary size as the package writes it (``3.00 GiB``); ``-`` for ``None``."""
-    from lightning_efficient.core.validate import format_bytes
-
-    return "-" if n is None else format_bytes(n)
+    return "-" if n is None else _format_bytes()(n)
 
 
 def host_ram_bytes() -> int | None:

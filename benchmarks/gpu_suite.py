@@ -4,12 +4,14 @@
     python benchmarks/gpu_suite.py --dry-run       # the same script on the CPU, tiny shapes
 
 Seven parts, each in its own process with its own time cap (a part that would pass the suite's
-limit is skipped and says so; a failure in one does not stop the others). DeepSpeed's CPU
+limit is skipped and says so; a failure in one does not stop the others; the dry run runs the
+parts of one lane in one process, which imports once). DeepSpeed's CPU
 extensions are built first, in a process of their own that no part's cap counts; the parts that
 measure memory or correctness (1-4) run side by side, each within its own caps, and the parts
 that time something (5-7) run alone afterwards:
 
-1. ``pytest -m gpu``: the GPU-marked tests (dry run: collected only, ``--co``).
+1. ``pytest -m gpu``: the GPU-marked tests, from the files that carry the mark (dry run:
+   collected only, ``--co``).
 2. Estimate vs reality: HF GPT-2 124M and TinyGPT at GPT-2 small shape, sequence 1024, for
    fp32, bf16-mixed, + checkpointing, + adamw8bit: ``estimate_memory``'s peak against
    ``torch.cuda.max_memory_allocated`` of the same two Lightning steps (goal: within 10%).
@@ -364,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         data["parts"].append(entries[part.key])
     chosen = [p for p in PARTS if p.number in selected]
     children: dict[str, Child] = {}
+    every_child: list[Child] = []
     say = threading.Lock()
 
     def grace_of(part: Part, since: float) -> Any:
@@ -396,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"(its cap: {part.cap_s * scale:.0f} s)",
             )
             if part.key in children:
-                children.pop(part.key).kill()
+                child = children.pop(part.key)
+                if not child.shared:  # a shared process goes on to the lane's next part
+                    child.kill()
             return
         timeout = min(entry["cap_s"], left)
         with say:
@@ -427,10 +432,15 @@ def main(argv: list[str] | None = None) -> int:
                 run_one(part)
 
     try:
-        # every part's process starts now and imports while it waits for its turn
-        for part in chosen:
-            if part.key != "pytest":
-                children[part.key] = Child.part(part, work)
+        # every part's process starts now and imports while it waits for its turn; in the dry
+        # run the parts of a lane share one (a GPU run gives each a fresh process and allocator)
+        scripted = [p for p in chosen if p.script]
+        for name in dict.fromkeys(p.lane for p in scripted):
+            group = [p for p in scripted if p.lane == name]
+            shared = Child.shared_by(group, work) if args.dry_run and len(group) > 1 else None
+            for i, part in enumerate(group):
+                children[part.key] = shared[i] if shared else Child.part(part, work)
+        every_child = list(children.values())
         threads = [threading.Thread(target=lane, args=(n,), name=n) for n in PHASE_A]
         for t in threads:
             t.start()
@@ -440,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             build.stop()  # part 4 has ended: nothing needs it any more
         lane(PHASE_B)  # alone: nothing else of the suite runs while these time anything
     finally:
-        for child in children.values():
+        for child in [*children.values(), *every_child]:
             child.kill()
         data["total_s"] = time.time() - started
         if build is not None:

@@ -39,6 +39,7 @@ def part1(suite):
 
 # -- the dry run -------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.deepspeed  # the session's build first: the dry run's build step finds them cached
 def test_dry_run_writes_every_part(tmp_path) -> None:
     before = sorted(p.name for p in (BENCH / "results").glob("gpu_*"))
     # the caps scale with the budget: 4x the default leaves room for a machine whose cores are

@@ -435,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         # every part's process starts now and imports while it waits for its turn; in the dry
         # run the parts of a lane share one (a GPU run gives each a fresh process and allocator)
         scripted = [p for p in chosen if p.script]
-        for name in dict.fromkeys(p.lane for p in scripted):
-            group = [p for p in scripted if p.lane == name]
+        for lane_name in dict.fromkeys(p.lane for p in scripted):
+            group = [p for p in scripted if p.lane == lane_name]
             shared = Child.shared_by(group, work) if args.dry_run and len(group) > 1 else None
             for i, part in enumerate(group):
                 children[part.key] = shared[i] if shared else Child.part(part, work)

@@ -1,4 +1,4 @@
-"""``lightning-efficient ARGS`` run inside the test's process: the command's ``main`` with the
+"""``lightning-efficient ARGS`` run inside the test's process: the command's ``main`` on those
 arguments, its exit code (``SystemExit``'s or the returned one) and what it printed (pytest's
 ``capsys``). A fresh interpreter costs ~11 CPU-s of imports; a test whose subject is not the
 process boundary (the console script, a fresh import, a fresh working folder) runs it here."""
@@ -26,8 +26,9 @@ class Ran(NamedTuple):
 
 
 def run_command(capsys: pytest.CaptureFixture, *args: str, cwd: Path | None = None) -> Ran:
-    """``main(args)`` from ``cwd`` (default: where the test runs; the working folder is put back
-    after; ``sys.argv`` reads as the console script's), with its output captured. An exception other than ``SystemExit`` is raised as is (a
+    """``main()`` with ``sys.argv`` as the console script gives it (``lightning-efficient ARGS``),
+    from ``cwd`` (default: where the test runs), its output captured; the working folder and
+    ``sys.argv`` are put back after. An exception other than ``SystemExit`` is raised as is (a
     traceback, where the command should have ended with a short error, fails the test)."""
     capsys.readouterr()  # what the test printed before is not the command's
     here, argv = os.getcwd(), sys.argv
@@ -36,7 +37,7 @@ def run_command(capsys: pytest.CaptureFixture, *args: str, cwd: Path | None = No
         if cwd is not None:
             os.chdir(cwd)
         try:
-            code = main(list(args))
+            code = main()  # reads sys.argv, as the console script does
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
     finally:

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-__all__ = ["NOTE", "clean", "execute_short", "output_kinds", "main"]
+__all__ = ["NOTE", "RESET", "clean", "execute_short", "output_kinds", "main"]
 
 #: The line the parameters cell shows in a committed notebook.
 NOTE = (
@@ -40,9 +40,25 @@ def _parameters(nb: Any) -> Any:
     return next(c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
 
 
-def execute_short(path: Path, workdir: Path, timeout: int = 900) -> Any:
+#: Run first in a kernel that ran a notebook before: an empty namespace (``%reset -f``), then
+#: the working folder and ``TMPDIR`` (``tempfile.gettempdir()``) of this run; the names it uses
+#: are deleted again, so a notebook that forgets an import still fails.
+RESET = """%reset -f
+import os as _os, tempfile as _tempfile
+_os.chdir({cwd!r})
+_os.environ["TMPDIR"] = {tmp!r}
+_tempfile.tempdir = None
+del _os, _tempfile"""
+
+
+def execute_short(path: Path, workdir: Path, timeout: int = 900, kernel: Any = None) -> Any:
     """``path`` run in its short mode from ``workdir`` (its kernel's working folder and
-    ``TMPDIR``): the executed notebook, cleaned (``clean``), its parameters cell as committed."""
+    ``TMPDIR``): the executed notebook, cleaned (``clean``), its parameters cell as committed.
+
+    ``kernel``: a started ``jupyter_client`` kernel manager to run it in (its namespace emptied
+    first, see :data:`RESET`; the tests share one, as a kernel's imports cost ~11 CPU-s); by
+    default a fresh kernel, started for this notebook and shut down after (what ``main`` writes
+    the committed notebooks with)."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -52,21 +68,30 @@ def execute_short(path: Path, workdir: Path, timeout: int = 900) -> Any:
     params.source = "SHORT = True"
     cwd = workdir / "cwd"
     cwd.mkdir(parents=True, exist_ok=True)
+    if kernel is not None:
+        nb.cells.insert(0, nbformat.v4.new_code_cell(RESET.format(cwd=str(cwd), tmp=str(workdir))))
     old = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(workdir)  # the kernel's tempfile.gettempdir()
+    client = NotebookClient(
+        nb,
+        km=kernel,
+        timeout=timeout,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(cwd)}},
+    )
     try:
-        NotebookClient(
-            nb,
-            timeout=timeout,
-            kernel_name="python3",
-            record_timing=False,
-            resources={"metadata": {"path": str(cwd)}},
-        ).execute()
+        client.execute()
     finally:
         if old is None:
             os.environ.pop("TMPDIR", None)
         else:
             os.environ["TMPDIR"] = old
+        if kernel is not None and client.kc is not None:
+            client.kc.stop_channels()  # the kernel stays up for the next notebook
+    if kernel is not None:
+        reset = nb.cells.pop(0)
+        assert not reset.outputs, reset.outputs  # the reset printed nothing
     params.source = source
     params.outputs = [nbformat.v4.new_output("stream", name="stdout", text=NOTE)]
     return clean(nb, str(workdir))

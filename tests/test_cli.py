@@ -6,21 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from command_runner import run_command
 
 from lightning_efficient import TECHNIQUES
 from lightning_efficient.cli import main
 
 ROOT = Path(__file__).parents[1]
-
-
-def run_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_efficient", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
 
 
 def test_fit_help_lists_package_classes(capsys) -> None:
@@ -42,8 +33,9 @@ def test_fit_help_lists_package_classes(capsys) -> None:
     ],
     ids=["unknown-callback", "negative-max-steps", "wrong-type"],
 )
-def test_bad_configuration_short_error(args, needle) -> None:
-    proc = run_cli("fit", "--trainer.accelerator=cpu", *args)
+def test_bad_configuration_short_error(args, needle, capsys) -> None:
+    """In the test's process (``main``, as the console script calls it)."""
+    proc = run_command(capsys, "fit", "--trainer.accelerator=cpu", *args, cwd=ROOT)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     error = proc.stderr[proc.stderr.index("error:") :]

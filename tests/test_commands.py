@@ -20,14 +20,18 @@ DEMO = Path(__file__).parents[1] / "configs" / "demo_plain.yaml"
 
 def test_estimate_command_on_demo_config(capsys) -> None:
     assert "estimate" in EXTRA_COMMANDS
-    assert main(["estimate", "--config", str(DEMO), "--batch-size", "2", "--markdown"]) == 0
+    # one block (a config override, as a user gives one): the command's estimate is the subject
+    one_block = "--model.init_args.n_layer=1"
+    assert (
+        main(["estimate", "--config", str(DEMO), "--batch-size", "2", "--markdown", one_block]) == 0
+    )
     out = capsys.readouterr().out
     assert "TinyGPT, batch 2x128, 32-true, configured optimizer" in out
     peak = re.search(r"\*\*peak \((\w+)\)\*\* \| \*\*([0-9.]+ \w+)\*\*", out)
     assert peak, out
     # the same estimate made directly from the config's model arguments
     cfg = yaml.safe_load(DEMO.read_text())
-    model = TinyGPT(**cfg["model"]["init_args"])
+    model = TinyGPT(**{**cfg["model"]["init_args"], "n_layer": 1})
     x = torch.zeros(2, 128, dtype=torch.long)
     est = estimate_memory(model, (x, x))
     assert peak.group(2) == format_bytes(est.peak_bytes) and peak.group(1) == est.peak_phase
@@ -48,6 +52,7 @@ def test_estimate_command_precision_and_rich_table(capsys) -> None:
                 "bf16-true",
                 "--steps",
                 "1",
+                "--model.init_args.n_layer=1",
             ]
         )
         == 0

@@ -1,12 +1,14 @@
-"""The tutorials: every notebook runs from a clean kernel in its short mode (the cell tagged
-``parameters`` gets ``SHORT = True``; a failing cell, including the notebook's own asserts of the
-effect it shows, fails the test), from a working folder that is not the repository's (a notebook
-finds the repository's files from the package's location, not from where it is started), leaves
-no file in the repository or in the temporary folder, and draws at least one chart, which its
-full mode saves as a PNG. The committed notebooks hold the outputs of that short run
-(``python benchmarks/make_notebooks.py`` writes them): every chart cell an image, small PNGs, no
-stderr or widget state, and the same outputs, cell by cell, as a run of the current code gives.
-Without the `notebooks` extra the file is skipped, with the reason."""
+"""The tutorials: every notebook runs in its short mode (the cell tagged ``parameters`` gets
+``SHORT = True``; a failing cell, including the notebook's own asserts of the effect it shows,
+fails the test) from an empty kernel namespace (one kernel serves the module's short runs, emptied
+with ``%reset -f`` before each, as a kernel's imports cost ~11 CPU-s; ``make_notebooks.py`` writes
+the committed outputs from a fresh kernel per notebook), from a working folder that is not the
+repository's (a notebook finds the repository's files from the package's location, not from where
+it is started), leaves no file in the repository or in the temporary folder, and draws at least
+one chart, which its full mode saves as a PNG. The committed notebooks hold the outputs of that
+short run (``python benchmarks/make_notebooks.py`` writes them): every chart cell an image, small
+PNGs, no stderr or widget state, and the same outputs, cell by cell, as a run of the current code
+gives. Without the `notebooks` extra the file is skipped, with the reason."""
 
 import ast
 import base64
@@ -143,17 +145,38 @@ def test_full_mode_saves_png(path: Path, tmp_path: Path) -> None:
     assert len(shown) == 2 and all(png[:4] == b"\x89PNG" for png in shown)  # inline both times
 
 
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory):
+    """One Jupyter kernel for the short runs of this module (of each pytest worker): a kernel's
+    imports (torch, Lightning) cost ~11 CPU-s; each notebook runs after ``%reset -f``, from its own
+    working folder and ``TMPDIR`` (``make_notebooks.RESET``). A kernel a notebook killed is
+    started again."""
+    from jupyter_client.manager import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=str(tmp_path_factory.mktemp("kernel")))
+
+    class Shared:
+        def get(self) -> KernelManager:
+            if not manager.is_alive():
+                manager.restart_kernel(now=True)
+            return manager
+
+    yield Shared()
+    manager.shutdown_kernel(now=True)
+
+
 @pytest.mark.parametrize(
     "path",
     [pytest.param(p, marks=[pytest.mark.slow] if p.stem in SLOW else []) for p in NOTEBOOKS],
     ids=[p.stem for p in NOTEBOOKS],
 )
-def test_notebook_runs_short(path: Path, tmp_path: Path) -> None:
+def test_notebook_runs_short(path: Path, tmp_path: Path, kernel) -> None:
     """The short run passes, writes nothing, and gives the committed notebook's outputs: the same
     kinds (text, image) in every cell (timings and tiny models' figures vary between machines)."""
     make_notebooks = _make_notebooks()
     before = _files(ROOT)
-    ran = make_notebooks.execute_short(path, tmp_path, timeout=600)
+    ran = make_notebooks.execute_short(path, tmp_path, timeout=600, kernel=kernel.get())
     new = sorted(map(str, _files(ROOT) - before))
     assert not new, f"the notebook wrote files into the repository: {new}"
     assert not [p for p in tmp_path.rglob("*") if p.is_file()], "files left in the temporary folder"

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from command_runner import run_command
 from helpers import fit, tiny_data, tiny_model
 
 from lightning_efficient import (
@@ -91,20 +90,12 @@ def test_the_reason_of_a_bad_callback_argument_comes_first() -> None:
     assert reason_first("plain message") == "plain message"
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_efficient", *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=cwd,
-    )
-
-
-def test_fit_without_a_logger_writes_no_config_in_the_working_folder(tmp_path) -> None:
+def test_fit_without_a_logger_writes_no_config_in_the_working_folder(tmp_path, capsys) -> None:
+    """The command in the test's process (``main``), from ``tmp_path`` as its working folder."""
     mine = tmp_path / "config.yaml"
     mine.write_text("# my own notes\ntrainer: {max_steps: 1}\n")
-    proc = _cli(
+    proc = run_command(
+        capsys,
         "fit",
         "--config",
         str(mine),
@@ -124,8 +115,9 @@ def test_fit_without_a_logger_writes_no_config_in_the_working_folder(tmp_path) -
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".yaml") == ["config.yaml"]
 
 
-def test_fit_with_a_budget_that_cannot_be_met_ends_with_a_short_error(tmp_path) -> None:
-    proc = _cli(
+def test_fit_with_a_budget_that_cannot_be_met_ends_with_a_short_error(tmp_path, capsys) -> None:
+    proc = run_command(
+        capsys,
         "fit",
         "--trainer.accelerator=cpu",
         "--trainer.max_steps=1",

@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, interleaved_data, subprocess_timeout, tiny_model
+from helpers import fit, interleaved_data, once_per_session, subprocess_timeout, tiny_model
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_efficient.core import compat
@@ -57,9 +57,8 @@ PARTS = {"fsdp_run": "fit", "fsdp_checks": "checks", "fsdp_cases": "cases"}
 @pytest.fixture(scope="module")
 def fsdp_launch(request, tmp_path_factory) -> dict:
     """ONE 2-process launch (``_fsdp_launch.py``) running the parts that this session's selected
-    tests of this file need, one after the other: the imports and the process group paid once."""
-    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
-
+    tests of this file need, one after the other: the imports and the process group paid once
+    (once per session: under pytest-xdist too)."""
     wanted = {
         PARTS[name]
         for item in request.session.items
@@ -68,7 +67,12 @@ def fsdp_launch(request, tmp_path_factory) -> dict:
         if name in PARTS
     }
     parts = [part for part in PARTS.values() if part in wanted]
-    out = tmp_path_factory.mktemp("fsdp")
+    return once_per_session(tmp_path_factory, "fsdp", lambda out: _launch(parts, out))
+
+
+def _launch(parts: list[str], out: Path) -> dict:
+    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+
     # a 1-process FSDP fit in this process leaves no launcher variables (tested below), but a
     # child must start clean whatever ran before; unbuffered: each part's output between its lines
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
@@ -98,7 +102,7 @@ def fsdp_launch(request, tmp_path_factory) -> dict:
         if (out / f"{w}.txt").exists()
     }
     return {
-        "out": out,
+        "out": str(out),
         "returncode": proc.returncode,
         "stdout": stdout,
         "stderr": stderr,
@@ -116,7 +120,7 @@ def _part(launch: dict, part: str) -> Path:
             f"part {part!r} of the 2-process launch has no result: it stopped in part {stopped!r} "
             f"(exit code {code}):\n{launch['stderr'][-4000:]}"
         )
-    return launch["out"]
+    return Path(launch["out"])
 
 
 def _stdout_of(launch: dict, part: str) -> str:

@@ -157,3 +157,25 @@ def interleaved_data(batch_size: int, **overrides: Any) -> Any:
 
     data.train_dataloader = train_dataloader
     return data
+
+
+def once_per_session(tmp_path_factory: Any, name: str, produce: Any) -> dict:
+    """``produce(folder)`` (a JSON-able dict; files in ``folder``) once per test session: under
+    pytest-xdist, the first worker to ask runs it and the others wait for it and reuse its result
+    (a module fixture alone runs once per worker that got one of the module's tests: a 2-process
+    launch twice). Without xdist, simply ``produce`` in a fresh folder."""
+    import json
+    import os
+    from pathlib import Path
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return produce(tmp_path_factory.mktemp(name))
+    from filelock import FileLock  # a dependency of torch
+
+    shared = Path(tmp_path_factory.getbasetemp()).parent  # this session's, common to workers
+    folder, result = shared / name, shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not result.exists():
+            folder.mkdir()
+            result.write_text(json.dumps(produce(folder)))
+    return json.loads(result.read_text())

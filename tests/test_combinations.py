@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import subprocess_timeout
+from helpers import once_per_session, subprocess_timeout
 
 HERE = Path(__file__).parent
 STRATEGIES = ("ddp", "fsdp")
@@ -20,7 +20,14 @@ STRATEGIES = ("ddp", "fsdp")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("combinations")
+    """One 2-process launch for both strategies, once per session (under pytest-xdist too: both
+    parametrized tests would otherwise each start one on their worker)."""
+    result = once_per_session(tmp_path_factory, "combinations", _launch)
+    assert result["returncode"] == 0, result["stderr"]
+    return result["ranks"]
+
+
+def _launch(out: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, str(HERE / "_combinations.py"), ",".join(STRATEGIES), str(out)],
         cwd=out,
@@ -28,8 +35,10 @@ def ranks(tmp_path_factory) -> list[dict]:
         text=True,
         timeout=subprocess_timeout(900),
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    if proc.returncode != 0:
+        return {"returncode": proc.returncode, "stderr": proc.stderr[-4000:]}
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {"returncode": 0, "stderr": "", "ranks": ranks}
 
 
 @pytest.mark.slow

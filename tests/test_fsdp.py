@@ -1,15 +1,18 @@
 """FullyShardedStrategy: FSDP2 on an unmodified module, for real with 2 CPU processes (gloo).
 
-One 2-process fit (module fixture, ``_fsdp_fit.py``) with activation checkpointing and
-MemoryBreakdown, each rank reading half of the plain run's batch; the plain 1-process run and a
-plain resume from its checkpoint run here. The contract suite (test_contract.py) runs the
-strategy's own case on 1 process and under 2 processes.
+One 2-process launch (module fixture, ``_fsdp_launch.py``) runs every 2-process check of this
+file one after the other: a fit with activation checkpointing and MemoryBreakdown, each rank
+reading half of the plain run's batch (``_fsdp_fit.py``), the strategy's options and the
+rank-dependent techniques (``_fsdp_checks.py``), every contract case (``_fsdp_case.py``). The
+plain 1-process run and a plain resume from its checkpoint run here. The contract suite
+(test_contract.py) runs the strategy's own case on 1 process and under 2 processes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, interleaved_data, subprocess_timeout, tiny_model
+from helpers import fit, interleaved_data, once_per_session, subprocess_timeout, tiny_model
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_efficient.core import compat
@@ -47,19 +50,88 @@ RUN = {
 }
 
 
+# the fixtures each test asks for, and the part of the launch that gives it
+PARTS = {"fsdp_run": "fit", "fsdp_checks": "checks", "fsdp_cases": "cases"}
+
+
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fsdp")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_fsdp_fit.py"), json.dumps(RUN), str(out)],
+def fsdp_launch(request, tmp_path_factory) -> dict:
+    """ONE 2-process launch (``_fsdp_launch.py``) running the parts that this session's selected
+    tests of this file need, one after the other: the imports and the process group paid once
+    (once per session: under pytest-xdist too)."""
+    wanted = {
+        PARTS[name]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in getattr(item, "fixturenames", ())
+        if name in PARTS
+    }
+    parts = [part for part in PARTS.values() if part in wanted]
+    return once_per_session(tmp_path_factory, "fsdp", lambda out: _launch(parts, out))
+
+
+def _launch(parts: list[str], out: Path) -> dict:
+    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+
+    # a 1-process FSDP fit in this process leaves no launcher variables (tested below), but a
+    # child must start clean whatever ran before; unbuffered: each part's output between its lines
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_fsdp_launch.py"), ",".join(parts), json.dumps(RUN), str(out)],
         cwd=out,
-        capture_output=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=subprocess_timeout(600),
+        start_new_session=True,  # rank 1 is rank 0's child: one signal ends both
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=subprocess_timeout(600 + 300 * len(parts)))
+    except subprocess.TimeoutExpired:
+        stdout, stderr = "", "timed out"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    lines = {
+        w: (out / f"{w}.txt").read_text().split()
+        for w in ("started", "ended")
+        if (out / f"{w}.txt").exists()
+    }
+    return {
+        "out": str(out),
+        "returncode": proc.returncode,
+        "stdout": stdout,
+        "stderr": stderr,
+        "started": lines.get("started", []),
+        "ended": lines.get("ended", []),
+    }
+
+
+def _part(launch: dict, part: str) -> Path:
+    """The folder of ``part``'s results; fails naming the part the launch stopped in."""
+    code = launch["returncode"]
+    if part not in launch["ended"] or (code != 0 and launch["started"][-1:] == [part]):
+        stopped = launch["started"][-1] if launch["started"] else "(none: before the first part)"
+        pytest.fail(
+            f"part {part!r} of the 2-process launch has no result: it stopped in part {stopped!r} "
+            f"(exit code {code}):\n{launch['stderr'][-4000:]}"
+        )
+    return Path(launch["out"])
+
+
+def _stdout_of(launch: dict, part: str) -> str:
+    return launch["stdout"].split(f"== started {part}\n", 1)[1].split(f"== ended {part}\n", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(fsdp_launch) -> dict:
+    out = _part(fsdp_launch, "fit") / "fit"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return {"ranks": ranks, "ckpt": out / "fsdp.ckpt", "stdout": proc.stdout}
+    return {"ranks": ranks, "ckpt": out / "fsdp.ckpt", "stdout": _stdout_of(fsdp_launch, "fit")}
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +395,8 @@ def test_demo_yaml_on_two_nodes_then_resumed_on_one(tmp_path) -> None:
         "--model.init_args.n_head=2",
         "--data.init_args.batch_size=4",
         "--data.init_args.max_train_samples=64",
+        "--model.init_args.seq_len=32",
+        "--data.init_args.seq_len=32",
     ]
     config = str(HERE.parent / "configs" / "demo.yaml")
     cmd = [sys.executable, "-m", "lightning_efficient", "fit", "--config", config, *small]
@@ -346,34 +420,40 @@ def test_demo_yaml_on_two_nodes_then_resumed_on_one(tmp_path) -> None:
     assert stdout.count("lightning-efficient report") == 1  # printed once, by global rank zero
     ckpt = tmp_path / "run" / "checkpoints" / "epoch=0-step=3.ckpt"
     assert ckpt.exists()
-    # the checkpoint saved on two nodes resumes on one process
-    single = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "LOCAL_RANK")}
-    resumed = subprocess.run(
-        [*cmd, "--trainer.max_steps=5", "--ckpt_path", str(ckpt)],
-        env=single,
-        capture_output=True,
-        text=True,
-        timeout=subprocess_timeout(600),
-    )
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "Restored all states" in resumed.stderr + resumed.stdout
+    # the checkpoint saved on two nodes resumes on one process: here, in this process (a fresh
+    # Python costs ~11 CPU-s of imports); Lightning's logger does not propagate to the root's
+    import logging
+
+    from lightning_efficient.commands import main
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(handler)
+    try:
+        code = main(
+            ["fit", "--config", config, *small, "--trainer.max_steps=5", "--ckpt_path", str(ckpt)]
+        )
+    finally:
+        lightning_logger.removeHandler(handler)
+    assert code == 0
+    assert any("Restored all states" in line for line in logged), logged
     assert (tmp_path / "run" / "checkpoints" / "epoch=0-step=5.ckpt").exists()
 
 
 # -- the strategy's options and the techniques that change behaviour with ranks: one 2-process run
 @pytest.fixture(scope="module")
-def fsdp_checks(tmp_path_factory) -> list[dict]:
-    """tests/_fsdp_checks.py: five fits one after the other in the same 2 processes."""
-    out = tmp_path_factory.mktemp("fsdp_checks")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_fsdp_checks.py"), str(out)],
-        cwd=out,
-        capture_output=True,
-        text=True,
-        timeout=subprocess_timeout(900),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def fsdp_checks(fsdp_launch) -> list[dict]:
+    """tests/_fsdp_checks.py: five fits one after the other (part "checks" of the launch)."""
+    out = _part(fsdp_launch, "checks") / "checks"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_cases(fsdp_launch) -> dict:
+    """tests/_fsdp_case.py: every contract case (part "cases" of the launch), by case id."""
+    return json.loads((_part(fsdp_launch, "cases") / "cases.json").read_text())
 
 
 @pytest.mark.slow
@@ -437,26 +517,13 @@ def test_batch_size_keeps_the_effective_batch_across_ranks_under_fsdp(fsdp_check
 
 
 @pytest.mark.slow
-def test_every_contract_case_trains_under_fsdp(tmp_path) -> None:
+def test_every_contract_case_trains_under_fsdp(fsdp_cases) -> None:
     """Each technique (but the strategies and the refused ones: 8-bit optimizers, OOMRecovery) fits 3 steps under
     FullyShardedStrategy with 2 processes, and those that report add their row."""
     from _fsdp_case import runs_under_fsdp
     from test_contract import ALL
 
-    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
-
-    out = tmp_path / "cases.json"
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_fsdp_case.py"), str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=subprocess_timeout(900),
-    )
-    ran = json.loads(out.read_text()) if out.exists() else {}
-    assert proc.returncode == 0, f"ran {sorted(ran)}; {proc.stderr[-4000:]}"
+    ran = fsdp_cases
     expected = [c for c in ALL if runs_under_fsdp(c)]
     assert sorted(ran) == sorted(c.id for c in expected) and len(expected) >= 15
     for case in expected:

@@ -1,5 +1,6 @@
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,32 @@ def _no_launcher_variables_leak():
     restore_environ(before)
 
 
+class _Tee:
+    """A text stream that writes through to ``stream`` and keeps what was written."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.text = stream, []
+
+    def write(self, text: str) -> int:
+        self.text.append(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@dataclass
+class ExtensionsReady:
+    """What the session's :func:`ensure_extensions` call did (one ``Extension`` per name) and
+    the lines it announced (on a clean machine: the build, which a test can observe in place of
+    paying a second one)."""
+
+    extensions: list
+    announced: list[str]
+
+
 @pytest.fixture(scope="session")
-def deepspeed_extensions():
+def deepspeed_extensions() -> ExtensionsReady:
     """DeepSpeed's CPU extensions, built once per session before a test needs them and outside
     any timed part (a fresh machine compiles them for minutes), by the function that
     `lightning-efficient prepare` runs; in the folder the tests will use ($TORCH_EXTENSIONS_DIR
@@ -55,7 +80,9 @@ def deepspeed_extensions():
     pytest.importorskip("deepspeed")
     from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
 
-    return ensure_extensions()
+    out = _Tee(sys.stderr)
+    extensions = ensure_extensions(out=out)
+    return ExtensionsReady(extensions, "".join(out.text).splitlines())
 
 
 @pytest.fixture(autouse=True)

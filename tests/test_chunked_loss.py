@@ -484,6 +484,9 @@ def test_under_fsdp_the_loss_comes_from_chunks_and_equals_the_plain_run(tmp_path
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5)
 
 
+# the fit's strategy loads DeepSpeed's shm_comm: built by the session's fixture first (on a clean
+# machine the one announced build, which test_zero_offload.py's build test observes)
+@pytest.mark.deepspeed
 def test_zero_stage_3_is_refused_stage_2_is_not(tmp_path) -> None:
     """ZeRO-3 holds a module's parameters only during its call; the loss uses the projection's
     weight after it (a real ZeRO-3 run fell back every step and its losses parted from the plain

@@ -813,31 +813,49 @@ def test_prepare_removes_a_stale_lock_and_reuses_the_build(tmp_path, deepspeed_e
 
 
 @pytest.mark.slow
-def test_build_is_announced_once_per_process_with_folder_and_time(tmp_path) -> None:
+def test_build_is_announced_once_per_process_with_folder_and_time(
+    deepspeed_extensions, tmp_path, capsys
+) -> None:
+    """A build says once that it builds (what, one time, where) and then how long it took; a
+    second call in the same process loads the cache silently. Where this process built shm_comm
+    for the session (a clean machine, as CI's), that build is the one observed; where the cache
+    was already warm, a fresh process builds it in a fresh folder."""
     import subprocess
     import sys
 
     from helpers import subprocess_timeout
 
-    code = (
-        "from lightning_efficient.techniques.zero_offload import ensure_extensions\n"
-        "first = ensure_extensions(['shm_comm'])\n"
-        "second = ensure_extensions(['shm_comm'])\n"
-        "print(first[0].status, second[0].status)\n"
-    )
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=subprocess_timeout(1200),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-2:] == ["built", "cached"]
-    folder = tmp_path / "deepspeed_shm_comm"
-    announced = [ln for ln in proc.stderr.splitlines() if ln.startswith("lightning-efficient:")]
-    assert len(announced) == 2, proc.stderr[-3000:]
+    from lightning_efficient.techniques.zero_offload import ensure_extensions
+
+    session = {e.name: e for e in deepspeed_extensions.extensions}.get("shm_comm")
+    if session is not None and session.status == "built":
+        folder = session.folder
+        announced = [ln for ln in deepspeed_extensions.announced if "shm_comm" in ln]
+        capsys.readouterr()
+        statuses = [session.status, ensure_extensions(["shm_comm"])[0].status]
+        stderr = capsys.readouterr().err
+        announced += [ln for ln in stderr.splitlines() if ln.startswith("lightning-efficient:")]
+    else:
+        code = (
+            "from lightning_efficient.techniques.zero_offload import ensure_extensions\n"
+            "first = ensure_extensions(['shm_comm'])\n"
+            "second = ensure_extensions(['shm_comm'])\n"
+            "print(first[0].status, second[0].status)\n"
+        )
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=subprocess_timeout(1200),
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        folder, stderr = tmp_path / "deepspeed_shm_comm", proc.stderr
+        statuses = proc.stdout.split()[-2:]
+        announced = [ln for ln in stderr.splitlines() if ln.startswith("lightning-efficient:")]
+    assert statuses == ["built", "cached"]
+    assert len(announced) == 2, stderr[-3000:]
     assert "building" in announced[0] and "one time" in announced[0] and str(folder) in announced[0]
     assert announced[1].startswith("lightning-efficient: built shm_comm in ")
     assert (folder / "deepspeed_shm_comm.so").exists()

@@ -4,6 +4,7 @@ out-of-memory in the trial steps, bad arguments, the yaml it prints, and ``fit -
 from __future__ import annotations
 
 import functools
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -150,18 +151,59 @@ def _by_hand(name: str, decision: Any, tmp_path: Any) -> list[float]:
     return rec.losses
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def decoder_fit(tmp_path_factory) -> SimpleNamespace:
+    """One AutoEfficient fit of the decoder (its decision: ~10 fake-tensor estimates and trial
+    steps), shared by the tests asserting different things about it: within the budget and not
+    wasteful, the yaml and report it prints, and the checkpoint a resume starts from (saved after
+    step 1, once the measured step is over)."""
+    tmp = tmp_path_factory.mktemp("decoder")
+    budget = int(_plain_estimate("decoder", E // 2) * 1.01)
+    model, data = family("decoder", batch_size=E)
+    auto = AutoEfficient(budget=budget)
+    memory = MemoryBreakdown(sample_steps=[1], print_table=False)
+    ckpt = tmp / "k.ckpt"
+    records, root = _Records(), logging.getLogger()
+    level = root.level
+    root.addHandler(records)
+    root.setLevel(logging.INFO)
+    try:
+        trainer, _, rec = fit(tmp / "auto", [auto, memory, SaveAt(1, ckpt)], model=model,
+                              data=data, max_steps=2, limit_val_batches=0)  # fmt: skip
+    finally:
+        root.removeHandler(records)
+        root.setLevel(level)
+    return SimpleNamespace(
+        budget=budget, auto=auto, memory=memory, trainer=trainer, rec=rec, ckpt=ckpt,
+        messages=records.messages,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[] if n == "decoder" else [pytest.mark.slow]) for n in FAMILIES]
 )
-def test_family_within_budget_and_not_wasteful(name: str, tmp_path) -> None:
+def test_family_within_budget_and_not_wasteful(name: str, tmp_path, request) -> None:
     # the budget: what the plain stack needs at half the effective batch (with accumulation), so
     # it fits 8 x 2 and not 16; goal "speed" takes a stack that reaches 16 where one does
-    budget = int(_plain_estimate(name, E // 2) * 1.01)
-    model, data = family(name, batch_size=E)
-    auto = AutoEfficient(budget=budget)
-    memory = MemoryBreakdown(sample_steps=[1], print_table=False)
-    _, _, rec = fit(tmp_path / "auto", [auto, memory], model=model, data=data, max_steps=2,
-                    limit_val_batches=0)  # fmt: skip
+    if name == "decoder":  # the decoder's fit is shared with the yaml and resume tests
+        shared = request.getfixturevalue("decoder_fit")
+        budget, auto, memory, rec = shared.budget, shared.auto, shared.memory, shared.rec
+    else:
+        budget = int(_plain_estimate(name, E // 2) * 1.01)
+        model, data = family(name, batch_size=E)
+        auto = AutoEfficient(budget=budget)
+        memory = MemoryBreakdown(sample_steps=[1], print_table=False)
+        _, _, rec = fit(tmp_path / "auto", [auto, memory], model=model, data=data, max_steps=2,
+                        limit_val_batches=0)  # fmt: skip
     d = auto.decision
     assert d.micro * d.accumulation == E and E % d.micro == 0
     assert d.micro >= E // 2, d.tried  # at least what the plain stack reaches
@@ -200,15 +242,11 @@ def _simple(obj: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(obj).items() if isinstance(v, plain)}
 
 
-def test_yaml_reproduces_the_decision(tmp_path, caplog) -> None:
+def test_yaml_reproduces_the_decision(tmp_path, decoder_fit) -> None:
     from lightning_efficient.cli import EfficientCLI
 
-    budget = int(_plain_estimate("decoder", E // 2) * 1.01)
-    auto = AutoEfficient(budget=budget)
-    with caplog.at_level("INFO"):
-        trainer, _, rec = _decoder_fit(tmp_path / "auto", auto, max_steps=2)
-    d = auto.decision
-    printed = [r.getMessage() for r in caplog.records if "reproduces this" in r.getMessage()]
+    budget, trainer, d = decoder_fit.budget, decoder_fit.trainer, decoder_fit.auto.decision
+    printed = [m for m in decoder_fit.messages if "reproduces this" in m]
     assert len(printed) == 1
     text = printed[0].split("(add to your config):\n", 1)[1]
     assert yaml.safe_load(text) == yaml.safe_load(d.to_yaml("data"))
@@ -238,14 +276,9 @@ def test_yaml_reproduces_the_decision(tmp_path, caplog) -> None:
         assert _simple(match[0]) == _simple(part.build())
 
 
-def test_resume_makes_the_same_choice(tmp_path, monkeypatch) -> None:
-    budget = int(_plain_estimate("decoder", E // 2) * 1.01)
-    first = AutoEfficient(budget=budget)
-    ckpt = tmp_path / "k.ckpt"
-    model, data = family("decoder", batch_size=E)
-    fit(tmp_path / "a", [first, SaveAt(1, ckpt)], model=model, data=data, max_steps=2,
-        limit_val_batches=0)  # fmt: skip
-    chosen = first.decision
+def test_resume_makes_the_same_choice(tmp_path, monkeypatch, decoder_fit) -> None:
+    budget, ckpt, chosen = decoder_fit.budget, decoder_fit.ckpt, decoder_fit.auto.decision
+    assert ckpt.exists()
 
     # a resume does not decide again (it would choose differently: a much larger budget)
     def no_decision(*args: Any, **kwargs: Any) -> Any:
@@ -319,7 +352,9 @@ def test_undone_when_fit_raises(tmp_path) -> None:
 
     kinds = [type(m) for m in model.modules()]
     keys = list(model.state_dict())
-    auto = AutoEfficient(budget=budget)
+    # no trial steps (they undo their own changes, test_trial_oom_steps_one_size_down): the
+    # decision alone applies the stack the fit must undo
+    auto = AutoEfficient(budget=budget, trial=False)
     with pytest.raises(RuntimeError, match="boom"):
         fit(tmp_path, [auto, Boom()], model=model, data=data, max_steps=2)
     assert auto.decision is not None  # it decided and applied a stack before the fit raised

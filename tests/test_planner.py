@@ -21,15 +21,32 @@ def workload():
     return model, (x, x)
 
 
-def test_picks_first_rung_that_fits(workload) -> None:
+# each search below is run once and shared by the tests asserting different things about it
+@pytest.fixture(scope="module")
+def plain_cuda(workload):
+    """The default ladder at 1 TiB, estimated for a CUDA device: the first rung fits."""
+    return plan_stack(*workload, "1TiB")
+
+
+@pytest.fixture(scope="module")
+def plain_cpu(workload):
+    return plan_stack(*workload, "1TiB", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def nothing_fits(workload):
+    """1 KiB: no rung fits, so every rung of the ladder is estimated (as ``try_all`` would)."""
+    return plan_stack(*workload, 1024)
+
+
+def test_picks_first_rung_that_fits(workload, plain_cuda, nothing_fits) -> None:
     model, batch = workload
-    plain = plan_stack(model, batch, "1TiB")
+    plain = plain_cuda
     assert plain.chosen is plain.tried[0][0] and len(plain.tried) == 1  # stops at the first fit
-    full = plan_stack(model, batch, "1TiB", try_all=True)
-    peaks = [est.peak_bytes for _, est, _ in full.tried if est is not None]
-    assert len(full.tried) >= 4 and len(peaks) >= 3
+    peaks = [est.peak_bytes for _, est, _ in nothing_fits.tried if est is not None]
+    assert len(nothing_fits.tried) >= 4 and len(peaks) >= 3
     # a budget just under the plain peak: the plan is a later rung, and it really fits
-    budget = full.tried[0][1].peak_bytes - 1
+    budget = plain.tried[0][1].peak_bytes - 1
     result = plan_stack(model, batch, budget)
     assert result.chosen is not None and result.chosen is not result.tried[0][0]
     chosen_est = next(est for rung, est, _ in result.tried if rung is result.chosen)
@@ -38,9 +55,8 @@ def test_picks_first_rung_that_fits(workload) -> None:
         assert est is None or est.peak_bytes > budget, rung.name
 
 
-def test_nothing_fits_says_so(workload) -> None:
-    model, batch = workload
-    result = plan_stack(model, batch, 1024)
+def test_nothing_fits_says_so(nothing_fits) -> None:
+    result = nothing_fits
     assert result.chosen is None and result.to_yaml() == ""
     assert all(est is None or est.peak_bytes > 1024 for _, est, _ in result.tried)
 
@@ -102,11 +118,11 @@ def test_plan_command(tmp_path) -> None:
     assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr
 
 
-def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload) -> None:
+def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload, plain_cpu) -> None:
     from lightning_efficient.measure.trials.trial import TrialResult
 
     model, batch = workload
-    estimated = plan_stack(model, batch, "1TiB", device="cpu")
+    estimated = plain_cpu
     # real steps on this CPU, within the budget: the estimate's pick is confirmed
     real = plan_stack(model, batch, "1TiB", device="cpu", confirm=True)
     assert real.chosen is real.tried[0][0] and real.chosen.name == estimated.chosen.name
@@ -132,16 +148,15 @@ def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload) ->
     )
 
 
-def test_fragmentation_advice_names_expandable_segments(workload) -> None:
-    model, batch = workload
-    cuda = plan_stack(model, batch, "1TiB", device="cuda")
+def test_fragmentation_advice_names_expandable_segments(plain_cuda, plain_cpu) -> None:
+    cuda = plain_cuda  # device="cuda", plan_stack's default
     est = cuda.estimate_of(cuda.chosen)
     gap = est.reserved_bytes / est.peak_bytes - 1
     assert gap > 0  # the allocator's segments round up and cache
     advice = cuda.fragmentation_advice(threshold=gap / 2)
     assert "expandable_segments:True" in advice and "not measured" in advice
     assert cuda.fragmentation_advice(threshold=gap * 2) == ""
-    assert plan_stack(model, batch, "1TiB", device="cpu").fragmentation_advice(0.0) == ""
+    assert plain_cpu.fragmentation_advice(0.0) == ""
 
 
 @pytest.mark.parametrize("world_size", [1, 8])

@@ -39,7 +39,8 @@ def run_command(capsys: pytest.CaptureFixture, *args: str, cwd: Path | None = No
         try:
             code = main()  # reads sys.argv, as the console script does
         except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 1
+            # sys.exit() and sys.exit(None) end with 0; a message (a string) with 1
+            code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
     finally:
         os.chdir(here)
         sys.argv = argv

@@ -159,6 +159,45 @@ def interleaved_data(batch_size: int, **overrides: Any) -> Any:
     return data
 
 
+def launch(
+    cmd: list[str], cwd: Any, timeout: float, env: dict[str, str] | None = None, stdout: bool = True
+) -> tuple[str, str, int | None]:
+    """A two-process launch: ``cmd`` (a script that starts its own rank 1) from a clean launcher
+    environment (a 1-process fit in this process under a launching strategy leaves Lightning's
+    LOCAL_RANK and MASTER_PORT; the child would think it was launched) plus ``env``, in a session
+    of its own. Returns its stdout (``""`` unless ``stdout``), stderr and exit code (None: it ran
+    past ``subprocess_timeout(timeout)``); both ranks' processes are killed at the end (rank 1 is
+    rank 0's child: one signal ends both)."""
+    import os
+    import signal
+    import subprocess
+
+    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
+
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**clean, **(env or {})},
+        stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=subprocess_timeout(timeout))
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, err, code = "", f"timed out running {cmd[1:]}", None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return out or "", err or "", code
+
+
 def once_per_session(tmp_path_factory: Any, name: str, produce: Any) -> dict:
     """``produce(folder)`` (a JSON-able dict; files in ``folder``) once per test session: under
     pytest-xdist, the first worker to ask runs it and the others wait for it and reuse its result

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from given import Snapshot
-from helpers import SaveAt, fit, params_of, subprocess_timeout, tiny_data, tiny_model
+from helpers import SaveAt, fit, launch, params_of, tiny_data, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -27,7 +26,6 @@ from lightning.pytorch.callbacks import EarlyStopping
 
 from lightning_efficient.cli import EfficientCLI
 from lightning_efficient.core.change import changes_for
-from lightning_efficient.core.environ import LAUNCHER_VARIABLES
 from lightning_efficient.core.report import report_for
 
 HERE = Path(__file__).parent
@@ -877,39 +875,11 @@ def _launch_ddp(case_ids: list[str], tmp_path: Path) -> tuple[list[dict], str, i
     """One 2-process launch of ``tests/_ddp_fit.py`` running ``case_ids`` in order: the JSON
     lines rank zero wrote, the launch's stderr and exit code (None: timed out; both ranks'
     processes are killed at the end)."""
-    import os
-
     out = tmp_path / f"ddp-{len(list(tmp_path.glob('ddp-*')))}.jsonl"
-    # a 1-process fit in this process under a launching strategy (FullyShardedStrategy) leaves
-    # Lightning's launcher variables in os.environ (LOCAL_RANK: the child would think it was
-    # launched and wait for a rank 1; MASTER_PORT: maybe still taken): the child starts clean
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    timed_out = False
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_ddp_fit.py"), ",".join(case_ids), str(out)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # rank 1 is rank 0's child: one signal ends both
-    )
-    try:
-        _, stderr = proc.communicate(timeout=subprocess_timeout(300 + 60 * len(case_ids)))
-    except subprocess.TimeoutExpired:
-        stderr, timed_out = f"timed out running {case_ids}", True
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    cmd = [sys.executable, str(HERE / "_ddp_fit.py"), ",".join(case_ids), str(out)]
+    _, stderr, code = launch(cmd, tmp_path, 300 + 60 * len(case_ids), stdout=False)
     lines = out.read_text().splitlines() if out.exists() else []
-    return (
-        [json.loads(line) for line in lines],
-        stderr or "",
-        None if timed_out else proc.returncode,
-    )
+    return [json.loads(line) for line in lines], stderr, code
 
 
 def _ddp_outcomes(cases: list[Case], tmp_path: Path) -> dict[str, dict | str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, interleaved_data, once_per_session, subprocess_timeout, tiny_model
+from helpers import (
+    fit,
+    interleaved_data,
+    launch,
+    once_per_session,
+    subprocess_timeout,
+    tiny_model,
+)
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_efficient.core import compat
@@ -71,31 +77,15 @@ def fsdp_launch(request, tmp_path_factory) -> dict:
 
 
 def _launch(parts: list[str], out: Path) -> dict:
-    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
-
-    # a 1-process FSDP fit in this process leaves no launcher variables (tested below), but a
-    # child must start clean whatever ran before; unbuffered: each part's output between its lines
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_fsdp_launch.py"), ",".join(parts), json.dumps(RUN), str(out)],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # rank 1 is rank 0's child: one signal ends both
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=subprocess_timeout(600 + 300 * len(parts)))
-    except subprocess.TimeoutExpired:
-        stdout, stderr = "", "timed out"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    # unbuffered: each part's output between its lines
+    cmd = [
+        sys.executable,
+        str(HERE / "_fsdp_launch.py"),
+        ",".join(parts),
+        json.dumps(RUN),
+        str(out),
+    ]
+    stdout, stderr, code = launch(cmd, out, 600 + 300 * len(parts), env={"PYTHONUNBUFFERED": "1"})
     lines = {
         w: (out / f"{w}.txt").read_text().split()
         for w in ("started", "ended")
@@ -103,7 +93,7 @@ def _launch(parts: list[str], out: Path) -> dict:
     }
     return {
         "out": str(out),
-        "returncode": proc.returncode,
+        "returncode": code,
         "stdout": stdout,
         "stderr": stderr,
         "started": lines.get("started", []),

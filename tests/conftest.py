@@ -63,26 +63,47 @@ class _Tee:
 
 @dataclass
 class ExtensionsReady:
-    """What the session's :func:`ensure_extensions` call did (one ``Extension`` per name) and
-    the lines it announced (on a clean machine: the build, which a test can observe in place of
-    paying a second one)."""
+    """What the session's :func:`ensure_extensions` call did (``extensions``: name, folder,
+    status and seconds per extension), the lines it announced, and what a second call in the same
+    process said (``second``: statuses; ``second_announced``: its lines). On a clean machine that
+    call is the build, which a test observes in place of paying a second one; under pytest-xdist
+    the worker that made it shares the record with the others."""
 
-    extensions: list
+    extensions: list[dict]
     announced: list[str]
+    second: list[str]
+    second_announced: list[str]
+
+
+def _ensure_extensions_recorded(folder) -> dict:
+    from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
+
+    out, again = _Tee(sys.stderr), _Tee(sys.stderr)
+    extensions = ensure_extensions(out=out)
+    second = ensure_extensions(out=again)
+    return {
+        "extensions": [
+            {"name": e.name, "folder": str(e.folder or ""), "status": e.status}
+            for e in extensions
+        ],
+        "announced": "".join(out.text).splitlines(),
+        "second": [e.status for e in second],
+        "second_announced": "".join(again.text).splitlines(),
+    }
 
 
 @pytest.fixture(scope="session")
-def deepspeed_extensions() -> ExtensionsReady:
+def deepspeed_extensions(tmp_path_factory) -> ExtensionsReady:
     """DeepSpeed's CPU extensions, built once per session before a test needs them and outside
     any timed part (a fresh machine compiles them for minutes), by the function that
     `lightning-efficient prepare` runs; in the folder the tests will use ($TORCH_EXTENSIONS_DIR
-    or the user's cache)."""
+    or the user's cache). Once per session under pytest-xdist too: the other workers wait for
+    the build and reuse the cache and the record."""
     pytest.importorskip("deepspeed")
-    from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
+    from helpers import once_per_session
 
-    out = _Tee(sys.stderr)
-    extensions = ensure_extensions(out=out)
-    return ExtensionsReady(extensions, "".join(out.text).splitlines())
+    record = once_per_session(tmp_path_factory, "deepspeed_extensions", _ensure_extensions_recorded)
+    return ExtensionsReady(**record)
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,5 @@
 """The planner: the first stack of the ladder whose estimated peak fits the budget."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,25 +94,14 @@ def test_bad_budget_named(workload) -> None:
         plan_stack(model, batch, "1GiB", precision="fp33")
 
 
-@pytest.mark.slow
-def test_plan_command(tmp_path) -> None:
-    args = [
-        sys.executable,
-        "-m",
-        "lightning_efficient",
-        "plan",
-        "--config",
-        "configs/demo_plain.yaml",
-        "--trainer.accelerator=cpu",
-    ]
-    ok = subprocess.run(
-        [*args, "--budget", "1GiB"], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
+def test_plan_command(capsys) -> None:
+    from command_runner import run_command
+
+    args = ["plan", "--config", "configs/demo_plain.yaml", "--trainer.accelerator=cpu"]
+    ok = run_command(capsys, *args, "--budget", "1GiB", cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "<- plan" in ok.stdout and "precision:" in ok.stdout
-    bad = subprocess.run(
-        [*args, "--budget", "lots"], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
+    bad = run_command(capsys, *args, "--budget", "lots", cwd=ROOT)
     assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr
 
 

@@ -1,12 +1,10 @@
-"""EfficientBatchSize under DDP (2 CPU processes, gloo); each rank writes its result. The modes
-run one after the other in the same two processes (one launch: the imports paid once).
-
-Usage: python tests/_batch_size_ddp.py OUT_DIR MODE[,MODE]   (MODE: plain | oom; each writes
-OUT_DIR/MODE.rank{0,1}.json and .pt)
+"""EfficientBatchSize under DDP (2 CPU processes, gloo); each rank writes its result. Two fits,
+one after the other in the same two processes (MODE: plain, then oom; each writes
+OUT/MODE.rank{0,1}.json and .pt). Run by ``tests/_ddp_cases.py`` (case ``batch_size``).
 """
 
 import json
-import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -41,6 +39,6 @@ def main(prefix: str, mode: str) -> None:
     torch.save(params_of(model), f"{prefix}.rank{rank}.pt")
 
 
-if __name__ == "__main__":
-    for mode in sys.argv[2].split(","):
-        main(f"{sys.argv[1]}/{mode}", mode)
+def case(out: Path) -> None:
+    for mode in ("plain", "oom"):
+        main(f"{out}/{mode}", mode)

@@ -15,11 +15,10 @@ counts its training_step calls: none may run out of band).
 Each rank writes ``OUT/<strategy>-rank<r>.json`` with what tests/test_combinations.py checks;
 weights are compared here, gathered whole (``full_tensor``) under FSDP.
 
-Usage: python tests/_combinations.py ddp,fsdp OUT  (Lightning re-launches it for rank 1)
+Run by ``tests/_ddp_cases.py`` (case ``combinations``: ddp, then fsdp).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -220,6 +219,5 @@ def main(names: str, out: Path) -> None:
     torch.distributed.barrier()
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(sys.argv[1], Path(sys.argv[2]))
+def case(out: Path) -> None:
+    main("ddp,fsdp", out)

@@ -1,11 +1,9 @@
 """One epoch under DDP (2 CPU processes, gloo) with a LengthBucketSampler in the train loader;
-each rank writes the sample ids it trained on, in order, to OUT_DIR/rank<r>.json.
-
-Usage: python tests/_ddp_bucket.py OUT_DIR  (Lightning re-launches this script for rank 1)
+each rank writes the sample ids it trained on, in order, to OUT/rank<r>.json. Run by
+``tests/_ddp_cases.py`` (case ``bucket``).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -55,7 +53,7 @@ class Module(pl.LightningModule):
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
-if __name__ == "__main__":
+def case(out: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -66,4 +64,4 @@ if __name__ == "__main__":
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Module(sys.argv[1]))
+    trainer.fit(Module(str(out)))

@@ -1,12 +1,9 @@
 """One epoch under DDP (2 CPU processes, gloo) with the Curriculum callback on a module whose
 loader has a plain shuffle; each rank writes the sample ids it trained on, per step, to
-OUT_DIR/rank<r>.json.
-
-Usage: python tests/_ddp_curriculum.py OUT_DIR  (Lightning re-launches this script for rank 1)
+OUT/rank<r>.json. Run by ``tests/_ddp_cases.py`` (case ``curriculum``).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -85,6 +82,6 @@ class Module(pl.LightningModule):
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
-if __name__ == "__main__":
+def case(out: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", **trainer_args())
-    trainer.fit(Module(sys.argv[1]))
+    trainer.fit(Module(str(out)))

@@ -1,12 +1,9 @@
 """One epoch of SequencePacking under DDP (2 CPU processes, gloo), on a plain module that takes
 ``position_ids`` and calls F.scaled_dot_product_attention; each rank writes the documents it
-trained on to OUT_DIR/rank<r>.json.
-
-Usage: python tests/_ddp_packing.py OUT_DIR  (Lightning re-launches this script for rank 1)
+trained on to OUT/rank<r>.json. Run by ``tests/_ddp_cases.py`` (case ``packing``).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -44,10 +41,10 @@ class Module(pl.LightningModule):
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
-if __name__ == "__main__":
+def case(out: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[SequencePacking(row_length=ROW, seed=5)],
     )  # fmt: skip
-    trainer.fit(Module(sys.argv[1]))
+    trainer.fit(Module(str(out)))

@@ -1,15 +1,13 @@
 """EarlyStopper and DivergenceGuard under DDP with 2 CPU processes (gloo); each rank writes
-rankN.json into OUT_DIR.  Usage: python tests/_early_stopping_ddp.py OUT_DIR
+rank<r>.json into OUT. Run by ``tests/_ddp_cases.py`` (case ``early_stopping``).
 
 The monitored metric is logged without sync and differs per rank: rank 0's is lowest at step 6,
 rank 1's at step 14, their mean at step 10. A NaN is injected into rank 1's batch 3 only.
 """
 
 import json
-import sys
 from pathlib import Path
 
-import torch
 from helpers import fit, tiny_model
 from test_early_stopping import NaNAt
 
@@ -64,7 +62,7 @@ def run(strategy, params_sum, **trainer_kwargs) -> tuple[int, dict]:
     }
 
 
-def main(out: str) -> None:
+def case(out: Path) -> None:
     rank, result = run(
         "ddp",
         lambda model: float(sum(p.double().sum() for p in model.parameters())),
@@ -72,8 +70,3 @@ def main(out: str) -> None:
         devices=2,
     )
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(sys.argv[1])

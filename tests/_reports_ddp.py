@@ -5,11 +5,10 @@ trace of one step (one file per rank: ``OUT/<strategy>-trace.rank<r>.json``). Fo
 fit in the same 2 processes (a second fit reuses the process group); each rank writes
 ``OUT/<strategy>-rank<r>.json`` (its report after the gather, its own measured peak).
 
-Usage: python tests/_reports_ddp.py ddp,fsdp OUT  (Lightning re-launches this script for rank 1)
+Run by ``tests/_ddp_cases.py`` (case ``reports``: ddp, then fsdp).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -88,7 +87,6 @@ def main(strategy_name: str, out: Path) -> None:
     )
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    for name in sys.argv[1].split(","):
-        main(name, Path(sys.argv[2]))
+def case(out: Path) -> None:
+    for name in ("ddp", "fsdp"):
+        main(name, out)

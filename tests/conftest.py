@@ -83,8 +83,7 @@ def _ensure_extensions_recorded(folder) -> dict:
     second = ensure_extensions(out=again)
     return {
         "extensions": [
-            {"name": e.name, "folder": str(e.folder or ""), "status": e.status}
-            for e in extensions
+            {"name": e.name, "folder": str(e.folder or ""), "status": e.status} for e in extensions
         ],
         "announced": "".join(out.text).splitlines(),
         "second": [e.status for e in second],
@@ -104,6 +103,44 @@ def deepspeed_extensions(tmp_path_factory) -> ExtensionsReady:
 
     record = once_per_session(tmp_path_factory, "deepspeed_extensions", _ensure_extensions_recorded)
     return ExtensionsReady(**record)
+
+
+def _launch_ddp_cases(folder: Path, names: list[str]) -> dict:
+    from helpers import launch
+
+    cmd = [sys.executable, str(HERE / "_ddp_cases.py"), str(folder), ",".join(names)]
+    # COLUMNS: the reports case reads its table's rows whole
+    _, err, code = launch(cmd, folder, 300 * len(names), env={"COLUMNS": "200"}, stdout=False)
+    return {"folder": str(folder), "returncode": code, "stderr": err[-4000:]}
+
+
+@pytest.fixture
+def ddp_case(request, tmp_path_factory) -> Path:
+    """The folder of the test's ``ddp_case`` (``@pytest.mark.ddp_case(name)``), run on 2 CPU
+    processes in the session's one launch of ``tests/_ddp_cases.py``: every case the session
+    collected, one after another in the same two processes, started by the first test that asks
+    (under pytest-xdist too: ``once_per_session``). Fails with the case's own error output, or
+    the launch's, where the case did not finish."""
+    from helpers import once_per_session
+
+    name = request.node.get_closest_marker("ddp_case").args[0]
+    from _ddp_cases import CASES
+
+    wanted = {m.args[0] for item in request.session.items for m in item.iter_markers("ddp_case")}
+    names = [n for n in CASES if n in wanted]  # in the launch's order: the sharded fits last
+    result = once_per_session(
+        tmp_path_factory, "ddp_cases", lambda folder: _launch_ddp_cases(folder, names)
+    )
+    out = Path(result["folder"]) / name
+    if not (out / "done").exists():
+        own = "".join(p.read_text()[-3000:] for p in sorted(out.glob("rank*.err")))
+        code = result["returncode"]
+        pytest.fail(
+            f"the two-process case {name!r} did not finish (the launch of {names} "
+            f"{'timed out' if code is None else f'ended with {code}'}).\n"
+            f"{own or 'It did not start: an earlier case failed.'}\n{result['stderr']}"
+        )
+    return out
 
 
 @pytest.fixture(autouse=True)

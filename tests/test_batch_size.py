@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -39,8 +37,6 @@ from lightning_efficient.techniques.batch_size.split import (
     chunk_weights,
     split_batch,
 )
-
-HERE = Path(__file__).parent
 
 
 # -- rounding --------------------------------------------------------------------------------------
@@ -367,23 +363,15 @@ def test_gives_up_at_micro_batch_one(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_target_and_oom(tmp_path) -> None:
+@pytest.mark.ddp_case("batch_size")
+def test_ddp_two_processes_target_and_oom(ddp_case) -> None:
     results = {}
-    # both runs in one launch, one after the other in the same two processes
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_batch_size_ddp.py"), str(tmp_path), "plain,oom"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # both runs in the session's 2-process launch, one after the other (tests/_batch_size_ddp.py)
     for mode in ("plain", "oom"):
         results[mode] = [
-            json.loads(Path(f"{tmp_path / mode}.rank{r}.json").read_text()) for r in (0, 1)
+            json.loads(Path(f"{ddp_case / mode}.rank{r}.json").read_text()) for r in (0, 1)
         ]
-        results[mode + "_params"] = torch.load(f"{tmp_path / mode}.rank0.pt")
+        results[mode + "_params"] = torch.load(f"{ddp_case / mode}.rank0.pt")
     for r in results["plain"] + results["oom"]:
         # micro-batch x accumulation x world size == target, on both processes
         assert r["world_size"] == 2 and r["micro"] * r["accumulate_grad_batches"] * 2 == 16

@@ -1,47 +1,26 @@
 """The new callbacks in real combinations (issue 33): EarlyStopper, DivergenceGuard and Curriculum
 (with DataLoaderTuning after it) with Lightning's ModelCheckpoint, OnExceptionCheckpoint and an
-LR scheduler, on 2 CPU processes under DDP and FullyShardedStrategy: one launch
-(tests/_combinations.py), two fits per strategy (a fault at step 7, then a resume from the
+LR scheduler, on 2 CPU processes under DDP and FullyShardedStrategy (tests/_combinations.py,
+in the session's one 2-process launch), two fits per strategy (a fault at step 7, then a resume from the
 exception's checkpoint)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import once_per_session, subprocess_timeout
 
-HERE = Path(__file__).parent
 STRATEGIES = ("ddp", "fsdp")
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """One 2-process launch for both strategies, once per session (under pytest-xdist too: both
-    parametrized tests would otherwise each start one on their worker)."""
-    result = once_per_session(tmp_path_factory, "combinations", _launch)
-    assert result["returncode"] == 0, result["stderr"]
-    return result["ranks"]
-
-
-def _launch(out: Path) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_combinations.py"), ",".join(STRATEGIES), str(out)],
-        cwd=out,
-        capture_output=True,
-        text=True,
-        timeout=subprocess_timeout(900),
-    )
-    if proc.returncode != 0:
-        return {"returncode": proc.returncode, "stderr": proc.stderr[-4000:]}
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return {"returncode": 0, "stderr": "", "ranks": ranks}
+@pytest.fixture
+def ranks(ddp_case) -> list[dict]:
+    """Both strategies' fits, in the session's 2-process launch (tests/_combinations.py)."""
+    return [json.loads((ddp_case / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.slow
+@pytest.mark.ddp_case("combinations")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_fault_then_a_resume_with_checkpoints_and_a_scheduler(ranks, strategy) -> None:
     r0, r1 = (r[strategy] for r in ranks)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +29,6 @@ from lightning_efficient.techniques.curriculum import (
     reshape_length,
     with_sampler,
 )
-
-HERE = Path(__file__).parent
 
 
 class Batches(Callback):
@@ -390,15 +385,11 @@ def test_equal_difficulties_say_so(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_ranks_get_disjoint_shards_of_the_pool(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_ddp_curriculum.py"), str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+@pytest.mark.ddp_case("curriculum")  # tests/_ddp_curriculum.py
+def test_ddp_ranks_get_disjoint_shards_of_the_pool(ddp_case) -> None:
     from _ddp_curriculum import check_disjoint_shards
 
-    check_disjoint_shards([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)])
+    check_disjoint_shards([json.loads((ddp_case / f"rank{r}.json").read_text()) for r in range(2)])
 
 
 # -- SequenceLengthWarmup ------------------------------------------------------------------------

@@ -604,27 +604,15 @@ def test_bucket_bad_input() -> None:
         LengthBucketSampler([1, 2, 3], bucket_size=2, num_replicas=2, rank=2)
 
 
-def test_bucket_sampler_under_lightning_ddp_shards_itself(tmp_path) -> None:
+@pytest.mark.ddp_case("bucket")  # tests/_ddp_bucket.py
+def test_bucket_sampler_under_lightning_ddp_shards_itself(ddp_case) -> None:
     """Lightning leaves the sampler in place (no DistributedSamplerWrapper re-shuffling it) and
     each of 2 ranks trains on its own bucketed shard: disjoint, covering, batches sorted."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parent / "_ddp_bucket.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sys.path.insert(0, str(script.parent))
-    from _ddp_bucket import LENGTHS  # noqa: E402
+    from _ddp_bucket import LENGTHS
 
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((ddp_case / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["sampler"] == "LengthBucketSampler" and r["world"] == 2 for r in ranks)
     seen = [[i for batch in r["seen"] for i in batch] for r in ranks]
     assert set(seen[0]).isdisjoint(seen[1]) and set(seen[0]) | set(seen[1]) == set(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -41,8 +39,6 @@ from lightning_efficient.techniques.early_stopping import (
     scale_lr_for_step,
     set_lr,
 )
-
-HERE = Path(__file__).parent
 
 
 # -- test callbacks: faults to inject and snapshots to compare with -------------------------------
@@ -698,16 +694,9 @@ def test_guard_refuses_optimizer_in_backward(tmp_path) -> None:
 
 # -- DDP: 2 processes take the same decisions -------------------------------------------------------
 @pytest.mark.slow
-def test_ddp_ranks_take_the_same_decisions(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_early_stopping_ddp.py"), str(tmp_path)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+@pytest.mark.ddp_case("early_stopping")  # tests/_early_stopping_ddp.py
+def test_ddp_ranks_take_the_same_decisions(ddp_case) -> None:
+    r0, r1 = (json.loads((ddp_case / f"rank{r}.json").read_text()) for r in (0, 1))
     # the monitored metric differs per rank (logged without sync): the decision must not.
     # Alone, rank 0 would keep step 6 as best and rank 1 step 14; their mean is lowest at 10
     assert (r0["probe_at_5"], r1["probe_at_5"]) == (1.0, 81.0)

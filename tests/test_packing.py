@@ -5,15 +5,13 @@ module whose documents would mix, resume mid-epoch, DDP and the fill on a long-t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SaveAt, params_of, subprocess_timeout
+from helpers import SaveAt, params_of
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -31,7 +29,6 @@ from lightning_efficient.techniques.packing import (
     pack_rows,
 )
 
-HERE = Path(__file__).parent
 VOCAB, ROW = 96, 32
 
 
@@ -341,13 +338,9 @@ def test_resume_mid_epoch_continues_bit_identically(tmp_path) -> None:
 
 
 @pytest.mark.slow  # two processes that each import Lightning and torch: ~30 s on 2 idle cores
-def test_ddp_two_processes_each_document_once(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_ddp_packing.py"), str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=subprocess_timeout(240),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.mark.ddp_case("packing")  # tests/_ddp_packing.py
+def test_ddp_two_processes_each_document_once(ddp_case) -> None:
+    ranks = [json.loads((ddp_case / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["batches"] == ranks[1]["batches"] > 0
     seen = [[d for step in r["seen"] for d in step] for r in ranks]
     assert set(seen[0]).isdisjoint(seen[1])

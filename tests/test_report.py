@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -16,8 +13,6 @@ from lightning_efficient.core.report import (
     print_table,
     report_for,
 )
-
-HERE = Path(__file__).parent
 
 
 def _report() -> EfficiencyReport:
@@ -205,28 +200,16 @@ def test_one_process_fit_gathers_nothing_and_renders_as_before(tmp_path, monkeyp
 
 # -- 2 processes: gathered once, printed once by rank zero ---------------------------------------
 @pytest.mark.slow
-def test_two_ranks_print_one_report_with_the_worst_rank(tmp_path) -> None:
-    """One launch of 2 processes, two fits in it: DDP, then FullyShardedStrategy."""
-    import os
-
-    from helpers import subprocess_timeout
-
-    from lightning_efficient.core.environ import LAUNCHER_VARIABLES
-
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_reports_ddp.py"), "ddp,fsdp", str(tmp_path)],
-        cwd=tmp_path,
-        env={**env, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=subprocess_timeout(500),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # both ranks' output is captured (rank 1 inherits the launcher's streams): one table a fit
-    assert proc.stdout.count("lightning-efficient report (2 ranks)") == 2, proc.stdout[-4000:]
-    assert proc.stdout.count("lightning-efficient report") == 2
-    assert "took different decisions" not in proc.stderr
+@pytest.mark.ddp_case("reports")  # tests/_reports_ddp.py
+def test_two_ranks_print_one_report_with_the_worst_rank(ddp_case) -> None:
+    """Two fits in the session's 2-process launch: DDP, then FullyShardedStrategy."""
+    tmp_path = ddp_case
+    stdout, stderr = ("".join((tmp_path / f"rank{r}.{ext}").read_text() for r in (0, 1))
+                      for ext in ("out", "err"))  # fmt: skip
+    # both ranks' output is kept: one table a fit, printed by rank zero
+    assert stdout.count("lightning-efficient report (2 ranks)") == 2, stdout[-4000:]
+    assert stdout.count("lightning-efficient report") == 2
+    assert "took different decisions" not in stderr
     for strategy in ("ddp", "fsdp"):
         r0, r1 = (json.loads((tmp_path / f"{strategy}-rank{r}.json").read_text()) for r in (0, 1))
         _check_gathered(r0, r1)
@@ -235,7 +218,7 @@ def test_two_ranks_print_one_report_with_the_worst_rank(tmp_path) -> None:
         assert traces == [f"{strategy}-trace.rank0.json", f"{strategy}-trace.rank1.json"]
         for name in traces:
             assert json.loads((tmp_path / name).read_text())["traceEvents"]
-    assert "one file per rank, 2 ranks" in proc.stderr + proc.stdout
+    assert "one file per rank, 2 ranks" in stderr + stdout
     assert "FullyShardedStrategy" in r0["report"]  # the second fit was sharded
 
 

@@ -40,7 +40,7 @@ def part1(suite):
 # -- the dry run -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.deepspeed  # the session's build first: the dry run's build step finds them cached
-def test_dry_run_writes_every_part(tmp_path) -> None:
+def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     before = sorted(p.name for p in (BENCH / "results").glob("gpu_*"))
     # the caps scale with the budget: 4x the default leaves room for a machine whose cores are
     # shared (idle, the dry run takes about 2 minutes)
@@ -77,7 +77,9 @@ def test_dry_run_writes_every_part(tmp_path) -> None:
     for key in ("estimate", "batch", "speed", "compile", "finetune"):
         assert by[key]["status"] in ("ok", "partial") and by[key]["headline"], by[key]
     estimate = [r for r in by["estimate"]["rows"] if "ratio" in r]
-    assert estimate, by["estimate"]
+    # the dry run's stacks (the first and the last, which holds every technique), both models
+    stacks = suite.PROFILES["dry"]["estimate_stacks"]
+    assert estimate and [r["stack"] for r in estimate] == stacks * 2, by["estimate"]
     for r in estimate:  # on the CPU the estimate is exact (same storages, tracked both ways)
         assert r["estimate_bytes"] > 0 and abs(r["ratio"] - 1) < 0.05, r
     batch = by["batch"]["rows"]

@@ -59,7 +59,8 @@ GIB = 2**30
 def probe_slots(ctx: Ctx) -> int:
     """How many real runs of part 3 go side by side: on CUDA as many capped processes as the
     device holds next to part 4's run (one more cap) and 8 GiB for the rest (the GPU tests, the
-    parts' own processes, CUDA contexts), at most 4; in the dry run 2 (the same code path)."""
+    parts' own processes, CUDA contexts), at most 4; in the dry run 2 (the same code path; one
+    run of the first round in a process, the others in the part's own)."""
     if not ctx.cuda:
         return 2
     room = ctx.device_total_bytes - (ctx.cap_bytes + GIB) - 8 * GIB
@@ -126,11 +127,12 @@ class BatchProbes:
             if self.ctx.left() < need:
                 st["stopped"] = (self.ctx.left(), need)
                 continue
-            # the dry run sends its first round through the processes, the rest runs here
-            isolate = self.ctx.cuda or self.rounds == 0
+            # the dry run sends the first probe of its first round through a process (the
+            # code path of CUDA's runs) and runs every other one here, alongside it
             if not self.ctx.cuda:
                 self.pool.warm = 0  # no process waits for a round that will not come
-            for n in sizes:
+            for j, n in enumerate(sizes):
+                isolate = self.ctx.cuda or (self.rounds == 0 and j == 0)
                 run = self.pool.submit(self.spec(st, n), self.ctx.left() - 2, isolate)
                 st["pending"].append(run)
             free -= len(sizes)
@@ -192,7 +194,7 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
             f"total) (a fresh allocator: an out-of-memory leaves it dirty), {slots} side by side"
             if ctx.cuda
             else "the cap emulated on the CPU (a run whose tracked peak passes it counts as out "
-            "of memory); the first round in processes, 2 side by side, as on CUDA"
+            "of memory); 2 side by side, as on CUDA, the first in a process of its own"
         )
         + ": the pick and twice it, then where the line through the sizes that trained meets "
         "the cap, then bisection; settled when n trains and n + 1 runs out of memory. The "
@@ -227,7 +229,7 @@ def part_batch(ctx: Ctx, rec: Recorder) -> None:
             "cap_bytes": cap,
         }
 
-    pool = RunPool(ctx, warm=slots)
+    pool = RunPool(ctx, warm=slots if ctx.cuda else 1)  # the dry run: one run in a process
     probes = BatchProbes(ctx, pool, slots, spec)
     try:
         t0 = time.perf_counter()

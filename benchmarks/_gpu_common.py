@@ -392,12 +392,15 @@ def child_main(part: Callable[[Ctx, Recorder], None], argv: list[str] | None = N
     torch.set_num_threads(1 if ctx.dry_run else min(torch.get_num_threads(), 8))
     rec = Recorder(ctx.result_file)
     code = 0
+    cpu = time.process_time()
     try:
         part(ctx, rec)
     except Exception as err:
         traceback.print_exc()
         rec.fail(err)
         code = 1
+    # into the part's log: what the part cost this process (its run processes not included)
+    print(f"{part.__name__}: {time.process_time() - cpu:.1f} CPU-s in this process", flush=True)
     # the part has ended (a process shared by several parts in the dry run goes on to the next)
     path.with_suffix(".done").write_text(str(code))
     return code

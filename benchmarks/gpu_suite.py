@@ -5,7 +5,8 @@
 
 Seven parts, each in its own process with its own time cap (a part that would pass the suite's
 limit is skipped and says so; a failure in one does not stop the others; the dry run runs the
-parts of one lane in one process, which imports once). DeepSpeed's CPU
+parts of one lane in one process, which imports once, and parts 4-7 in the memory lane's
+process, ``DRY_PROCESS``). DeepSpeed's CPU
 extensions are built first, in a process of their own that no part's cap counts; the parts that
 measure memory or correctness (1-4) run side by side, each within its own caps, and the parts
 that time something (5-7) run alone afterwards:
@@ -144,10 +145,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "vocab": 512,
         "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 2},
         "estimate_batch": 4,
+        # part 2: the first and the last stack (the last holds every technique of the others)
+        "estimate_stacks": ["fp32", "bf16-mixed + checkpointing + adamw8bit"],
         "batch_top": 64,
         "planner_batch": 16,
-        "auto_batch": 60,  # divisors 20, 30, 60: near the real largest (about 31)
-        "auto_steps": 3,
+        # divisors 8, 16, 32: the whole batch fits no rung, a line through 2 sizes places 16
+        # (the real largest of the planner's stack); 2 steps of 2 micro-batches each
+        "auto_batch": 32,
+        "auto_steps": 2,
         "auto_need_s": 10.0,
         "ladder": [["tiny-1", 1, 64], ["tiny-2", 2, 64], ["tiny-3", 2, 128], ["tiny-4", 4, 128]],
         "ladder_seq": 64,
@@ -181,6 +186,11 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
 }
 
+
+#: The dry run's processes, by lane: part 4 runs in the memory lane's process after parts 2
+#: and 3 (the two lanes one after the other), and the timed parts there once phase A has ended:
+#: two imports fewer (~11 CPU-s each). A GPU run gives each part a fresh process.
+DRY_PROCESS = {"ladder": "memory", PHASE_B: "memory"}
 
 #: Caps of the dry run's emulated memory limits (parts 3 and 4), by the estimate only.
 DRY_CAPS = {"batch": 16 * 2**20, "ladder": 4 * 2**20}
@@ -431,17 +441,29 @@ def main(argv: list[str] | None = None) -> int:
             if part.lane == name:
                 run_one(part)
 
+    def lanes(names: list[str]) -> None:
+        for lane_name in names:
+            lane(lane_name)
+
     try:
         # every part's process starts now and imports while it waits for its turn; in the dry
-        # run the parts of a lane share one (a GPU run gives each a fresh process and allocator)
+        # run the parts of a lane share one, parts 4-7 the memory lane's (DRY_PROCESS; a
+        # GPU run gives each part a fresh process and allocator)
         scripted = [p for p in chosen if p.script]
-        for lane_name in dict.fromkeys(p.lane for p in scripted):
-            group = [p for p in scripted if p.lane == lane_name]
+        dry = DRY_PROCESS if args.dry_run else {}
+        process_of = {p.key: dry.get(p.lane, p.lane) for p in scripted}
+        for process in dict.fromkeys(process_of.values()):
+            group = [p for p in scripted if process_of[p.key] == process]
             shared = Child.shared_by(group, work) if args.dry_run and len(group) > 1 else None
             for i, part in enumerate(group):
                 children[part.key] = shared[i] if shared else Child.part(part, work)
         every_child = list(children.values())
-        threads = [threading.Thread(target=lane, args=(n,), name=n) for n in PHASE_A]
+        # phase A's lanes side by side; lanes whose parts share a process (the dry run) one
+        # after the other
+        together: dict[str, list[str]] = {}
+        for lane_name in PHASE_A:
+            together.setdefault(dry.get(lane_name, lane_name), []).append(lane_name)
+        threads = [threading.Thread(target=lanes, args=(n,), name=n[0]) for n in together.values()]
         for t in threads:
             t.start()
         for t in threads:

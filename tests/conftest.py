@@ -15,7 +15,19 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 # under pytest-xdist each worker takes its share of the cores (2 workers on 2 cores: 1 each)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
+_THREADS = max(1, min(2, torch.get_num_threads()) // _WORKERS)
+torch.set_num_threads(_THREADS)
+# and keeps it: where OMP_NUM_THREADS is unset, Lightning's launchers set torch's threads to the
+# cores per process (an in-process DDP or FSDP fit on one device: both cores), so that each worker
+# went on with 2 threads on 2 shared cores, whose spinning made its later small ops 10-20x dearer
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+
+@pytest.fixture(autouse=True)
+def _thread_count_kept():
+    yield
+    if torch.get_num_threads() != _THREADS:  # a test or a library changed it: put it back
+        torch.set_num_threads(_THREADS)
 
 
 def _needs_deepspeed_extensions(item) -> bool:

@@ -751,6 +751,22 @@ def test_fits_unmodified_module(case: Case, tmp_path) -> None:
     assert len(losses) >= 4 and all(torch.isfinite(torch.tensor(losses)))
 
 
+# -- 6. the maths is unchanged (or within a stated tolerance); next to item 1, whose fit it reads
+# (pytest-xdist hands out neighbouring tests together: one worker, one fit) ----------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_losses_match_plain_run(case: Case, tmp_path) -> None:
+    # the technique's fit is test_fits_unmodified_module's; the plain run is shared by the cases
+    _, plain = _four_steps(case, tmp_path / "plain", with_technique=False)
+    _, tech = _four_steps(case, tmp_path / "tech")
+    assert len(tech) == len(plain) == 4
+    if case.same_maths:
+        torch.testing.assert_close(
+            torch.tensor(tech), torch.tensor(plain), rtol=case.rtol, atol=case.atol
+        )
+    else:  # lossy: the first loss is the same model on the same batch, later ones stay close
+        assert abs(tech[0] - plain[0]) <= case.atol + case.rtol * abs(plain[0])
+
+
 # -- 2. constructs from yaml through the CLI parser ----------------------------------------
 def _simple_state(obj: Any) -> dict[str, Any]:
     simple = (int, float, str, bool, type(None), tuple, list, dict)
@@ -892,21 +908,6 @@ def _comparable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_comparable(v) for v in x]
     return x
-
-
-# -- 6. the maths is unchanged (or within a stated tolerance) --------------------------------
-@pytest.mark.parametrize("case", ALL, ids=ids)
-def test_losses_match_plain_run(case: Case, tmp_path) -> None:
-    # the technique's fit is test_fits_unmodified_module's; the plain run is shared by the cases
-    _, plain = _four_steps(case, tmp_path / "plain", with_technique=False)
-    _, tech = _four_steps(case, tmp_path / "tech")
-    assert len(tech) == len(plain) == 4
-    if case.same_maths:
-        torch.testing.assert_close(
-            torch.tensor(tech), torch.tensor(plain), rtol=case.rtol, atol=case.atol
-        )
-    else:  # lossy: the first loss is the same model on the same batch, later ones stay close
-        assert abs(tech[0] - plain[0]) <= case.atol + case.rtol * abs(plain[0])
 
 
 # -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------

@@ -714,11 +714,57 @@ def test_demo_imports_nothing_of_the_package() -> None:
             )
 
 
+#: Fits whose outcome several contract items read, run once per process (the cases of one
+#: technique share its 4-step fit; the plain runs are shared by every case alike): the key
+#: names the fit, the value is what the tests read of it (never a module they could change).
+_SHARED: dict[tuple, Any] = {}
+
+
+def _once(key: tuple, produce: Any) -> Any:
+    if key not in _SHARED:
+        _SHARED[key] = produce()
+    return _SHARED[key]
+
+
+def _plain_key(case: Case) -> tuple:
+    """Cases whose plain (technique-less) fits are the same fit: same Case class (its ``fit``)
+    and the same trainer arguments."""
+    return (type(case).__name__, repr(sorted(case.trainer_kwargs.items())))
+
+
+def _four_steps(case: Case, tmp_path: Path, *, with_technique: bool = True) -> tuple[int, list]:
+    """The 4-step fit (global step and losses) with the technique or, shared by the cases alike,
+    without it."""
+
+    def produce() -> tuple[int, list]:
+        trainer, _, rec = case.fit(tmp_path, with_technique=with_technique, max_steps=4)
+        return trainer.global_step, list(rec.losses)
+
+    key = ("fit4", case.id) if with_technique else ("plain4", *_plain_key(case))
+    return _once(key, produce)
+
+
 @pytest.mark.parametrize("case", ALL, ids=ids)
 def test_fits_unmodified_module(case: Case, tmp_path) -> None:
-    trainer, model, rec = case.fit(tmp_path, max_steps=4)
-    assert trainer.global_step == 4
-    assert len(rec.losses) >= 4 and all(torch.isfinite(torch.tensor(rec.losses)))
+    global_step, losses = _four_steps(case, tmp_path)
+    assert global_step == 4
+    assert len(losses) >= 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+# -- 6. the maths is unchanged (or within a stated tolerance); next to item 1, whose fit it reads
+# (pytest-xdist hands out neighbouring tests together: one worker, one fit) ----------------
+@pytest.mark.parametrize("case", ALL, ids=ids)
+def test_losses_match_plain_run(case: Case, tmp_path) -> None:
+    # the technique's fit is test_fits_unmodified_module's; the plain run is shared by the cases
+    _, plain = _four_steps(case, tmp_path / "plain", with_technique=False)
+    _, tech = _four_steps(case, tmp_path / "tech")
+    assert len(tech) == len(plain) == 4
+    if case.same_maths:
+        torch.testing.assert_close(
+            torch.tensor(tech), torch.tensor(plain), rtol=case.rtol, atol=case.atol
+        )
+    else:  # lossy: the first loss is the same model on the same batch, later ones stay close
+        assert abs(tech[0] - plain[0]) <= case.atol + case.rtol * abs(plain[0])
 
 
 # -- 2. constructs from yaml through the CLI parser ----------------------------------------
@@ -781,7 +827,7 @@ def test_fuzzed_wrong_values_named(case: Case, arg: str) -> None:
 
 # -- 4. checkpoints load with and without the technique; keys unchanged ----------------------
 @pytest.mark.parametrize("case", ALL, ids=ids)
-def test_checkpoint_portable(case: Case, tmp_path) -> None:
+def test_checkpoint_portable(case: Case, tmp_path, tmp_path_factory) -> None:
     plain_keys = set(tiny_model().state_dict())
     trainer, model, _ = case.fit(tmp_path / "with", max_steps=2)
     ckpt_with = tmp_path / "with.ckpt"
@@ -796,12 +842,20 @@ def test_checkpoint_portable(case: Case, tmp_path) -> None:
         tmp_path / "without", with_technique=False, max_steps=4, ckpt_path=str(ckpt_with)
     )
     assert trainer2.global_step == 4
-    # and the other way round: a plain checkpoint resumes with the technique
-    plain_trainer, _, _ = case.fit(tmp_path / "plain", with_technique=False, max_steps=2)
-    ckpt_plain = tmp_path / "plain.ckpt"
-    plain_trainer.save_checkpoint(ckpt_plain)
+    # and the other way round: a plain checkpoint (one per process for the cases alike: it is
+    # only read) resumes with the technique
+    ckpt_plain = _once(
+        ("plain-ckpt", *_plain_key(case)), lambda: _plain_checkpoint(case, tmp_path_factory)
+    )
     trainer3, _, _ = case.fit(tmp_path / "resumed", max_steps=4, ckpt_path=str(ckpt_plain))
     assert trainer3.global_step == 4
+
+
+def _plain_checkpoint(case: Case, tmp_path_factory: Any) -> Path:
+    folder = tmp_path_factory.mktemp("plain-ckpt")
+    plain_trainer, _, _ = case.fit(folder, with_technique=False, max_steps=2)
+    plain_trainer.save_checkpoint(folder / "plain.ckpt")
+    return folder / "plain.ckpt"
 
 
 # -- 5. stop at step k and resume equals an uninterrupted run --------------------------------
@@ -854,20 +908,6 @@ def _comparable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_comparable(v) for v in x]
     return x
-
-
-# -- 6. the maths is unchanged (or within a stated tolerance) --------------------------------
-@pytest.mark.parametrize("case", ALL, ids=ids)
-def test_losses_match_plain_run(case: Case, tmp_path) -> None:
-    _, _, plain = case.fit(tmp_path / "plain", with_technique=False, max_steps=4)
-    _, _, tech = case.fit(tmp_path / "tech", max_steps=4)
-    assert len(tech.losses) == len(plain.losses) == 4
-    if case.same_maths:
-        torch.testing.assert_close(
-            torch.tensor(tech.losses), torch.tensor(plain.losses), rtol=case.rtol, atol=case.atol
-        )
-    else:  # lossy: the first loss is the same model on the same batch, later ones stay close
-        assert abs(tech.losses[0] - plain.losses[0]) <= case.atol + case.rtol * abs(plain.losses[0])
 
 
 # -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------

@@ -27,6 +27,7 @@ from lightning_efficient.planning import (
     divisors,
 )
 from lightning_efficient.planning import fit as auto_fit
+from lightning_efficient.planning.decision import Decision
 from lightning_efficient.planning.search import measured_as
 from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
 
@@ -232,8 +233,10 @@ def test_family_within_budget_and_not_wasteful(name: str, tmp_path, request) -> 
 
 
 # -- the yaml reproduces the decision; the report; resume --------------------------------------
-def _decoder_fit(tmp_path: Any, auto: AutoEfficient, **kw: Any) -> tuple[Any, Any, Any]:
-    model, data = family("decoder", batch_size=E)
+def _decoder_fit(
+    tmp_path: Any, auto: AutoEfficient, batch_size: int = E, **kw: Any
+) -> tuple[Any, Any, Any]:
+    model, data = family("decoder", batch_size=batch_size)
     return fit(tmp_path, [auto], model=model, data=data, limit_val_batches=0, **kw)
 
 
@@ -332,9 +335,9 @@ def test_trial_oom_steps_one_size_down(tmp_path) -> None:
 def test_strategy_rungs_are_said_why_not(tmp_path) -> None:
     # a budget under what any stack needs: the error lists each stack and why; the ZeRO rungs
     # cannot be taken (DeepSpeed sets the accumulation itself), a precision or a strategy a built
-    # Trainer cannot take is "needs yaml" with the line
+    # Trainer cannot take is "needs yaml" with the line (a batch of 1: one size to estimate)
     with pytest.raises(ValueError, match="no usable stack fits") as info:
-        _decoder_fit(tmp_path, AutoEfficient(budget=1000), max_steps=1)
+        _decoder_fit(tmp_path, AutoEfficient(budget=1000), batch_size=1, max_steps=1)
     # the ZeRO rungs, which set the accumulation themselves, are never AutoEfficient's: not listed
     assert "ZeRO" not in str(info.value) and str(info.value).count("does not fit") >= 2
     rung = Rung("bf16", "bf16-mixed", (), Part("FullyShardedStrategy"))
@@ -344,20 +347,29 @@ def test_strategy_rungs_are_said_why_not(tmp_path) -> None:
 
 def test_undone_when_fit_raises(tmp_path) -> None:
     model, data = family("decoder", batch_size=E)
-    budget = int(_plain_estimate("decoder", E // 2) * 1.01)
+
+    patched: list[str] = []
 
     class Boom(MemoryBreakdown):
-        def on_train_batch_start(self, *args: Any) -> None:
+        def on_train_batch_start(self, *args: Any) -> None:  # after the stack's own
+            patched.extend(n for n, m in model.named_modules() if "forward" in vars(m))
             raise RuntimeError("boom")
 
     kinds = [type(m) for m in model.modules()]
     keys = list(model.state_dict())
-    # no trial steps (they undo their own changes, test_trial_oom_steps_one_size_down): the
-    # decision alone applies the stack the fit must undo
-    auto = AutoEfficient(budget=budget, trial=False)
+    # the ladder's largest stack a 32-true trainer takes (chunked loss, 8-bit states, every
+    # block checkpointed), given as the decision (AutoEfficient applies it as one it made: the
+    # decision's own estimates are test_family_within_budget_and_not_wasteful's; the trial
+    # steps undo their own changes, test_trial_oom_steps_one_size_down)
+    rungs = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False)
+    rung = [r for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")][-1]
+    assert {p.class_path for p in rung.callbacks} == {
+        "ChunkedCrossEntropy", "OptimizerSwap", "ActivationCheckpointing"
+    }  # fmt: skip
+    auto = AutoEfficient(budget="1GiB").preset(Decision(rung, E // 2, 2))
     with pytest.raises(RuntimeError, match="boom"):
         fit(tmp_path, [auto, Boom()], model=model, data=data, max_steps=2)
-    assert auto.decision is not None  # it decided and applied a stack before the fit raised
+    assert auto.decision is not None and patched  # a stack applied (blocks wrapped) before
     assert data.batch_size == E  # the micro-batch is put back
     # the module as given: the same layers (no checkpoint wrapper left), the same state keys,
     # and its forward is the module's own (no technique's patch left on any submodule)

@@ -75,30 +75,28 @@ class _Tee:
 
 @dataclass
 class ExtensionsReady:
-    """What the session's :func:`ensure_extensions` call did (``extensions``: name, folder,
-    status and seconds per extension), the lines it announced, and what a second call in the same
-    process said (``second``: statuses; ``second_announced``: its lines). On a clean machine that
-    call is the build, which a test observes in place of paying a second one; under pytest-xdist
-    the worker that made it shares the record with the others."""
+    """What the session's :func:`ensure_extensions` call did (``extensions``: name, folder and
+    status per extension, and ``again``: its status at a second call in the same process) and the
+    lines each call announced. On a clean machine the first call is the build, which a test
+    observes in place of paying a second one; under pytest-xdist the worker that made it shares
+    the record with the others."""
 
     extensions: list[dict]
     announced: list[str]
-    second: list[str]
     second_announced: list[str]
 
 
-def _ensure_extensions_recorded(folder) -> dict:
+def _ensure_extensions_recorded(_folder: Path) -> dict:
     from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
 
     out, again = _Tee(sys.stderr), _Tee(sys.stderr)
-    extensions = ensure_extensions(out=out)
-    second = ensure_extensions(out=again)
+    first, second = ensure_extensions(out=out), ensure_extensions(out=again)
     return {
         "extensions": [
-            {"name": e.name, "folder": str(e.folder or ""), "status": e.status} for e in extensions
+            {"name": e.name, "folder": str(e.folder or ""), "status": e.status, "again": s.status}
+            for e, s in zip(first, second, strict=True)
         ],
         "announced": "".join(out.text).splitlines(),
-        "second": [e.status for e in second],
         "second_announced": "".join(again.text).splitlines(),
     }
 
@@ -133,11 +131,10 @@ def ddp_case(request, tmp_path_factory) -> Path:
     collected, one after another in the same two processes, started by the first test that asks
     (under pytest-xdist too: ``once_per_session``). Fails with the case's own error output, or
     the launch's, where the case did not finish."""
+    from _ddp_cases import CASES
     from helpers import once_per_session
 
     name = request.node.get_closest_marker("ddp_case").args[0]
-    from _ddp_cases import CASES
-
     wanted = {m.args[0] for item in request.session.items for m in item.iter_markers("ddp_case")}
     names = [n for n in CASES if n in wanted]  # in the launch's order: the sharded fits last
     result = once_per_session(

@@ -825,11 +825,10 @@ def test_build_is_announced_once_per_process_with_folder_and_time(
 
     from helpers import subprocess_timeout
 
-    names = [e["name"] for e in deepspeed_extensions.extensions]
-    session = dict(zip(names, deepspeed_extensions.extensions, strict=True)).get("shm_comm")
+    session = {e["name"]: e for e in deepspeed_extensions.extensions}.get("shm_comm")
     if session is not None and session["status"] == "built":
         folder = Path(session["folder"])
-        statuses = [session["status"], deepspeed_extensions.second[names.index("shm_comm")]]
+        statuses = [session["status"], session["again"]]
         announced = [ln for ln in deepspeed_extensions.announced if "shm_comm" in ln]
         announced += deepspeed_extensions.second_announced
         stderr = "\n".join(deepspeed_extensions.announced)

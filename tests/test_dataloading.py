@@ -4,6 +4,7 @@ partitions across ranks and resumes mid-epoch; bad input fails clearly."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 import warnings
@@ -480,11 +481,36 @@ class DelayedData(pl.LightningDataModule):
         return DataLoader(Slow(), batch_size=4)
 
 
+class StepCost(Callback):
+    """Makes every training step last at least ``seconds`` (slept before the backward, inside the
+    monitor's step window), as a real model's step would: the tiny model's own step is about a
+    millisecond, the size of Lightning's work between two steps, so a busy machine's scheduling
+    alone could tip its stall fraction past the threshold (it did once in CI: 14%)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        time.sleep(self.seconds)
+
+
 def _stall_warnings(tmp_path, delay_s: float) -> tuple[list[str], InputStallMonitor]:
     monitor = InputStallMonitor(check_after=3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fit(tmp_path, [monitor], data=DelayedData(delay_s), max_steps=6, limit_val_batches=0)
+    # a collection of a full run's heap between two steps (tens of ms late in a worker) is no stall
+    gc.collect()
+    gc.disable()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(
+                tmp_path,
+                [monitor, StepCost(0.05)],
+                data=DelayedData(delay_s),
+                max_steps=6,
+                limit_val_batches=0,
+            )
+    finally:
+        gc.enable()
     return [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)], monitor
 
 

@@ -4,7 +4,6 @@ partitions across ranks and resumes mid-epoch; bad input fails clearly."""
 
 from __future__ import annotations
 
-import gc
 import random
 import time
 import warnings
@@ -12,7 +11,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, tiny_data, tiny_model
+from helpers import fit, no_collector, tiny_data, tiny_model
 from lightning.pytorch import Callback
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
@@ -496,21 +495,15 @@ class StepCost(Callback):
 
 def _stall_warnings(tmp_path, delay_s: float) -> tuple[list[str], InputStallMonitor]:
     monitor = InputStallMonitor(check_after=3)
-    # a collection of a full run's heap between two steps (tens of ms late in a worker) is no stall
-    gc.collect()
-    gc.disable()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fit(
-                tmp_path,
-                [monitor, StepCost(0.05)],
-                data=DelayedData(delay_s),
-                max_steps=6,
-                limit_val_batches=0,
-            )
-    finally:
-        gc.enable()
+    with no_collector(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(
+            tmp_path,
+            [monitor, StepCost(0.05)],
+            data=DelayedData(delay_s),
+            max_steps=6,
+            limit_val_batches=0,
+        )
     return [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)], monitor
 
 

@@ -57,7 +57,7 @@ from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
 
 from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
-from lightning_efficient.measure.profiling.step_phases import FetchWatch  # noqa: E402
+from lightning_efficient.measure.speed.fetch_watch import FetchWatch  # noqa: E402
 from lightning_efficient.measure.speed.flops import count_flops  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -21,6 +21,7 @@ from lightning_efficient.functional import (
     padding_stats,
     tune_num_workers,
 )
+from lightning_efficient.measure.speed.input_stall import stall_fraction, workers_to_hide
 from lightning_efficient.techniques import NoEffectWarning
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
@@ -518,6 +519,44 @@ def test_stall_monitor_quiet_on_fast_data(tmp_path) -> None:
     msgs, monitor = _stall_warnings(tmp_path, delay_s=0.0)
     assert msgs == []
     assert monitor.stall_fraction is not None and monitor.stall_fraction < 0.1
+
+
+class SlowLoopWork(Callback):
+    """``seconds`` of the loop's own work after each step (a logger, a checkpoint of metrics),
+    after the monitor's ``on_train_batch_end``: more loader workers would not shorten it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
+
+
+def test_stall_monitor_does_not_blame_the_loader_for_the_loops_own_work(tmp_path) -> None:
+    # 50 ms of callback work per step on fast data: the whole gap between two steps is 50 ms
+    # against a step of 1-50 ms (the old measure read it all as waiting for data and warned)
+    monitor = InputStallMonitor(check_after=3)
+    with no_collector(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _, _ = fit(
+            tmp_path, [monitor, SlowLoopWork(0.05)], max_steps=6, limit_val_batches=0
+        )
+    assert not [w for w in caught if "InputStallMonitor" in str(w.message)]
+    wait, step, rest = monitor.measured()
+    assert monitor.fetch_seen and rest > 5 * 0.05 > 10 * wait, (wait, step, rest)
+    assert monitor.stall_fraction is not None and monitor.stall_fraction < 0.1
+    figures = report_for(trainer)["InputStallMonitor"].figures
+    assert figures["rest_s"] == rest and figures["wait_s"] == wait
+    assert trainer.profiler is not None and type(trainer.profiler).__name__ != "FetchWatch"
+
+
+def test_stall_fraction_and_workers_to_hide() -> None:
+    assert stall_fraction(1.0, 2.0, 1.0) == 0.25 and stall_fraction(0.0, 0.0) is None
+    # 0 workers: a wait of 3 s over a cycle of 1 s takes 3 workers; 1 worker and a wait of 1 s
+    # over 1 s: each batch takes 2 s to load, so 2; never fewer than one more than now
+    assert workers_to_hide(3.0, 1.0, 0) == 3
+    assert workers_to_hide(1.0, 1.0, 1) == 2
+    assert workers_to_hide(0.01, 1.0, 4) == 5
 
 
 # -- LengthBucketSampler --------------------------------------------------------------------

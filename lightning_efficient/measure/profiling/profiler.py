@@ -56,8 +56,9 @@ from lightning_efficient.measure.profiling.profile_summary import (
     plain_peak,
     summarize,
 )
-from lightning_efficient.measure.profiling.step_phases import FetchWatch, StepPhases
+from lightning_efficient.measure.profiling.step_phases import StepPhases
 from lightning_efficient.measure.profiling.trace_window import TraceWindow
+from lightning_efficient.measure.speed.fetch_watch import FetchWatch
 from lightning_efficient.measure.speed.tokens import batch_counts
 
 __all__ = ["PHASES", "StepProfiler", "profile_table", "profile_png", "phase_summary"]

@@ -10,8 +10,9 @@ held (batches, samples, tokens).
 Its cost per step is what ``StepProfiler`` costs (it is meant to stay on): a clock read (a CUDA
 event recorded on a GPU) per phase switch and an O(1) batch count; no device synchronisation
 (CUDA events are read when they have completed, ``StepTimer.poll``, and once at the end).
-- ``FetchWatch``: the trainer's profiler, wrapped, to see when the train loader's ``next``
-  starts (the ``data`` phase); every call is forwarded to the profiler it wraps.
+
+The ``data`` phase begins when the train loader's ``next`` starts, seen through
+``measure.speed.fetch_watch.FetchWatch`` (the trainer's profiler, wrapped).
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.profilers import Profiler
 
 from lightning_efficient.measure.profiling.profile_report import phase_summary
 from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.measure.speed.tokens import BatchCounter
 
-__all__ = ["FetchWatch", "StepPhases"]
-
-#: suffix of Lightning's profiler action around the train loader's ``next``
-_FETCH = "train_dataloader_next"
+__all__ = ["StepPhases"]
 
 
 class StepPhases:
@@ -110,43 +107,3 @@ class StepPhases:
     def seconds(self, phase: str) -> float:
         """Seconds spent in ``phase`` over the window (e.g. ``"validation"``)."""
         return float(self.timer.totals().get(phase, 0.0))
-
-
-class FetchWatch(Profiler):
-    """The trainer's profiler, wrapped: tells ``on_fetch`` when the train loader's ``next`` starts
-    and forwards every call to the profiler it wraps (the user's, or Lightning's pass-through)."""
-
-    def __init__(self, inner: Profiler, on_fetch: Callable[[], None]) -> None:
-        # no Profiler.__init__: its attributes (dirpath, _stage, ...) are the wrapped profiler's
-        self.inner = inner
-        self.on_fetch = on_fetch
-        self.seen = False
-
-    def start(self, action_name: str) -> None:
-        if action_name.endswith(_FETCH):
-            self.seen = True
-            self.on_fetch()
-        self.inner.start(action_name)
-
-    def stop(self, action_name: str) -> None:
-        self.inner.stop(action_name)
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
-        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
-
-    def teardown(self, stage: str | None) -> None:
-        self.inner.teardown(stage)
-
-    def __del__(self) -> None:  # the wrapped profiler's files belong to it, not to us
-        pass
-
-    def __getattr__(self, name: str) -> Any:  # e.g. ``dirpath`` of a user's profiler
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)

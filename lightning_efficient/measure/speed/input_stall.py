@@ -1,8 +1,10 @@
-"""``InputStallMonitor``: the share of step time spent waiting for the next batch.
+"""``InputStallMonitor``: the share of the training loop's time spent waiting for the next batch.
 
-A measuring callback (it changes nothing): it times the gap between one training step's end and
-the next one's start with the instrument's ``StepTimer`` and warns once, with a concrete fix,
-when the loader holds training back. Also importable from
+A measuring callback (it changes nothing but the trainer's profiler, wrapped for the fit): it
+times, with the instrument's ``StepTimer``, the loop's wait for each batch (from the start of the
+train loader's ``next``, seen through ``FetchWatch``, to the batch's step), the step, and the
+loop's own work between the two (callbacks, logging, schedulers), and warns once, with a concrete
+fix, when the loader holds training back. Also importable from
 ``lightning_efficient.techniques.dataloading`` (where it lived before).
 """
 
@@ -13,24 +15,48 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_efficient.core.change import patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_float, check_int
+from lightning_efficient.measure.speed.fetch_watch import FetchWatch
 from lightning_efficient.measure.speed.host import usable_cores
 from lightning_efficient.measure.speed.timing import StepTimer
 
-__all__ = ["InputStallMonitor"]
+__all__ = ["InputStallMonitor", "stall_fraction", "workers_to_hide"]
+
+
+def stall_fraction(wait: float, step: float, rest: float = 0.0) -> float | None:
+    """The share of the loop's time spent waiting for batches: ``wait / (wait + step + rest)``
+    (``None`` before anything was measured)."""
+    total = wait + step + rest
+    return wait / total if total > 0 else None
+
+
+def workers_to_hide(wait: float, cycle: float, workers: int) -> int:
+    """Loader workers that hide a measured ``wait`` behind the loop's ``cycle`` (its step and its
+    own work between steps, seconds over the same steps), from ``workers`` now: each batch takes
+    about ``wait + cycle`` per worker with ``workers`` of them, ``wait`` with none, and ``n``
+    workers deliver one per ``load / n``. At least one more than now."""
+    load = wait if workers == 0 else workers * (wait + cycle)
+    need = math.ceil(load / cycle) if cycle > 0 else workers + 1
+    return max(need, workers + 1)
 
 
 class InputStallMonitor(Technique):
-    """Measure the share of step time spent waiting for the next batch; warn once past a threshold.
+    """Measure the share of the training loop's time spent waiting for the next batch; warn once
+    past a threshold.
 
-    The wait is the time from ``on_train_batch_end`` to the next ``on_train_batch_start`` (the
-    next batch is fetched and moved to the device there), the step the time from
-    ``on_train_batch_start`` to ``on_train_batch_end``; time spent in validation is
-    skipped. Timed with the instrument's ``StepTimer`` (CUDA events on a GPU, so the wait is the
-    time the GPU sat idle). After ``check_after`` steps (and again when training ends, if not
-    decided yet) it warns once, with a concrete fix, when ``wait / (wait + step) > threshold``.
-    The fraction goes to the efficiency report.
+    Three regions per step, timed with the instrument's ``StepTimer`` (CUDA events on a GPU, so
+    the wait is the time the GPU sat idle): the *wait*, from the start of the train loader's
+    ``next`` (Lightning's profiler action, seen through ``FetchWatch``) to
+    ``on_train_batch_start`` (the batch is moved to the device in between); the *step*, from
+    ``on_train_batch_start`` to ``on_train_batch_end``; the *rest*, the loop's own work from a
+    step's end to the next fetch (callbacks, logging, LR schedulers), which more loader workers
+    would not shorten. Validation is cut out, the first batch never counted. Where the fetch is
+    not seen (a loop that fetches otherwise), the whole gap between two steps counts as the wait,
+    an upper bound, and the report says so. After ``check_after`` steps (and again when training
+    ends, if not decided yet) it warns once, with a concrete fix, when
+    ``wait / (wait + step + rest) > threshold``. The fraction goes to the efficiency report.
 
     Args:
         threshold: Stall fraction that triggers the warning, in [0, 1).
@@ -44,27 +70,46 @@ class InputStallMonitor(Technique):
         )
         self.check_after = check_int("check_after", check_after, minimum=1)
         self._timer: Any = None
-        self._waiting = False
+        self._open: str | None = None  # the region running between two steps: "rest" or "wait"
+        self._in_step = False
+        self._fetches = 0  # fetches seen between two steps
         self._steps = 0
         self._decided = False
         self.stall_fraction: float | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._timer = StepTimer(trainer.strategy.root_device)
-        self._waiting, self._steps, self._decided = False, 0, False
+        self._open, self._in_step, self._fetches, self._steps = None, False, 0, 0
+        self._decided = False
         self.stall_fraction = None
+        watch = FetchWatch(trainer.profiler, lambda: self._on_fetch(trainer))
+        self.record(trainer, patch_attribute(trainer, "profiler", watch))
+
+    def _on_fetch(self, trainer: Any) -> None:
+        if self._timer is None or self._steps == 0 or self._in_step or not trainer.training:
+            return  # the first batch is never counted; a fetch inside a step is the step's
+        self._fetches += 1
+        self._close()
+        self._timer.start("wait")
+        self._open = "wait"
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self._timer.stop(self._open)
+            self._open = None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._timer is None:
             return
-        self._end_wait()
+        self._close()
         if not self._decided and self._steps >= self.check_after:
             self._decide(trainer)  # no region is open here
         elif self._steps % 256 == 0:
             self._timer.totals()  # read pending CUDA events now and then, so they do not pile up
         self._timer.start("step")
+        self._in_step = True
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -72,49 +117,52 @@ class InputStallMonitor(Technique):
         if self._timer is None:
             return
         self._timer.stop("step")
+        self._in_step = False
         self._steps += 1
-        self._timer.start("wait")
-        self._waiting = True
-
-    def _end_wait(self) -> None:
-        if self._waiting:
-            self._timer.stop("wait")
-            self._waiting = False
+        self._timer.start("rest")
+        self._open = "rest"
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        # what follows is validation, not waiting for data (only the short gap before it counts)
+        # what follows is validation, not the loop's work between steps nor a wait for data
         if self._timer is not None:
-            self._end_wait()
+            self._close()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._timer is not None:
-            self._end_wait()
+            self._close()
 
-    def measured(self) -> tuple[float, float]:
-        """(wait seconds, step seconds) measured so far (call between steps)."""
+    @property
+    def fetch_seen(self) -> bool:
+        """Whether the train loader's ``next`` was seen between steps (else the wait is the
+        whole gap between two steps)."""
+        return self._fetches > 0
+
+    def measured(self) -> tuple[float, float, float]:
+        """(wait, step, rest) seconds measured so far (call between steps). Where the fetch was
+        not seen, the rest is counted as the wait (the whole gap between steps) and is 0."""
         if self._timer is None:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         totals = self._timer.totals()
-        return float(totals.get("wait", 0.0)), float(totals.get("step", 0.0))
+        wait, step, rest = (float(totals.get(k, 0.0)) for k in ("wait", "step", "rest"))
+        return (wait, step, rest) if self.fetch_seen else (wait + rest, step, 0.0)
 
     def _decide(self, trainer: Any) -> None:
-        wait, step = self.measured()
-        if wait + step <= 0:
+        wait, step, rest = self.measured()
+        fraction = stall_fraction(wait, step, rest)
+        if fraction is None:
             return
         self._decided = True
-        self.stall_fraction = fraction = wait / (wait + step)
+        self.stall_fraction = fraction
         if fraction > self.threshold:
             self.warn(
                 f"{fraction:.0%} of the step time is spent waiting for the next batch "
-                f"(threshold {self.threshold:.0%}). Fix: {self._fix(trainer, wait, step)}"
+                f"(threshold {self.threshold:.0%}). Fix: {self._fix(trainer, wait, step + rest)}"
             )
 
-    def _fix(self, trainer: Any, wait: float, step: float) -> str:
+    def _fix(self, trainer: Any, wait: float, cycle: float) -> str:
         loader = trainer.train_dataloader
         current = loader.num_workers if isinstance(loader, DataLoader) else 0
-        # with w workers a batch takes about w*(wait+step) to load; hide it behind `step`
-        need = math.ceil(wait / step) if current == 0 else math.ceil(current * (wait + step) / step)
-        need = max(need, current + 1, 1)
+        need = workers_to_hide(wait, cycle, current)
         return (
             f"Trainer(callbacks=[DataLoaderTuning(num_workers={need})]) (now {current} workers; "
             f"this machine has {usable_cores()} usable cores), or DevicePreload() if the "
@@ -124,16 +172,18 @@ class InputStallMonitor(Technique):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._timer is None:
             return
-        self._end_wait()
+        self._close()
         if not self._decided:
             self._decide(trainer)
-        wait, step = self.measured()
-        fraction = wait / (wait + step) if wait + step > 0 else 0.0
+        wait, step, rest = self.measured()
+        fraction = stall_fraction(wait, step, rest) or 0.0
         self.stall_fraction = fraction
+        seen = "" if self.fetch_seen else " (fetch not seen: the whole gap between steps)"
         self.report(
             trainer,
-            f"{fraction:.1%} of step time waiting for data over {self._steps} steps",
+            f"{fraction:.1%} of step time waiting for data over {self._steps} steps{seen}",
             stall_fraction=round(fraction, 4),
             wait_s=wait,
             step_s=step,
+            rest_s=rest,
         )

@@ -49,6 +49,8 @@ MOVED = {
 }
 #: Stayed at the floor's root: what every room runs on.
 ROOT_MODULES = {"step", "scratch", "plots"}
+#: Made in a room after the floor was grouped (no old flat path).
+BORN_IN_A_ROOM = {"speed.fetch_watch"}
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -81,4 +83,5 @@ def test_every_flat_module_is_in_a_room_or_at_the_root() -> None:
     assert flat == ROOT_MODULES and rooms == {"memory", "speed", "trials", "profiling"}
     placed = {f"{room.name}.{p.stem}" for room in folder.iterdir() for p in room.glob("*.py")}
     placed = {m for m in placed if not m.endswith(".__init__")}
-    assert set(MOVED.values()) | {"memory.breakdown"} == placed  # every module accounted for
+    # every module accounted for
+    assert set(MOVED.values()) | {"memory.breakdown"} | BORN_IN_A_ROOM == placed

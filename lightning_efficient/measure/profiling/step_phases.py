@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from lightning_efficient.measure.profiling.profile_report import phase_summary
+from lightning_efficient.measure.speed.fetch_watch import FetchWatch  # its home before
 from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.measure.speed.tokens import BatchCounter
 
-__all__ = ["StepPhases"]
+__all__ = ["FetchWatch", "StepPhases"]
 
 
 class StepPhases:

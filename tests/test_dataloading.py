@@ -550,6 +550,29 @@ def test_stall_monitor_does_not_blame_the_loader_for_the_loops_own_work(tmp_path
     assert trainer.profiler is not None and type(trainer.profiler).__name__ != "FetchWatch"
 
 
+@pytest.mark.filterwarnings("ignore:.*InputStallMonitor")
+def test_stall_monitor_beside_the_step_profiler_both_see_the_fetch(tmp_path) -> None:
+    # both wrap the trainer's profiler for the fit; each sees the fetch, the waits agree, and the
+    # trainer's own profiler is back after the fit
+    from helpers import tiny_trainer
+
+    from lightning_efficient.measure.profiling.profiler import StepProfiler
+
+    monitor = InputStallMonitor(check_after=2)
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    trainer = tiny_trainer(tmp_path, [profiler, monitor], max_steps=6, limit_val_batches=0)
+    own = trainer.profiler
+    with no_collector():
+        trainer.fit(tiny_model(), datamodule=DelayedData(0.01))  # 40 ms of loading per batch
+    assert trainer.profiler is own
+    assert monitor.fetch_seen and profiler.summary["fetch_seen"]
+    wait, step, rest = monitor.measured()
+    # the same region (the fetch to the step), 40 ms per batch: 5 waits (the first batch is
+    # never counted) against the profiler's data phase per measured step
+    assert wait / 5 == pytest.approx(profiler.summary["phases"]["data"], rel=0.2)
+    assert wait > 5 * 0.04 and monitor.stall_fraction > 0.1
+
+
 def test_stall_fraction_and_workers_to_hide() -> None:
     assert stall_fraction(1.0, 2.0, 1.0) == 0.25 and stall_fraction(0.0, 0.0) is None
     # 0 workers: a wait of 3 s over a cycle of 1 s takes 3 workers; 1 worker and a wait of 1 s

@@ -573,6 +573,35 @@ def test_stall_monitor_beside_the_step_profiler_both_see_the_fetch(tmp_path) -> 
     assert wait > 5 * 0.04 and monitor.stall_fraction > 0.1
 
 
+@pytest.mark.gpu
+def test_stall_monitor_on_cuda_times_the_idle_device(tmp_path) -> None:
+    """On CUDA the regions are CUDA events: slow data (400 ms of loading per batch) warns, fast
+    data with 50 ms steps stays quiet, and the wait equals StepProfiler's data phase."""
+    from lightning_efficient.measure.profiling.profiler import StepProfiler
+
+    def run(delay_s: float) -> tuple[list[str], InputStallMonitor, StepProfiler]:
+        monitor = InputStallMonitor(check_after=3)
+        profiler = StepProfiler(skip_steps=1, print_table=False)
+        with no_collector(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(
+                tmp_path, [profiler, monitor, StepCost(0.05)], data=DelayedData(delay_s),
+                max_steps=6, limit_val_batches=0, accelerator="gpu",
+            )  # fmt: skip
+        return (
+            [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)],
+            monitor,
+            profiler,
+        )
+
+    msgs, monitor, profiler = run(0.1)
+    assert len(msgs) == 1 and monitor.fetch_seen and monitor.stall_fraction > 0.5, msgs
+    wait, _, _ = monitor.measured()
+    assert wait / 5 == pytest.approx(profiler.summary["phases"]["data"], rel=0.2)
+    msgs, monitor, _ = run(0.0)
+    assert msgs == [] and monitor.stall_fraction < 0.1
+
+
 def test_stall_fraction_and_workers_to_hide() -> None:
     assert stall_fraction(1.0, 2.0, 1.0) == 0.25 and stall_fraction(0.0, 0.0) is None
     # 0 workers: a wait of 3 s over a cycle of 1 s takes 3 workers; 1 worker and a wait of 1 s

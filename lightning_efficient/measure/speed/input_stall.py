@@ -47,9 +47,10 @@ class InputStallMonitor(Technique):
     past a threshold.
 
     Three regions per step, timed with the instrument's ``StepTimer`` (CUDA events on a GPU, so
-    the wait is the time the GPU sat idle): the *wait*, from the start of the train loader's
-    ``next`` (Lightning's profiler action, seen through ``FetchWatch``) to
-    ``on_train_batch_start`` (the batch is moved to the device in between); the *step*, from
+    the wait is expected to be the time the GPU sat idle; not yet measured on a GPU): the *wait*,
+    from the start of the train loader's ``next`` (Lightning's profiler action, seen through
+    ``FetchWatch``) to ``on_train_batch_start`` (the batch is moved to the device in between);
+    the *step*, from
     ``on_train_batch_start`` to ``on_train_batch_end``; the *rest*, the loop's own work from a
     step's end to the next fetch (callbacks, logging, LR schedulers), which more loader workers
     would not shorten. Validation is cut out, the first batch never counted. Where the fetch is

@@ -1,6 +1,6 @@
 """Fit the tiny model under FullyShardedStrategy with 2 CPU processes (gloo); each rank writes
 ``OUT/rank<r>.json``: its losses, what was sharded and checkpointed, its report (with
-MemoryBreakdown's tracked peak of step 1 when asked). Options come as one JSON object.
+MemoryBreakdown's tracked peak of each sampled step when asked). Options come as one JSON object.
 
 Usage: python tests/_fsdp_fit.py '{"callbacks": {"ActivationCheckpointing": {}}, ...}' OUT
 (keys: callbacks, strategy, trainer, model (``tiny_model`` overrides), steps, save_at,
@@ -118,6 +118,12 @@ def main(options: dict, out: Path) -> None:
         },
         "report": report_for(trainer).to_dict(),
         "allocator": allocator.result if allocator is not None else None,
+        "tracked_peaks": {  # MemoryBreakdown's peak of each sampled step
+            step: m.peak_bytes
+            for c in callbacks
+            if isinstance(c, techniques.MemoryBreakdown)
+            for step, m in c.measurements.items()
+        },
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, default=str))
     torch.distributed.barrier()

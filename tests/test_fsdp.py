@@ -47,7 +47,7 @@ STEPS, SAVE_AT = 4, 2
 RUN = {
     "callbacks": {
         "ActivationCheckpointing": {},
-        "MemoryBreakdown": {"sample_steps": [1], "print_table": False},
+        "MemoryBreakdown": {"sample_steps": [1, 2, 3], "print_table": False},
     },
     "steps": STEPS,
     "save_at": SAVE_AT,
@@ -188,7 +188,12 @@ def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
     FSDP2's ``resize_`` frees of gathered blocks are followed); the per-rank estimate of the same
     step (fake tensors, FSDP full over 2 ranks: the root and the current block gathered, the
     head's and the current block's gradients whole, the last reduce-scatter input kept) is within
-    5% of it. Measured here: within 0.01% (benchmarks/scale_out.py, two sizes and shardings)."""
+    5% of it. Measured here: within 0.01% (benchmarks/scale_out.py, two sizes and shardings).
+
+    The steady peak is the least of steps 1-3 (the same memory: optimizer state exists): under
+    load (6-10 busy processes on 2 cores), step 1 read exactly one block's parameters more on a
+    rank in 5 of 34 launches (822,208 against 771,392 bytes; steps 2 and 3 never, in the 8 that
+    sampled them): a collective's block-sized buffer freed late. CI failed on it once."""
     from lightning_efficient.measure.memory.estimate import estimate_memory
     from lightning_efficient.techniques.activation_checkpointing import (
         apply_activation_checkpointing,
@@ -203,7 +208,9 @@ def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
         tracked = rank["report"]["MemoryBreakdown"]
         assert tracked["parameters_bytes"] == whole / 2  # this rank's shards only
         assert tracked["optimizer_state_bytes"] <= whole + 256  # AdamW's 2 moments of half
-        assert abs(est.peak_bytes - tracked["peak_bytes"]) / tracked["peak_bytes"] < 0.05
+        steady = min(rank["tracked_peaks"].values())
+        assert len(rank["tracked_peaks"]) == 3
+        assert abs(est.peak_bytes - steady) / steady < 0.05
 
 
 # -- refusals: at fit start, before anything is sharded ---------------------------------------

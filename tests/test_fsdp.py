@@ -193,7 +193,7 @@ def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
     The steady peak is the least of steps 1-3 (the same memory: optimizer state exists): under
     load (6-10 busy processes on 2 cores), step 1 read exactly one block's parameters more on a
     rank in 5 of 34 launches (822,208 against 771,392 bytes; steps 2 and 3 never, in the 8 that
-    sampled them): a collective's block-sized buffer freed late. CI failed on it once."""
+    sampled them): likely a collective's block-sized buffer freed late. CI failed on it once."""
     from lightning_efficient.measure.memory.estimate import estimate_memory
     from lightning_efficient.techniques.activation_checkpointing import (
         apply_activation_checkpointing,

@@ -494,29 +494,35 @@ class StepCost(Callback):
         time.sleep(self.seconds)
 
 
-def _stall_warnings(tmp_path, delay_s: float) -> tuple[list[str], InputStallMonitor]:
+def _stall_warnings(
+    tmp_path, delay_s: float, *callbacks: Callback, step_s: float = 0.05, **trainer_kwargs
+) -> tuple[list[str], InputStallMonitor, pl.Trainer]:
+    """A 6-step fit with the monitor (deciding after 3 steps), ``delay_s`` of loading per sample,
+    steps of ``step_s`` and ``callbacks`` after the monitor's: its warnings, itself, the trainer."""
     monitor = InputStallMonitor(check_after=3)
     with no_collector(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(
+        trainer, _, _ = fit(
             tmp_path,
-            [monitor, StepCost(0.05)],
+            [monitor, StepCost(step_s), *callbacks],
             data=DelayedData(delay_s),
             max_steps=6,
             limit_val_batches=0,
+            **trainer_kwargs,
         )
-    return [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)], monitor
+    msgs = [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)]
+    return msgs, monitor, trainer
 
 
 def test_stall_monitor_warns_once_on_slow_data_with_the_fix(tmp_path) -> None:
-    msgs, monitor = _stall_warnings(tmp_path, delay_s=0.1)  # 400 ms of loading per batch
+    msgs, monitor, _ = _stall_warnings(tmp_path, delay_s=0.1)  # 400 ms of loading per batch
     assert len(msgs) == 1, msgs
     assert "waiting for the next batch" in msgs[0] and "DataLoaderTuning(num_workers=" in msgs[0]
     assert monitor.stall_fraction is not None and monitor.stall_fraction > 0.1
 
 
 def test_stall_monitor_quiet_on_fast_data(tmp_path) -> None:
-    msgs, monitor = _stall_warnings(tmp_path, delay_s=0.0)
+    msgs, monitor, _ = _stall_warnings(tmp_path, delay_s=0.0)
     assert msgs == []
     assert monitor.stall_fraction is not None and monitor.stall_fraction < 0.1
 
@@ -535,13 +541,8 @@ class SlowLoopWork(Callback):
 def test_stall_monitor_does_not_blame_the_loader_for_the_loops_own_work(tmp_path) -> None:
     # 50 ms of callback work per step on fast data: the whole gap between two steps is 50 ms
     # against a step of 1-50 ms (the old measure read it all as waiting for data and warned)
-    monitor = InputStallMonitor(check_after=3)
-    with no_collector(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer, _, _ = fit(
-            tmp_path, [monitor, SlowLoopWork(0.05)], max_steps=6, limit_val_batches=0
-        )
-    assert not [w for w in caught if "InputStallMonitor" in str(w.message)]
+    msgs, monitor, trainer = _stall_warnings(tmp_path, 0.0, SlowLoopWork(0.05), step_s=0.0)
+    assert msgs == []
     wait, step, rest = monitor.measured()
     assert monitor.fetch_seen and rest > 5 * 0.05 > 10 * wait, (wait, step, rest)
     assert monitor.stall_fraction is not None and monitor.stall_fraction < 0.1
@@ -579,26 +580,12 @@ def test_stall_monitor_on_cuda_times_the_idle_device(tmp_path) -> None:
     data with 50 ms steps stays quiet, and the wait equals StepProfiler's data phase."""
     from lightning_efficient.measure.profiling.profiler import StepProfiler
 
-    def run(delay_s: float) -> tuple[list[str], InputStallMonitor, StepProfiler]:
-        monitor = InputStallMonitor(check_after=3)
-        profiler = StepProfiler(skip_steps=1, print_table=False)
-        with no_collector(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fit(
-                tmp_path, [profiler, monitor, StepCost(0.05)], data=DelayedData(delay_s),
-                max_steps=6, limit_val_batches=0, accelerator="gpu",
-            )  # fmt: skip
-        return (
-            [str(w.message) for w in caught if "InputStallMonitor" in str(w.message)],
-            monitor,
-            profiler,
-        )
-
-    msgs, monitor, profiler = run(0.1)
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    msgs, monitor, _ = _stall_warnings(tmp_path, 0.1, profiler, accelerator="gpu")
     assert len(msgs) == 1 and monitor.fetch_seen and monitor.stall_fraction > 0.5, msgs
     wait, _, _ = monitor.measured()
     assert wait / 5 == pytest.approx(profiler.summary["phases"]["data"], rel=0.2)
-    msgs, monitor, _ = run(0.0)
+    msgs, monitor, _ = _stall_warnings(tmp_path, 0.0, accelerator="gpu")
     assert msgs == [] and monitor.stall_fraction < 0.1
 
 

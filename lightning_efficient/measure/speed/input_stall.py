@@ -73,14 +73,14 @@ class InputStallMonitor(Technique):
         self._timer: Any = None
         self._open: str | None = None  # the region running between two steps: "rest" or "wait"
         self._in_step = False
-        self._fetches = 0  # fetches seen between two steps
+        self._fetch_seen = False  # the train loader's next, seen between two steps
         self._steps = 0
         self._decided = False
         self.stall_fraction: float | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._timer = StepTimer(trainer.strategy.root_device)
-        self._open, self._in_step, self._fetches, self._steps = None, False, 0, 0
+        self._open, self._in_step, self._fetch_seen, self._steps = None, False, False, 0
         self._decided = False
         self.stall_fraction = None
         watch = FetchWatch(trainer.profiler, lambda: self._on_fetch(trainer))
@@ -89,7 +89,7 @@ class InputStallMonitor(Technique):
     def _on_fetch(self, trainer: Any) -> None:
         if self._timer is None or self._steps == 0 or self._in_step or not trainer.training:
             return  # the first batch is never counted; a fetch inside a step is the step's
-        self._fetches += 1
+        self._fetch_seen = True
         self._close()
         self._timer.start("wait")
         self._open = "wait"
@@ -136,7 +136,7 @@ class InputStallMonitor(Technique):
     def fetch_seen(self) -> bool:
         """Whether the train loader's ``next`` was seen between steps (else the wait is the
         whole gap between two steps)."""
-        return self._fetches > 0
+        return self._fetch_seen
 
     def measured(self) -> tuple[float, float, float]:
         """(wait, step, rest) seconds measured so far (call between steps). Where the fetch was

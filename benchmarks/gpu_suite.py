@@ -288,6 +288,22 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def time_for(
+    part: Part, later: list[Part], elapsed: float, budget_s: float, scale: float
+) -> tuple[float, float]:
+    """``(left, timeout)`` of ``part`` after ``elapsed`` s: what the budget leaves it once the
+    ``later`` timed parts' time is kept (their caps for a part of phase A, their minimums for a
+    timed one), and its time limit: that, at most its cap; a part with ``spare_s`` may take that
+    much more where the budget still holds the later parts' caps."""
+    keep = sum((p.cap_s if part.lane != PHASE_B else p.min_s) * scale for p in later)
+    left = budget_s - elapsed - keep
+    timeout = min(part.cap_s * scale, left)
+    if part.spare_s:  # its rows that run only where time is left
+        spare = budget_s - elapsed - sum(p.cap_s * scale for p in later)
+        timeout = max(timeout, min((part.cap_s + part.spare_s) * scale, spare))
+    return left, timeout
+
+
 # -- the suite -------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -397,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             "title": part.title,
             "lane": part.lane,
             "cap_s": part.cap_s * scale,
+            "spare_s": part.spare_s * scale,
             "cap_basis": part.basis,
             "rows": [],
             "figures": {},
@@ -424,11 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         if part.number not in selected:
             entry.update(status="skipped", reason="not selected (--parts)", seconds=0.0)
             return
-        # what the parts after this one must keep: the timed parts' caps for phase A, the
-        # minimum of the later timed parts for a timed one
         later = [p for p in chosen if p.lane == PHASE_B and p.number > part.number]
-        keep = sum((p.cap_s if part.lane != PHASE_B else p.min_s) * scale for p in later)
-        left = args.budget_s - (time.time() - started) - keep
+        left, timeout = time_for(part, later, time.time() - started, args.budget_s, scale)
         if left < part.min_s * scale:
             entry.update(
                 status="skipped",
@@ -442,7 +456,6 @@ def main(argv: list[str] | None = None) -> int:
                 if not child.shared:  # a shared process goes on to the lane's next part
                     child.kill()
             return
-        timeout = min(entry["cap_s"], left)
         with say:
             print(f"[{part.number}/{len(PARTS)}] {part.title} (cap {timeout:.0f} s)", flush=True)
         if part.key == "pytest":

@@ -1,6 +1,6 @@
 """What every part process of ``benchmarks/gpu_suite.py`` shares: the context a part is given
 (``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config,
-an HF Llama with PEFT LoRA), the instrument's estimate of a spec, the suite's MFU terms (the
+an HF Llama with PEFT LoRA, the packing benchmarks' Llama on documents), the instrument's estimate of a spec, the suite's MFU terms (the
 device's bf16 peak from the package's ``measure.speed.flops`` table, FLOPs per token), and
 ``child_main``, which runs one part in its own process (``python benchmarks/<part script> --ctx
 FILE``; the scripts are named in ``_gpu_registry.PARTS``).

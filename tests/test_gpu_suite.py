@@ -102,8 +102,9 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     ladder = {r["setting"].split(",")[0]: r for r in by["ladder"]["rows"]}
     assert ladder["plain Lightning"]["largest_trained"]
     # part 5: the ablation, one lever per row (issue 29); CUDA graphs need CUDA
-    speed = {r["variant"]: r for r in by["speed"]["rows"]}
-    ran = [r for r in by["speed"]["rows"] if r["status"] == "ok"]
+    ablation = [r for r in by["speed"]["rows"] if r.get("table") != "packing"]
+    speed = {r["variant"]: r for r in ablation}
+    ran = [r for r in ablation if r["status"] == "ok"]
     assert len(ran) == 8 and all(r["tokens_per_s"] > 0 and r["vs_plain"] > 0 for r in ran)
     assert speed["+ CUDA graphs"]["status"].startswith("skipped: CUDA graphs")
     compiled = speed["+ compile (scope auto)"]["compile"]
@@ -113,11 +114,22 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     assert all("levers" in r for r in ran if not r["variant"].startswith("last"))
     assert by["speed"]["figures"]["profiler_overhead"] > 0
     assert "StepProfiler's cost" in md.read_text()
+    # issue 52: packing's pair after the ablation, its figure beside the goal (not a GPU one)
+    pair = [r for r in by["speed"]["rows"] if r.get("table") == "packing"]
+    assert [(r["loader"], r["status"]) for r in pair] == [("padded", "ok"), ("packed", "ok")]
+    assert pair[1]["packing"]["path"] == "hf-position-ids" and pair[1]["fill"] > pair[0]["fill"]
+    assert by["speed"]["figures"]["packing_speedup"] > 0
+    assert "| >= 2x | not measured yet (dry run: " in md.read_text()
     assert {r["variant"] for r in by["compile"]["rows"]} == {"regional", "whole", "eager"}
     assert by["compile"]["figures"]["auto_choice"] in ("regional", "whole")
     # part 7 (issue 39): PEFT LoRA alone and with the QLoRA stack, real runs against estimates
     tune = by["finetune"]["rows"]
-    assert [r["status"] for r in tune] == ["ok", "ok"], tune
+    assert [r["status"] for r in tune] == ["ok", "ok", "ok"], tune
+    # issue 52: the last stack again, in a process of its own with expandable segments
+    assert tune[2]["stack"] == tune[1]["stack"], tune[2]
+    assert tune[2]["allocator"] == tune[2]["allocator_conf"] == "expandable_segments:True"
+    assert tune[1]["allocator_conf"] is None and "allocator" not in tune[1]
+    tune = tune[:2]
     assert all(r["tokens_per_s"] > 0 and r["timed_steps"] > 0 for r in tune), tune
     assert abs(tune[0]["ratio"] - 1) < 0.05, tune[0]  # on the CPU the estimate is exact
     # the stack's estimate leaves out the original weights FrozenWeights4bit keeps for its undo
@@ -686,9 +698,16 @@ def test_spare_time_only_where_the_budget_has_it(suite) -> None:
     later = suite.Part(9, "later", "a later timed part", 40, 20, suite.PHASE_B, "-", "x.py")
     assert suite.time_for(part, [later], 540 - 200, 540, 1.0) == (180, cap + spare)
     assert suite.time_for(part, [later], 540 - 100, 540, 1.0) == (80, cap)  # later's cap kept
-    # every other part: as before, at most its cap
+    # part 5 (the ablation, then the packing pair) too, before part 7: it keeps part 7's
+    # minimum, and takes spare time only where part 7's whole cap is left
     speed = next(p for p in suite.PARTS if p.key == "speed")
-    assert speed.spare_s == 0 and suite.time_for(speed, [], 0, 540, 1.0) == (540, speed.cap_s)
+    assert suite.time_for(speed, [part], 200, 540, 1.0) == (315, speed.cap_s + speed.spare_s)
+    left, timeout = suite.time_for(speed, [part], 540 - 200, 540, 1.0)
+    assert left == 200 - part.min_s and timeout == speed.cap_s
+    # every other part: as before, at most its cap
+    compiled = next(p for p in suite.PARTS if p.key == "compile")
+    assert compiled.spare_s == 0
+    assert suite.time_for(compiled, [part], 0, 540, 1.0) == (540 - part.min_s, compiled.cap_s)
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import RunPool, run_status
+from _gpu_run import RunPool, run_status, timed_fields
 from _results import fmt_bytes
 
 __all__ = ["ALLOCATOR", "STACKS", "part_finetune"]
@@ -204,13 +204,7 @@ def _run_row(
         reserved_bytes=res.get("reserved_bytes"),
         setup_peak_bytes=res.get("setup_peak_bytes"),
         fit_peak_bytes=res.get("fit_peak_bytes"),
-        tokens_per_s=res.get("tokens_per_s"),
-        step_s=res.get("step_s"),
-        timed_steps=res.get("timed_steps"),
-        first_step_s=res.get("first_step_s"),
-        loss=res.get("loss"),
-        report=res.get("report"),
-        wall_s=res.get("wall_s"),
+        **timed_fields(res),
     )
     return res.get("wall_s") or last_wall
 

@@ -55,6 +55,7 @@ __all__ = [
     "run_real",
     "run_spec_main",
     "run_status",
+    "timed_fields",
 ]
 
 RUN_SCRIPT = Path(__file__).resolve()
@@ -437,6 +438,15 @@ def run_real(spec: dict[str, Any], ctx: Ctx, isolate: bool, timeout: float) -> d
         return pool.wait([pool.submit(spec, timeout, isolate)])[0]
     finally:
         pool.close()
+
+
+#: A run's figures of its timed steps, as the rows of the timed parts record them.
+TIMED = ("tokens_per_s", "step_s", "timed_steps", "first_step_s", "loss", "report", "wall_s")
+
+
+def timed_fields(res: dict[str, Any]) -> dict[str, Any]:
+    """``TIMED`` of a run's result (None where it has none)."""
+    return {k: res.get(k) for k in TIMED}
 
 
 def run_status(res: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import RunPool, run_status
+from _gpu_run import RunPool, run_status, timed_fields
 
 __all__ = ["ABLATION", "part_speed"]
 
@@ -172,12 +172,7 @@ def _timed_row(
         "micro_batch": spec["batch"],
         "accumulate": spec["accumulate"],
         "status": run_status(res),
-        "tokens_per_s": res.get("tokens_per_s"),
-        "step_s": res.get("step_s"),
-        "timed_steps": res.get("timed_steps"),
-        "first_step_s": res.get("first_step_s"),
-        "loss": res.get("loss"),
-        "report": res.get("report"),
+        **timed_fields(res),
     }
     if peak and res.get("tokens_per_s"):
         row["mfu"] = res["tokens_per_s"] * fpt / peak
@@ -243,17 +238,11 @@ def _packing_row(ctx: Ctx, rec: Recorder, pool: RunPool, name: str, spec: dict[s
         precision=res.get("precision", spec["precision"]),
         batch=spec["batch"],
         status=run_status(res),
-        tokens_per_s=res.get("tokens_per_s"),
-        step_s=res.get("step_s"),
-        timed_steps=res.get("timed_steps"),
-        first_step_s=res.get("first_step_s"),
         fill=res.get("fill"),
-        loss=res.get("loss"),
         packing={k: packed.get(k) for k in ("fill", "padded_fill", "path", "rows", "check_error")}
         if packed
         else None,
-        report=res.get("report"),
-        wall_s=res.get("wall_s"),
+        **timed_fields(res),
     )
 
 

@@ -190,8 +190,8 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     peak, ``setup_peak_bytes`` the peak before the first step, ``fit_peak_bytes`` the larger),
     ``data`` (``"documents"``: ``_Documents`` of ``spec["documents"]`` documents; tokens/s
     counts their tokens, ``fill`` is tokens over slots). The result also says the allocator
-    settings the run's process started with (``PYTORCH_CUDA_ALLOC_CONF``) and, on CUDA, whether
-    its segments were expandable.
+    settings the run's process started with (``PYTORCH_CUDA_ALLOC_CONF``) and, on CUDA with a
+    setting, whether its segments were expandable.
     """
     cuda = spec["device"] == "cuda"
     out: dict[str, Any] = {"ok": False, "oom": False, "error": None}
@@ -270,9 +270,9 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         out["error"] = f"emulated out of memory: peak {format_bytes(meter.peak)} over the cap"
     out["first_step_s"] = clock.first_step_s
     out["allocator_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if cuda:  # before empty_cache: the segments the run reserved
-        segments = torch.cuda.memory_snapshot()
-        out["expandable_segments"] = any(s.get("is_expandable") for s in segments)
+    if cuda and out["allocator_conf"]:  # before empty_cache: the segments the run reserved
+        flags = {s["is_expandable"] for s in torch.cuda.memory_snapshot() if "is_expandable" in s}
+        out["expandable_segments"] = (True in flags) if flags else None  # None: not said
     if clock.seconds and clock.steps:
         if clock.counter is not None:  # batches of varying shape: their own tokens
             tokens = clock.counter.tokens or 0

@@ -660,7 +660,10 @@ def test_packing_pair_dry_run(suite, tmp_path) -> None:
     assert padded["tokens_per_s"] > 0 and packed["timed_steps"] > 0
     packer = packed["packing"]  # the callback's own report: rows it built, the path it chose
     assert packer["path"] == "hf-position-ids" and packer["check_error"] < 1e-5, packer
-    assert packed["fill"] > 0.9 > 0.6 > padded["fill"] > 0, (packed["fill"], padded["fill"])
+    # the timed steps' fill (padded: 1 to 4 seeded batches, 0.29-0.66 each) and the packer's
+    # own figures over every document
+    assert packed["fill"] > 0.9 > 0.7 > padded["fill"] > 0, (packed["fill"], padded["fill"])
+    assert packer["fill"] > 0.9 > 0.6 > packer["padded_fill"], packer
     assert padded["packing"] is None
     ratio = rec.data["figures"]["packing_speedup"]
     assert ratio == packed["vs_padded"] == packed["tokens_per_s"] / padded["tokens_per_s"]

@@ -1,6 +1,6 @@
 """What every part process of ``benchmarks/gpu_suite.py`` shares: the context a part is given
 (``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config,
-an HF Llama with PEFT LoRA), the instrument's estimate of a spec, the suite's MFU terms (the
+an HF Llama with PEFT LoRA, the packing benchmarks' Llama on documents), the instrument's estimate of a spec, the suite's MFU terms (the
 device's bf16 peak from the package's ``measure.speed.flops`` table, FLOPs per token), and
 ``child_main``, which runs one part in its own process (``python benchmarks/<part script> --ctx
 FILE``; the scripts are named in ``_gpu_registry.PARTS``).
@@ -30,6 +30,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from _documents import llama  # noqa: E402
 
 import lightning_efficient as le  # noqa: E402
 from lightning_efficient.demos import TinyGPT  # noqa: E402
@@ -42,6 +43,7 @@ __all__ = [
     "SWAP8",
     "Ctx",
     "HFGPT2",
+    "HFLlamaDocs",
     "HFLlamaLoRA",
     "INCOMPLETE",
     "Recorder",
@@ -204,8 +206,12 @@ class _HFCausalLM(pl.LightningModule):
     lr: float
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, _ = batch
-        loss = self.model(input_ids=x, labels=x).loss
+        if isinstance(batch, dict):  # documents: padded, or packed rows (SequencePacking)
+            keys = ("input_ids", "labels", "attention_mask")  # as a user's step passes them
+            loss = self.model(**{k: batch[k] for k in keys if k in batch}).loss
+        else:
+            x, _ = batch
+            loss = self.model(input_ids=x, labels=x).loss
         self.log("train_loss", loss)
         return loss
 
@@ -289,10 +295,25 @@ class HFLlamaLoRA(_HFCausalLM):
         self.lr = lr
 
 
+class HFLlamaDocs(_HFCausalLM):
+    """The packing benchmarks' Llama for byte tokens (``_documents.llama``: hidden ``n_embd``,
+    intermediate 4x, GQA ``n_head``/``n_kv_head``), every weight trained, on dict batches of
+    documents (padded, or packed rows)."""
+
+    def __init__(
+        self, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_kv_head: int = 2,
+        lr: float = 1e-4,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.model = llama(n_embd, n_layer, n_head, n_kv_head)
+        self.lr = lr
+
+
 def build_model(kind: str, dims: dict[str, Any], device: str = "cpu") -> pl.LightningModule:
-    """``kind`` ``"tinygpt"`` (the demo module), ``"hf_gpt2"`` or ``"llama_lora"``
-    (``HFLlamaLoRA``'s arguments); ``dims``: n_layer, n_embd, n_head, vocab, seq and optionally
-    dropout (``"llama_lora"``: its own). Parameters are created on ``device``."""
+    """``kind`` ``"tinygpt"`` (the demo module), ``"hf_gpt2"``, ``"llama_lora"``
+    (``HFLlamaLoRA``'s arguments) or ``"llama_docs"`` (``HFLlamaDocs``'s); ``dims``: n_layer,
+    n_embd, n_head, vocab, seq and optionally dropout (the Llamas: their own). Parameters are
+    created on ``device``."""
     with torch.device(device):
         if kind == "tinygpt":
             return TinyGPT(
@@ -307,6 +328,8 @@ def build_model(kind: str, dims: dict[str, Any], device: str = "cpu") -> pl.Ligh
             return HFGPT2(**dims)
         if kind == "llama_lora":
             return HFLlamaLoRA(**dims)
+        if kind == "llama_docs":
+            return HFLlamaDocs(**dims)
     raise ValueError(f"unknown model kind {kind!r}")
 
 

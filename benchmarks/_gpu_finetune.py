@@ -13,6 +13,13 @@ warm-up (synchronised wall time). On CUDA the peak is the training steps' own (t
 models 2 steps); the peak before the first step is recorded beside it: the model moved to the
 device in bf16 and, for the stack, its frozen weights quantized there, layer by layer.
 
+Where time is left (issue 52, item 3; the part's ``spare_s`` in ``_gpu_registry``): the QLoRA
+stack again with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the allocator reads
+when CUDA starts, so in processes of its own (a ``RunPool`` with that environment; also on the
+CPU, where it changes nothing, so the dry run checks that the setting reaches the run): its
+reserved bytes against the default allocator's on the same stack (peers report -34% reserved for
+QLoRA, torchtune #1185).
+
 Without peft (or its accelerate) the rows say ``skipped: peft not installed``; without
 bitsandbytes the QLoRA row says so. Run by the suite as ``python benchmarks/_gpu_finetune.py
 --ctx FILE``.
@@ -39,10 +46,10 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import RunPool, run_status
+from _gpu_run import RunPool, run_status, timed_fields
 from _results import fmt_bytes
 
-__all__ = ["STACKS", "part_finetune"]
+__all__ = ["ALLOCATOR", "STACKS", "part_finetune"]
 
 FOUR_BIT = {"class_path": "FrozenWeights4bit", "init_args": {}}
 #: The rows: (stack, the package's techniques).
@@ -50,6 +57,9 @@ STACKS: list[tuple[str, list[dict[str, Any]]]] = [
     ("LoRA", []),
     ("LoRA + 4-bit frozen weights + checkpointing + chunked loss", [FOUR_BIT, AC, CHUNKED]),
 ]
+#: The allocator row's setting (the last stack again, where time is left): the environment of
+#: its processes.
+ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def _missing_peft() -> str | None:
@@ -105,12 +115,17 @@ def part_finetune(ctx: Ctx, rec: Recorder) -> None:
     if ctx.cuda:
         thread.start()
     pool = RunPool(ctx, warm=1 if ctx.cuda else 0)
+    # the allocator row's processes: the setting in their environment before CUDA starts
+    spare = RunPool(ctx, warm=1 if ctx.cuda else 0, env=ALLOCATOR)
     last_wall: float | None = None
     try:
         for name, techniques in STACKS:
             last_wall = _run_row(ctx, rec, pool, name, techniques, dims, last_wall)
+        name, techniques = STACKS[-1]
+        _run_row(ctx, rec, spare, name, techniques, dims, last_wall, allocator=True)
     finally:
         pool.close()
+        spare.close()
     if not ctx.cuda:
         thread.start()
     thread.join(max(0.0, ctx.left() - 1))
@@ -152,13 +167,17 @@ def _run_row(
     techniques: list[dict[str, Any]],
     dims: dict[str, Any],
     last_wall: float | None,
+    allocator: bool = False,
 ) -> float | None:
-    """One stack's real run; its row is written as soon as the run ends."""
+    """One stack's real run; its row is written as soon as the run ends. ``allocator``: the
+    row of ``pool``'s allocator setting (``ALLOCATOR``), in a process of its own also on the
+    CPU."""
     f = ctx.profile["finetune"]
     need = 1.2 * last_wall if last_wall else 15.0
+    setting = {"allocator": ALLOCATOR["PYTORCH_CUDA_ALLOC_CONF"]} if allocator else {}
     if ctx.left() < need:
         basis = f"the last run took {last_wall:.0f} s" if last_wall else "a first guess"
-        rec.row(stack=name, **time_skip(ctx.left(), need, basis))
+        rec.row(stack=name, **setting, **time_skip(ctx.left(), need, basis))
         return last_wall
     spec = {
         "model": "llama_lora",
@@ -172,9 +191,12 @@ def _run_row(
         "setup_peak": True,  # CUDA: the steps' peak apart from the one before them
         "timing": {"warmup": f["warmup"], "window_s": f["window_s"]},
     }
-    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
+    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda or allocator)])[0]
     rec.row(
         stack=name,
+        **setting,
+        allocator_conf=res.get("allocator_conf"),  # as the run's process saw it
+        expandable_segments=res.get("expandable_segments"),  # CUDA: its segments
         precision=res.get("precision", f["precision"]),
         batch=f["batch"],
         status=run_status(res),
@@ -182,15 +204,26 @@ def _run_row(
         reserved_bytes=res.get("reserved_bytes"),
         setup_peak_bytes=res.get("setup_peak_bytes"),
         fit_peak_bytes=res.get("fit_peak_bytes"),
-        tokens_per_s=res.get("tokens_per_s"),
-        step_s=res.get("step_s"),
-        timed_steps=res.get("timed_steps"),
-        first_step_s=res.get("first_step_s"),
-        loss=res.get("loss"),
-        report=res.get("report"),
-        wall_s=res.get("wall_s"),
+        **timed_fields(res),
     )
     return res.get("wall_s") or last_wall
+
+
+def _finish_allocator(rec: Recorder) -> str:
+    """The allocator row against the same stack's default one: reserved over allocated of
+    each, and expandable segments' reserved over the default's (figure
+    ``expandable_reserved_ratio``); the headline's clause."""
+    rows = rec.data["rows"]
+    default = next((r for r in rows if r["stack"] == STACKS[-1][0] and "allocator" not in r), {})
+    spare = next((r for r in rows if "allocator" in r), {})
+    for r in (default, spare):
+        if r.get("reserved_bytes") and r.get("measured_bytes"):
+            r["reserved_over_allocated"] = r["reserved_bytes"] / r["measured_bytes"]
+    if not (default.get("reserved_bytes") and spare.get("reserved_bytes")):
+        return ""
+    ratio = spare["reserved_vs_default"] = spare["reserved_bytes"] / default["reserved_bytes"]
+    rec.figure(expandable_reserved_ratio=ratio)
+    return f"; expandable segments: reserved {ratio:.2f}x the default's"
 
 
 def _finish(rec: Recorder) -> None:
@@ -201,6 +234,7 @@ def _finish(rec: Recorder) -> None:
             r["vs_lora"] = r["tokens_per_s"] / plain["tokens_per_s"]
         if plain.get("measured_bytes") and r.get("measured_bytes"):
             r["peak_vs_lora"] = r["measured_bytes"] / plain["measured_bytes"]
+    allocator = _finish_allocator(rec)
     rec.save()
     if plain.get("status") == "ok" and stack.get("status") == "ok":
         ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r.get("ratio")) or "-"
@@ -210,7 +244,7 @@ def _finish(rec: Recorder) -> None:
             f"peak {fmt_bytes(plain['measured_bytes'])} -> {fmt_bytes(stack['measured_bytes'])} "
             f"({stack['peak_vs_lora']:.2f}x{before}), tokens/s "
             f"{plain['tokens_per_s']:,.0f} -> {stack['tokens_per_s']:,.0f} "
-            f"({stack['vs_lora']:.2f}x); estimate / measured {ratios}"
+            f"({stack['vs_lora']:.2f}x); estimate / measured {ratios}{allocator}"
         )
     else:
         rec.finish("the LoRA run and the stack's run did not both train")

@@ -11,7 +11,7 @@ from typing import Any
 
 from _results import fmt_bytes, table
 
-__all__ = ["RENDER", "markdown"]
+__all__ = ["GOALS", "RENDER", "markdown"]
 
 
 def _pct(x: Any) -> str:
@@ -194,6 +194,33 @@ def _render_ladder(p: dict) -> str:
     )
 
 
+def _render_packing(rows: list[dict]) -> str:
+    def fill(r: dict) -> str:
+        packer = r.get("packing") or {}
+        if not packer.get("fill"):
+            return _pct(r.get("fill"))
+        made = f"rows {_pct(packer['fill'])}; padded {_pct(packer.get('padded_fill'))}"
+        return f"{_pct(r.get('fill'))} ({made})"
+
+    return table(
+        ["Loader", "Precision", "Batch", "Tokens/s", "Step", "Fill", "vs padded", "Status"],
+        [
+            (
+                r["variant"],
+                r.get("precision", "-"),
+                r.get("batch", "-"),
+                _num(r.get("tokens_per_s"), "{:,.0f}"),
+                _ms(r.get("step_s")),
+                fill(r),
+                _num(r.get("vs_padded"), "{:.2f}x"),
+                r["status"],
+            )
+            for r in rows
+        ],
+        "llrrrrrl",
+    )
+
+
 def _render_speed(p: dict) -> str:
     def compiled(r: dict) -> str:
         c = r.get("compile") or {}
@@ -228,6 +255,7 @@ def _render_speed(p: dict) -> str:
             r["status"],
         )
         for r in p["rows"]
+        if r.get("table") != "packing"
     ]
     text = table(
         [
@@ -252,6 +280,13 @@ def _render_speed(p: dict) -> str:
             f"\n\nStepProfiler's cost: step time with it over without, on "
             f"{p['figures'].get('profiler_overhead_row')}: **{over:.3f}x**."
         )
+    packing = [r for r in p["rows"] if r.get("table") == "packing"]
+    if packing:
+        text += (
+            "\n\nPacking (issue 52): padded batches of the long-tail documents against "
+            "SequencePacking's rows; tokens/s counts the documents' own tokens, fill is tokens "
+            "over slots in the timed steps (the packer's own figures beside it):\n\n"
+        ) + _render_packing(packing)
     return text
 
 
@@ -286,13 +321,20 @@ def _render_compile(p: dict) -> str:
 
 
 def _render_finetune(p: dict) -> str:
+    def reserved(r: dict) -> str:
+        if not r.get("reserved_bytes"):
+            return "-"
+        over = r.get("reserved_over_allocated")
+        return fmt_bytes(r["reserved_bytes"]) + (f" ({over:.2f}x)" if over else "")
+
     rows = [
         (
-            r["stack"],
+            r["stack"] + (f", {r['allocator']}" if r.get("allocator") else ""),
             r.get("precision", "-"),
             fmt_bytes(r.get("estimate_bytes")) if r.get("estimate_bytes") else "-",
             fmt_bytes(r.get("measured_bytes")) if r.get("measured_bytes") else "-",
             fmt_bytes(r.get("setup_peak_bytes")) if r.get("setup_peak_bytes") else "-",
+            reserved(r),
             _num(r.get("ratio")),
             _num(r.get("peak_vs_lora"), "{:.2f}x"),
             _num(r.get("tokens_per_s"), "{:,.0f}"),
@@ -310,6 +352,7 @@ def _render_finetune(p: dict) -> str:
             "Estimate",
             "Measured peak (steps)",
             "Peak before the first step",
+            "Reserved (x allocated)",
             "Ratio",
             "Peak vs LoRA",
             "Tokens/s",
@@ -318,8 +361,46 @@ def _render_finetune(p: dict) -> str:
             "Status",
         ],
         rows,
-        "llrrrrrrrrl",
+        "llrrrrrrrrrl",
     )
+
+
+#: Figures with a goal that no GPU run has measured yet (issue 52), by part: (figure, the
+#: part's figure key, the goal, whether a value meets it, its format). Shown under the part's
+#: table, "not measured yet" until a GPU run gives the figure.
+GOALS: dict[str, list[tuple[str, str, str, Any, str]]] = {
+    "speed": [
+        (
+            "Packing: SequencePacking's tokens/s over padded batches, long-tail documents",
+            "packing_speedup",
+            ">= 2x",
+            lambda x: x >= 2.0,
+            "{:.2f}x",
+        )
+    ],
+    "finetune": [
+        (
+            "Allocator: reserved bytes with expandable_segments over the default's, QLoRA stack",
+            "expandable_reserved_ratio",
+            "< 1x (peers: 0.66x for QLoRA, torchtune #1185)",
+            lambda x: x < 1.0,
+            "{:.2f}x",
+        )
+    ],
+}
+
+
+def _goals(p: dict[str, Any], dry_run: bool) -> str:
+    """The part's figures beside their goals (``GOALS``); a dry run's are not GPU figures."""
+    rows = []
+    for figure, key, goal, met, fmt in GOALS.get(p["key"], []):
+        x = (p.get("figures") or {}).get(key)
+        if isinstance(x, (int, float)) and not dry_run:
+            rows.append((figure, goal, fmt.format(x), "met" if met(x) else "not met"))
+        else:
+            dry = f" (dry run: {fmt.format(x)})" if isinstance(x, (int, float)) else ""
+            rows.append((figure, goal, "not measured yet" + dry, "-"))
+    return table(["Figure", "Goal", "Result", "Met"], rows, "llrl") if rows else ""
 
 
 RENDER = {
@@ -380,7 +461,8 @@ def markdown(data: dict[str, Any]) -> str:
                     p["title"],
                     p["status"] + (f": {p['reason']}" if p.get("reason") else ""),
                     _seconds(p),
-                    f"{p['cap_s']:.0f}",
+                    f"{p['cap_s']:.0f}"
+                    + (f" (+{p['spare_s']:.0f} if left)" if p.get("spare_s") else ""),
                     p.get("headline", ""),
                 )
                 for p in data["parts"]
@@ -416,6 +498,9 @@ def markdown(data: dict[str, Any]) -> str:
             lines += ["", note]
         if p.get("rows"):
             lines += ["", RENDER[p["key"]](p)]
+        goals = _goals(p, data["dry_run"])
+        if goals:
+            lines += ["", goals]
         if p.get("error"):
             lines += ["", "```", p["error"][-1500:].rstrip(), "```"]
         elif p.get("log_tail"):

@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _documents import Items, pad_batch, paragraphs
 from _gpu_common import (
     ROOT,
     Ctx,
@@ -41,6 +42,7 @@ from _results import QUIET_TRAINER
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.memory.peak import PeakMemory
+from lightning_efficient.measure.speed.tokens import BatchCounter
 from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.precision import resolve_precision
 
@@ -53,6 +55,7 @@ __all__ = [
     "run_real",
     "run_spec_main",
     "run_status",
+    "timed_fields",
 ]
 
 RUN_SCRIPT = Path(__file__).resolve()
@@ -61,10 +64,14 @@ RUN_SCRIPT = Path(__file__).resolve()
 class Clock(pl.Callback):
     """Wall time of the steps after ``warmup`` (synchronised at both ends of the window), the
     first step's time from the start of training (compile included), and the last loss. Stops
-    the fit once the window has lasted ``window_s`` seconds."""
+    the fit once the window has lasted ``window_s`` seconds. ``count``: the window's batches
+    are counted too, their tokens (the package's ``BatchCounter``: padding left out) and
+    ``slots`` (the elements of their ``input_ids``), for batches whose shape varies."""
 
-    def __init__(self, cuda: bool, warmup: int, window_s: float) -> None:
+    def __init__(self, cuda: bool, warmup: int, window_s: float, count: bool = False) -> None:
         self.cuda, self.warmup, self.window_s = cuda, warmup, window_s
+        self.counter = BatchCounter() if count else None
+        self.slots = 0
         self.started: float | None = None
         self.first_step_s: float | None = None
         self.t0: float | None = None
@@ -84,6 +91,9 @@ class Clock(pl.Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         if self.t0 is None and trainer.global_step >= self.warmup:
             self.t0, self.step0 = self._now(), trainer.global_step
+        if self.counter is not None and self.t0 is not None and self.seconds is None:
+            self.counter.add(batch)
+            self.slots += batch["input_ids"].numel()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
@@ -134,6 +144,26 @@ def make_loader(spec: dict[str, Any]) -> Any:
     return DataLoader(data, batch_size=spec["batch"], shuffle=False, drop_last=True)
 
 
+class _Documents(pl.LightningDataModule):
+    """The packing benchmarks' documents (``_documents.paragraphs``: ``spec["documents"]`` of
+    them), ``spec["batch"]`` a batch padded to the longest (shuffled, seeded), from
+    ``train_dataloader()``, where ``SequencePacking`` finds the loader it packs."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        docs, _ = paragraphs(self.spec["documents"])
+        g = torch.Generator().manual_seed(self.spec.get("seed", 0))
+        return DataLoader(
+            Items(docs), batch_size=self.spec["batch"], shuffle=True, generator=g,
+            collate_fn=pad_batch,
+        )  # fmt: skip
+
+
 class _LoaderData(pl.LightningDataModule):
     """``make_loader``'s data behind a ``batch_size`` that a callback may set (AutoEfficient):
     the samples of ``spec["batch"] * (steps + 1)``, served ``batch_size`` at a time."""
@@ -157,7 +187,11 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     ``device``, ``cap_bytes`` (CUDA: ``set_per_process_memory_fraction``), ``measure_memory``,
     ``timing`` (``{"warmup", "window_s"}``), ``seed``, ``accumulate`` (micro-batches per
     optimizer step, default 1), ``setup_peak`` (CUDA: ``peak_bytes`` is the training steps'
-    peak, ``setup_peak_bytes`` the peak before the first step, ``fit_peak_bytes`` the larger).
+    peak, ``setup_peak_bytes`` the peak before the first step, ``fit_peak_bytes`` the larger),
+    ``data`` (``"documents"``: ``_Documents`` of ``spec["documents"]`` documents; tokens/s
+    counts their tokens, ``fill`` is tokens over slots). The result also says the allocator
+    settings the run's process started with (``PYTORCH_CUDA_ALLOC_CONF``) and, on CUDA with a
+    setting, whether its segments were expandable.
     """
     cuda = spec["device"] == "cuda"
     out: dict[str, Any] = {"ok": False, "oom": False, "error": None}
@@ -187,7 +221,8 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
     timing = spec.get("timing") or {}
-    clock = Clock(cuda, timing.get("warmup", 0), timing.get("window_s", 1e9))
+    documents = spec.get("data") == "documents"
+    clock = Clock(cuda, timing.get("warmup", 0), timing.get("window_s", 1e9), count=documents)
     setup = SetupPeak() if cuda and spec.get("setup_peak") else None
     meter = PeakMemory(
         spec["device"],
@@ -208,7 +243,9 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
     )
     try:
         with meter:
-            if spec.get("datamodule"):  # AutoEfficient sets the loader's batch size
+            if documents:
+                trainer.fit(model, datamodule=_Documents(spec))
+            elif spec.get("datamodule"):  # AutoEfficient sets the loader's batch size
                 trainer.fit(model, datamodule=_LoaderData(spec))
             else:
                 trainer.fit(model, train_dataloaders=make_loader(spec))
@@ -232,8 +269,16 @@ def real_fit(spec: dict[str, Any]) -> dict[str, Any]:
         out.update(ok=False, oom=True, emulated_oom=True)
         out["error"] = f"emulated out of memory: peak {format_bytes(meter.peak)} over the cap"
     out["first_step_s"] = clock.first_step_s
+    out["allocator_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if cuda and out["allocator_conf"]:  # before empty_cache: the segments the run reserved
+        flags = {s["is_expandable"] for s in torch.cuda.memory_snapshot() if "is_expandable" in s}
+        out["expandable_segments"] = (True in flags) if flags else None  # None: not said
     if clock.seconds and clock.steps:
-        tokens = clock.steps * spec["batch"] * spec.get("accumulate", 1) * spec["dims"]["seq"]
+        if clock.counter is not None:  # batches of varying shape: their own tokens
+            tokens = clock.counter.tokens or 0
+            out["fill"] = tokens / clock.slots if clock.slots else None
+        else:
+            tokens = clock.steps * spec["batch"] * spec.get("accumulate", 1) * spec["dims"]["seq"]
         out.update(
             timed_steps=clock.steps,
             step_s=clock.seconds / clock.steps,
@@ -393,6 +438,15 @@ def run_real(spec: dict[str, Any], ctx: Ctx, isolate: bool, timeout: float) -> d
         return pool.wait([pool.submit(spec, timeout, isolate)])[0]
     finally:
         pool.close()
+
+
+#: A run's figures of its timed steps, as the rows of the timed parts record them.
+TIMED = ("tokens_per_s", "step_s", "timed_steps", "first_step_s", "loss", "report", "wall_s")
+
+
+def timed_fields(res: dict[str, Any]) -> dict[str, Any]:
+    """``TIMED`` of a run's result (None where it has none)."""
+    return {k: res.get(k) for k in TIMED}
 
 
 def run_status(res: dict[str, Any]) -> str:

@@ -6,9 +6,15 @@ time, MFU (the device's dense bf16 peak from the package's ``measure.speed.flops
 to the plain run, the verdict ``StepProfiler`` gives on that row (the next lever, its yaml and
 expected gain), and for the compile row what ``TorchCompile(scope="auto")`` measured and chose.
 The effective batch is 16 sequences in every row (2 accumulated micro-batches of 8), so the
-larger micro-batch row (16, no accumulation) keeps the maths. Last, the profiler's own cost: the
+larger micro-batch row (16, no accumulation) keeps the maths. Then the profiler's own cost: the
 final stack without ``StepProfiler``, against the same stack with it (start-to-start: the
 synchronised wall time of the timed steps, every hook included).
+
+Last, packing (issue 52; its goal is in ``_gpu_markdown.GOALS``): the workload of
+``benchmarks/packing.py`` (``_documents.py``: long-tail paragraphs as byte tokens, a Hugging Face
+Llama, here at the profile's size), padded batches against ``SequencePacking``'s rows, each a
+Lightning run in a fresh process on CUDA; tokens/s counts the documents' own tokens (padding left
+out). The ablation keeps the pair's time (the profile's ``packing.need_s``) out of its own.
 
 Run by the suite as ``python benchmarks/_gpu_speed.py --ctx FILE``.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from _documents import ROW, SEED
 from _gpu_common import (
     Ctx,
     Recorder,
@@ -31,7 +38,7 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import RunPool, run_status
+from _gpu_run import RunPool, run_status, timed_fields
 
 __all__ = ["ABLATION", "part_speed"]
 
@@ -114,12 +121,13 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
     last_wall: float | None = None
     specs = _rows_specs(ctx, dims)
     final: dict[str, Any] | None = None
+    keep = p["packing"]["need_s"]  # the packing rows' time, after the ablation's
     try:
         for name, spec in specs:
             if name == "+ CUDA graphs" and not ctx.cuda:
                 rec.row(variant=name, status="skipped: CUDA graphs need a CUDA device")
                 continue
-            res, last_wall = _timed_row(ctx, rec, pool, name, spec, last_wall, fpt, peak)
+            res, last_wall = _timed_row(ctx, rec, pool, name, spec, last_wall, fpt, peak, keep)
             if res is not None and res.get("ok") and res.get("tokens_per_s"):
                 final = spec  # the overhead pair runs the last stack that trained
             chosen = ((res or {}).get("figures") or {}).get("TorchCompile", {}).get("scope")
@@ -130,9 +138,10 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
                             c["init_args"]["scope"] = chosen
         if final is not None:
             bare = {**final, "callbacks": [c for c in final["callbacks"] if c is not PROFILER]}
-            _timed_row(
-                ctx, rec, pool, "last stack without StepProfiler", bare, last_wall, fpt, peak
-            )
+            name = "last stack without StepProfiler"
+            _timed_row(ctx, rec, pool, name, bare, last_wall, fpt, peak, keep)
+        for name, spec in _packing_specs(ctx):
+            _packing_row(ctx, rec, pool, name, spec)
     finally:
         pool.close()
     _finish_speed(rec)
@@ -147,11 +156,14 @@ def _timed_row(
     last_wall: float | None,
     fpt: int,
     peak: float | None,
+    keep: float = 0.0,
 ) -> tuple[dict[str, Any] | None, float | None]:
+    """One row of the ablation, unless less than it needs is left (``keep`` s kept for later)."""
     need = 1.2 * last_wall if last_wall else 20.0
-    if ctx.left() < need:
+    if ctx.left() - keep < need:
         basis = f"the last row took {last_wall:.0f} s" if last_wall else "a first guess"
-        rec.row(variant=name, **time_skip(ctx.left(), need, basis))
+        basis += f"; {keep:.0f} s kept for the packing rows" if keep else ""
+        rec.row(variant=name, **time_skip(ctx.left() - keep, need, basis))
         return None, last_wall
     res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
     row: dict[str, Any] = {
@@ -160,12 +172,7 @@ def _timed_row(
         "micro_batch": spec["batch"],
         "accumulate": spec["accumulate"],
         "status": run_status(res),
-        "tokens_per_s": res.get("tokens_per_s"),
-        "step_s": res.get("step_s"),
-        "timed_steps": res.get("timed_steps"),
-        "first_step_s": res.get("first_step_s"),
-        "loss": res.get("loss"),
-        "report": res.get("report"),
+        **timed_fields(res),
     }
     if peak and res.get("tokens_per_s"):
         row["mfu"] = res["tokens_per_s"] * fpt / peak
@@ -191,8 +198,69 @@ def _timed_row(
     return res, res.get("wall_s") or last_wall
 
 
+def _packing_specs(ctx: Ctx) -> list[tuple[str, dict[str, Any]]]:
+    """The packing pair: padded batches of ``rows`` documents, then ``SequencePacking``'s
+    rows of ``ROW`` tokens, ``rows`` a batch (at most as many slots a step as padded)."""
+    k = ctx.profile["packing"]
+    base = {
+        "model": "llama_docs",
+        "dims": {key: k[key] for key in ("n_layer", "n_embd", "n_head", "n_kv_head")},
+        "data": "documents",
+        "documents": k["documents"],
+        "batch": k["rows"],
+        "steps": k["steps"],
+        "precision": k["precision"],
+        "device": ctx.device,
+        "measure_memory": False,
+        "seed": SEED,
+        "timing": {"warmup": k["warmup"], "window_s": k["window_s"]},
+    }
+    packer = {"class_path": "SequencePacking", "init_args": {"row_length": ROW, "seed": SEED}}
+    return [
+        (f"padded batches of {k['rows']} documents", {**base, "callbacks": []}),
+        (f"SequencePacking: {k['rows']} rows of {ROW} tokens", {**base, "callbacks": [packer]}),
+    ]
+
+
+def _packing_row(ctx: Ctx, rec: Recorder, pool: RunPool, name: str, spec: dict[str, Any]) -> None:
+    """One run of the packing pair (``table: "packing"``: not a row of the ablation)."""
+    need = ctx.profile["packing"]["need_s"] / 2
+    if ctx.left() < need:
+        basis = f"half the {2 * need:.0f} s kept for the pair"
+        rec.row(table="packing", variant=name, **time_skip(ctx.left(), need, basis))
+        return
+    res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
+    packed = (res.get("figures") or {}).get("SequencePacking") or {}
+    rec.row(
+        table="packing",
+        variant=name,
+        loader="packed" if spec["callbacks"] else "padded",
+        precision=res.get("precision", spec["precision"]),
+        batch=spec["batch"],
+        status=run_status(res),
+        fill=res.get("fill"),
+        packing={k: packed.get(k) for k in ("fill", "padded_fill", "path", "rows", "check_error")}
+        if packed
+        else None,
+        **timed_fields(res),
+    )
+
+
+def _finish_packing(rec: Recorder) -> str:
+    """The pair's ratio (figure ``packing_speedup``) and its clause of the headline."""
+    pair = {r.get("loader"): r for r in rec.data["rows"] if r.get("table") == "packing"}
+    padded, packed = pair.get("padded") or {}, pair.get("packed") or {}
+    if not (padded.get("tokens_per_s") and packed.get("tokens_per_s")):
+        return ""
+    ratio = packed["tokens_per_s"] / padded["tokens_per_s"]
+    packed["vs_padded"] = ratio
+    rec.figure(packing_speedup=ratio)
+    return f"; packing {ratio:.2f}x the tokens/s of padded batches"
+
+
 def _finish_speed(rec: Recorder) -> None:
-    rows = rec.data["rows"]
+    packing = _finish_packing(rec)
+    rows = [r for r in rec.data["rows"] if r.get("table") != "packing"]  # the ablation's
     plain = next(
         (r for r in rows if r["variant"].startswith("plain") and r.get("tokens_per_s")), None
     )
@@ -223,9 +291,10 @@ def _finish_speed(rec: Recorder) -> None:
         rec.finish(
             f"tokens/s {plain['tokens_per_s']:,.0f} -> {best['tokens_per_s']:,.0f} "
             f"({best['tokens_per_s'] / plain['tokens_per_s']:.2f}x, {best['variant']}){mfu}{prof}"
+            + packing
         )
     else:
-        rec.finish("the ablation did not measure the plain run and a lever")
+        rec.finish("the ablation did not measure the plain run and a lever" + packing)
 
 
 if __name__ == "__main__":

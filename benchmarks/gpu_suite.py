@@ -25,12 +25,16 @@ that time something (5-7) run alone afterwards:
    124M shape from plain fp32 Lightning through bf16-mixed, TF32, fused AdamW, compile
    (``TorchCompile(scope="auto")``: both scopes measured, its choice kept), a larger
    micro-batch (the effective batch kept), the chunked loss and CUDA graphs; each row's
-   ``StepProfiler`` verdict, and the profiler's own cost on the last stack.
+   ``StepProfiler`` verdict, and the profiler's own cost on the last stack. Then packing
+   (issue 52): ``packing.py``'s long-tail documents on a 244M Llama, padded batches against
+   ``SequencePacking``'s rows, tokens/s of the documents' own tokens (goal: >= 2x).
 6. Compile: regional vs whole-model compile time and steady step time, and the auto choice.
 7. Fine-tuning (issue 39): a Llama shape (8 layers of Llama-3.2-1B's, vocabulary 128,256, bf16
    weights) with PEFT LoRA r=16 on every linear layer, seq 2048, bf16-mixed: LoRA alone and
    LoRA + ``FrozenWeights4bit`` + ``ActivationCheckpointing`` + ``ChunkedCrossEntropy``, each
-   a real run: its peak against ``estimate_memory``'s for the same stack, and tokens/s.
+   a real run: its peak against ``estimate_memory``'s for the same stack, and tokens/s; where
+   time is left (issue 52), the second stack again with ``PYTORCH_CUDA_ALLOC_CONF=
+   expandable_segments:True``, in processes of its own: its reserved bytes against the default's.
 
 Writes ``gpu_<device>.md``, ``.json`` and ``.log`` to ``--out`` (default
 ``benchmarks/results``; a dry run writes to a temporary folder unless ``--out`` is given). The
@@ -117,6 +121,23 @@ PROFILES: dict[str, dict[str, Any]] = {
         "speed_steps": 300,
         "speed_warmup": 5,
         "speed_window_s": 3.0,
+        # part 5's packing rows: _documents' long-tail paragraphs, padded batches of "rows"
+        # documents against SequencePacking's rows of 512 tokens, "rows" a batch; a Llama of
+        # 16 x 1024 (16/4 heads, 244M parameters); "need_s": the time the ablation keeps for
+        # the pair (expected: 2 runs of about 10 s, each in a process started ahead)
+        "packing": {
+            "documents": 2000,
+            "rows": 8,
+            "n_layer": 16,
+            "n_embd": 1024,
+            "n_head": 16,
+            "n_kv_head": 4,
+            "precision": "bf16-mixed",
+            "steps": 300,
+            "warmup": 5,
+            "window_s": 2.0,
+            "need_s": 24.0,
+        },
         "compile_batch": 8,
         "compile_repeats": 10,
         "compile_backend": "inductor",
@@ -162,6 +183,19 @@ PROFILES: dict[str, dict[str, Any]] = {
         "speed_steps": 6,
         "speed_warmup": 2,
         "speed_window_s": 3.0,
+        "packing": {
+            "documents": 120,
+            "rows": 4,
+            "n_layer": 2,
+            "n_embd": 64,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "precision": "32-true",
+            "steps": 6,
+            "warmup": 2,
+            "window_s": 3.0,
+            "need_s": 10.0,
+        },
         "compile_batch": 4,
         "compile_repeats": 3,
         "compile_backend": "aot_eager",
@@ -257,6 +291,22 @@ def _git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+
+
+def time_for(
+    part: Part, later: list[Part], elapsed: float, budget_s: float, scale: float
+) -> tuple[float, float]:
+    """``(left, timeout)`` of ``part`` after ``elapsed`` s: what the budget leaves it once the
+    ``later`` timed parts' time is kept (their caps for a part of phase A, their minimums for a
+    timed one), and its time limit: that, at most its cap; a part with ``spare_s`` may take that
+    much more where the budget still holds the later parts' caps."""
+    keep = sum((p.cap_s if part.lane != PHASE_B else p.min_s) * scale for p in later)
+    left = budget_s - elapsed - keep
+    timeout = min(part.cap_s * scale, left)
+    if part.spare_s:  # its rows that run only where time is left
+        spare = budget_s - elapsed - sum(p.cap_s * scale for p in later)
+        timeout = max(timeout, min((part.cap_s + part.spare_s) * scale, spare))
+    return left, timeout
 
 
 # -- the suite -------------------------------------------------------------------------------
@@ -368,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "title": part.title,
             "lane": part.lane,
             "cap_s": part.cap_s * scale,
+            "spare_s": part.spare_s * scale,
             "cap_basis": part.basis,
             "rows": [],
             "figures": {},
@@ -395,11 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         if part.number not in selected:
             entry.update(status="skipped", reason="not selected (--parts)", seconds=0.0)
             return
-        # what the parts after this one must keep: the timed parts' caps for phase A, the
-        # minimum of the later timed parts for a timed one
         later = [p for p in chosen if p.lane == PHASE_B and p.number > part.number]
-        keep = sum((p.cap_s if part.lane != PHASE_B else p.min_s) * scale for p in later)
-        left = args.budget_s - (time.time() - started) - keep
+        left, timeout = time_for(part, later, time.time() - started, args.budget_s, scale)
         if left < part.min_s * scale:
             entry.update(
                 status="skipped",
@@ -413,7 +461,6 @@ def main(argv: list[str] | None = None) -> int:
                 if not child.shared:  # a shared process goes on to the lane's next part
                     child.kill()
             return
-        timeout = min(entry["cap_s"], left)
         with say:
             print(f"[{part.number}/{len(PARTS)}] {part.title} (cap {timeout:.0f} s)", flush=True)
         if part.key == "pytest":

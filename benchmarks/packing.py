@@ -1,9 +1,10 @@
 """SequencePacking: tokens/s of packed rows against padded batches, and the loss of both.
 
-The documents: the paragraphs of the text that ships with Python (``pydoc_data.topics``), bytes
-as tokens (vocabulary 256), cut to at most ``ROW`` tokens (a longer paragraph becomes pieces),
-shuffled with a fixed seed; ``--docs`` of them train, 64 others are held out. A long-tail
-distribution: most paragraphs are short, a few are long.
+The documents (``_documents.py``, the workload the GPU suite's packing rows train on too): the
+paragraphs of the text that ships with Python (``pydoc_data.topics``), bytes as tokens
+(vocabulary 256), cut to at most ``ROW`` tokens (a longer paragraph becomes pieces), shuffled with
+a fixed seed; ``--docs`` of them train, 64 others are held out. A long-tail distribution: most
+paragraphs are short, a few are long.
 
 The model: a Hugging Face Llama (GQA, RoPE) built from a small config, fp32, AdamW, one epoch
 over the same documents from the same initial weights, in a plain loop (forward, backward,
@@ -31,7 +32,6 @@ Writes benchmarks/results/packing{,_quick}.{md,json}.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _documents import ROW, ROWS, SEED, Items, llama, pad_batch, paragraphs  # noqa: E402
 from _results import environment, provenance, save_results, table  # noqa: E402
 
 from lightning_efficient.techniques.packing import (  # noqa: E402
@@ -51,56 +52,10 @@ from lightning_efficient.techniques.packing import (  # noqa: E402
     pack_dataloader,
 )
 
-ROW, ROWS, HELD_OUT, SEED = 512, 4, 64, 0
-
-
-def paragraphs(count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``count`` training documents and ``HELD_OUT`` held-out ones: byte tokens, at most ROW."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    docs = []
-    for p in text.split("\n\n"):
-        data = p.strip().encode()
-        for start in range(0, len(data), ROW):
-            piece = data[start : start + ROW]
-            if len(piece) >= 2:
-                docs.append(torch.tensor(list(piece), dtype=torch.long))
-    random.Random(SEED).shuffle(docs)
-    return docs[HELD_OUT : HELD_OUT + count], docs[:HELD_OUT]
-
-
-class Items(torch.utils.data.Dataset):
-    def __init__(self, docs: list[torch.Tensor]) -> None:
-        self.docs = docs
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.docs[i]}
-
-
-def pad_batch(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    longest = max(len(x["input_ids"]) for x in items)
-    ids = torch.zeros(len(items), longest, dtype=torch.long)
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
-    for r, x in enumerate(items):
-        ids[r, : len(x["input_ids"])] = x["input_ids"]
-        mask[r, : len(x["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
 
 def model(quick: bool) -> torch.nn.Module:
-    import transformers as tf
-
     torch.manual_seed(SEED)
-    width = 64 if quick else 128
-    cfg = tf.LlamaConfig(
-        vocab_size=256, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ROW,
-    )  # fmt: skip
-    return tf.LlamaForCausalLM(cfg)
+    return llama(64 if quick else 128)
 
 
 def targets(batch: dict[str, torch.Tensor]) -> int:

@@ -102,8 +102,9 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     ladder = {r["setting"].split(",")[0]: r for r in by["ladder"]["rows"]}
     assert ladder["plain Lightning"]["largest_trained"]
     # part 5: the ablation, one lever per row (issue 29); CUDA graphs need CUDA
-    speed = {r["variant"]: r for r in by["speed"]["rows"]}
-    ran = [r for r in by["speed"]["rows"] if r["status"] == "ok"]
+    ablation = [r for r in by["speed"]["rows"] if r.get("table") != "packing"]
+    speed = {r["variant"]: r for r in ablation}
+    ran = [r for r in ablation if r["status"] == "ok"]
     assert len(ran) == 8 and all(r["tokens_per_s"] > 0 and r["vs_plain"] > 0 for r in ran)
     assert speed["+ CUDA graphs"]["status"].startswith("skipped: CUDA graphs")
     compiled = speed["+ compile (scope auto)"]["compile"]
@@ -113,11 +114,22 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     assert all("levers" in r for r in ran if not r["variant"].startswith("last"))
     assert by["speed"]["figures"]["profiler_overhead"] > 0
     assert "StepProfiler's cost" in md.read_text()
+    # issue 52: packing's pair after the ablation, its figure beside the goal (not a GPU one)
+    pair = [r for r in by["speed"]["rows"] if r.get("table") == "packing"]
+    assert [(r["loader"], r["status"]) for r in pair] == [("padded", "ok"), ("packed", "ok")]
+    assert pair[1]["packing"]["path"] == "hf-position-ids" and pair[1]["fill"] > pair[0]["fill"]
+    assert by["speed"]["figures"]["packing_speedup"] > 0
+    assert "| >= 2x | not measured yet (dry run: " in md.read_text()
     assert {r["variant"] for r in by["compile"]["rows"]} == {"regional", "whole", "eager"}
     assert by["compile"]["figures"]["auto_choice"] in ("regional", "whole")
     # part 7 (issue 39): PEFT LoRA alone and with the QLoRA stack, real runs against estimates
     tune = by["finetune"]["rows"]
-    assert [r["status"] for r in tune] == ["ok", "ok"], tune
+    assert [r["status"] for r in tune] == ["ok", "ok", "ok"], tune
+    # issue 52: the last stack again, in a process of its own with expandable segments
+    assert tune[2]["stack"] == tune[1]["stack"], tune[2]
+    assert tune[2]["allocator"] == tune[2]["allocator_conf"] == "expandable_segments:True"
+    assert tune[1]["allocator_conf"] is None and "allocator" not in tune[1]
+    tune = tune[:2]
     assert all(r["tokens_per_s"] > 0 and r["timed_steps"] > 0 for r in tune), tune
     assert abs(tune[0]["ratio"] - 1) < 0.05, tune[0]  # on the CPU the estimate is exact
     # the stack's estimate leaves out the original weights FrozenWeights4bit keeps for its undo
@@ -282,7 +294,31 @@ def test_markdown_renders_every_part_shape(suite) -> None:
             },
         ],
         "speed": [
-            {"variant": "plain", "status": "ok", "tokens_per_s": 1e5, "step_s": 0.08, "mfu": 0.31}
+            {"variant": "plain", "status": "ok", "tokens_per_s": 1e5, "step_s": 0.08, "mfu": 0.31},
+            {
+                "table": "packing",
+                "variant": "padded batches of 8 documents",
+                "loader": "padded",
+                "precision": "bf16-mixed",
+                "batch": 8,
+                "status": "ok",
+                "tokens_per_s": 120_000.0,
+                "step_s": 0.03,
+                "fill": 0.31,
+            },
+            {
+                "table": "packing",
+                "variant": "SequencePacking: 8 rows of 512 tokens",
+                "loader": "packed",
+                "precision": "bf16-mixed",
+                "batch": 8,
+                "status": "ok",
+                "tokens_per_s": 300_000.0,
+                "step_s": 0.04,
+                "fill": 0.996,
+                "vs_padded": 2.5,
+                "packing": {"fill": 0.997, "padded_fill": 0.301, "path": "hf-position-ids"},
+            },
         ],
         "compile": [{"variant": "eager", "status": "skipped: 3 s left in the part's cap"}],
         "finetune": [
@@ -292,6 +328,8 @@ def test_markdown_renders_every_part_shape(suite) -> None:
                 "status": "ok",
                 "estimate_bytes": 6 * 2**30,
                 "measured_bytes": 5 * 2**30,
+                "reserved_bytes": 6 * 2**30,
+                "reserved_over_allocated": 1.2,
                 "setup_peak_bytes": 2 * 2**30,
                 "ratio": 1.2,
                 "peak_vs_lora": 1.0,
@@ -300,11 +338,18 @@ def test_markdown_renders_every_part_shape(suite) -> None:
                 "step_s": 0.0512,
             },
             {"stack": "LoRA + 4-bit", "status": "skipped: bitsandbytes not installed"},
+            {
+                "stack": "LoRA + 4-bit",
+                "allocator": "expandable_segments:True",
+                "status": "skipped: 9 s left in the part's cap, the row needs about 18 s",
+            },
         ],
     }
     for part in parts:
         part["rows"] = rows[part["key"]]
+        part["spare_s"] = {p.key: p.spare_s for p in suite.PARTS}[part["key"]]
     parts[2]["figures"] = {"planner_batch": 32, "planner_tried": [["bf16-mixed", 7, "fits"]]}
+    parts[4]["figures"] = {"packing_speedup": 2.5}
     data = {
         "dry_run": False,
         "device": {
@@ -334,10 +379,24 @@ def test_markdown_renders_every_part_shape(suite) -> None:
     assert "| plain | 32-true | 6 (23.00 GiB) | ok, 10.96 GiB / 11.00 GiB | **13** |" in text
     assert "| 41 (not settled) |" in text and "- plain: 6 ok 1 B / 2 B; 14 oom (7 s)" in text
     assert (
-        "| LoRA | bf16-mixed | 6.00 GiB | 5.00 GiB | 2.00 GiB | 1.20 | 1.00x | 40,000 | 1.00x "
-        "| 51.2 ms | ok |" in text
+        "| LoRA | bf16-mixed | 6.00 GiB | 5.00 GiB | 2.00 GiB | 6.00 GiB (1.20x) | 1.20 | 1.00x "
+        "| 40,000 | 1.00x | 51.2 ms | ok |" in text
     )
-    assert "| LoRA + 4-bit | - | - | - | - | - | - | - | - | - | skipped: bitsandbytes" in text
+    assert "| LoRA + 4-bit | - | - | - | - | - | - | - | - | - | - | skipped: bitsandbytes" in text
+    # issue 52: the allocator row where time was left, and the packing pair beside the ablation
+    assert "| LoRA + 4-bit, expandable_segments:True | - |" in text and "skipped: 9 s left" in text
+    assert "| SequencePacking: 8 rows of 512 tokens | bf16-mixed | 8 | 300,000 | 40.0 ms " in text
+    assert "| 99.6% (rows 99.7%; padded 30.1%) | 2.50x | ok |" in text
+    assert "| plain | - | - | 100,000 |" in text and "| padded batches" not in text.split("Pack")[0]
+    # each new figure beside its goal: measured here (a GPU run), or not yet
+    assert "| Packing: SequencePacking's tokens/s over padded batches, long-tail documents " in text
+    assert "| >= 2x | 2.50x | met |" in text
+    assert "| Allocator: reserved bytes with expandable_segments over the default's" in text
+    assert "| not measured yet | - |" in text
+    assert "| 60 (+30 if left) |" in text
+    # a dry run's figures are not GPU figures
+    dry = suite.markdown({**data, "dry_run": True})
+    assert "| not measured yet (dry run: 2.50x) | - |" in dry and "| met |" not in dry
 
 
 def test_mfu_uses_the_package_peaks_and_flops() -> None:
@@ -560,3 +619,125 @@ def test_suite_runs_where_the_package_is_not_installed(tmp_path) -> None:
     data = json.loads((out / "gpu_dry_run_cpu.json").read_text())
     assert [p["status"] for p in data["parts"]] == ["skipped"] * len(KEYS)
     assert data["environment"]["host RAM"]  # written by the package's format_bytes
+
+
+# -- issue 52: packing's pair in part 5, the allocator row of part 7 ---------------------------
+def _ctx(suite, tmp_path, seconds: float):
+    """A dry run's context for a part run here, with ``seconds`` before its deadline."""
+    import time
+
+    common = _load("_gpu_common")
+    return common, common.Ctx(
+        dry_run=True,
+        device="cpu",
+        device_name="cpu",
+        profile=suite.PROFILES["dry"],
+        deadline=time.time() + seconds,
+        result_file=str(tmp_path / "part.json"),
+        work_dir=str(tmp_path),
+        cap_bytes=0,
+        host_ram_bytes=0,
+    )
+
+
+@pytest.mark.slow
+def test_packing_pair_dry_run(suite, tmp_path) -> None:
+    """Part 5's packing pair as the part runs it (on the CPU, in this process): padded batches
+    of the long-tail documents, then SequencePacking's rows; tokens/s counts the documents' own
+    tokens, so the ratio is the packer's gain (the fill of the timed steps shows why)."""
+    common, ctx = _ctx(suite, tmp_path, 120)
+    speed = _load("_gpu_speed")
+    run = sys.modules["_gpu_run"]
+    rec = common.Recorder(ctx.result_file)
+    pool = run.RunPool(ctx)
+    for name, spec in speed._packing_specs(ctx):
+        speed._packing_row(ctx, rec, pool, name, spec)
+    speed._finish_speed(rec)
+    padded, packed = rec.data["rows"]
+    assert [r["status"] for r in (padded, packed)] == ["ok", "ok"], rec.data["rows"]
+    assert padded["loader"] == "padded" and packed["loader"] == "packed"
+    assert padded["table"] == packed["table"] == "packing"
+    assert padded["tokens_per_s"] > 0 and packed["timed_steps"] > 0
+    packer = packed["packing"]  # the callback's own report: rows it built, the path it chose
+    assert packer["path"] == "hf-position-ids" and packer["check_error"] < 1e-5, packer
+    # the timed steps' fill (padded: 1 to 4 seeded batches, 0.29-0.66 each) and the packer's
+    # own figures over every document
+    assert packed["fill"] > 0.9 > 0.7 > padded["fill"] > 0, (packed["fill"], padded["fill"])
+    assert packer["fill"] > 0.9 > 0.6 > packer["padded_fill"], packer
+    assert padded["packing"] is None
+    ratio = rec.data["figures"]["packing_speedup"]
+    assert ratio == packed["vs_padded"] == packed["tokens_per_s"] / padded["tokens_per_s"]
+    assert f"packing {ratio:.2f}x" in rec.data["headline"]
+    # not rows of the ablation: no plain run, no speed-up, no profiler overhead read from them
+    assert "speedup" not in rec.data["figures"] and "profiler_overhead" not in rec.data["figures"]
+
+
+def test_ablation_keeps_the_packing_pairs_time(suite, tmp_path) -> None:
+    """A row of the ablation that would eat into the packing pair's time is skipped, saying so;
+    the pair itself is skipped only when less than half of its time is left for a run."""
+    common, ctx = _ctx(suite, tmp_path, 25)
+    speed = _load("_gpu_speed")
+    rec = common.Recorder(ctx.result_file)
+    keep = ctx.profile["packing"]["need_s"]
+    assert 0 < keep < 25 < 20 + keep
+    name, spec = speed._rows_specs(ctx, common.gpt2_dims(ctx))[0]
+    res, _ = speed._timed_row(ctx, rec, None, name, spec, None, 1, None, keep)
+    assert res is None and "kept for the packing rows" in rec.data["rows"][0]["status"]
+    ctx.deadline -= 25 - keep / 2 + 1  # less than half the pair's time left
+    name, spec = speed._packing_specs(ctx)[0]
+    speed._packing_row(ctx, rec, None, name, spec)
+    assert rec.data["rows"][1]["status"].startswith("skipped: ") and rec.data["rows"][1]["needs_s"]
+
+
+def test_spare_time_only_where_the_budget_has_it(suite) -> None:
+    """Part 7's allocator row runs where time is left: the part may take its ``spare_s`` past
+    its cap, from what the budget holds once later parts' caps are kept (never their time)."""
+    part = next(p for p in suite.PARTS if p.key == "finetune")
+    assert part.spare_s > 0 and part.lane == suite.PHASE_B
+    cap, spare = part.cap_s, part.spare_s
+    assert suite.time_for(part, [], 540 - 200, 540, 1.0) == (200, cap + spare)
+    assert suite.time_for(part, [], 540 - 70, 540, 1.0) == (70, 70)  # what is left
+    assert suite.time_for(part, [], 540 - 40, 540, 1.0) == (40, 40)  # under its cap too
+    later = suite.Part(9, "later", "a later timed part", 40, 20, suite.PHASE_B, "-", "x.py")
+    assert suite.time_for(part, [later], 540 - 200, 540, 1.0) == (180, cap + spare)
+    assert suite.time_for(part, [later], 540 - 100, 540, 1.0) == (80, cap)  # later's cap kept
+    # part 5 (the ablation, then the packing pair) too, before part 7: it keeps part 7's
+    # minimum, and takes spare time only where part 7's whole cap is left
+    speed = next(p for p in suite.PARTS if p.key == "speed")
+    assert suite.time_for(speed, [part], 200, 540, 1.0) == (315, speed.cap_s + speed.spare_s)
+    left, timeout = suite.time_for(speed, [part], 540 - 200, 540, 1.0)
+    assert left == 200 - part.min_s and timeout == speed.cap_s
+    # every other part: as before, at most its cap
+    compiled = next(p for p in suite.PARTS if p.key == "compile")
+    assert compiled.spare_s == 0
+    assert suite.time_for(compiled, [part], 0, 540, 1.0) == (540 - part.min_s, compiled.cap_s)
+
+
+@pytest.mark.slow
+def test_allocator_row_dry_run(suite, tmp_path) -> None:
+    """Part 7's allocator row trains in a process of its own whose environment holds the
+    setting before torch starts (on the CPU too, where it changes nothing): the run says it saw
+    it. Its reserved bytes against the default's: the ratio of the same stack's two rows."""
+    common, ctx = _ctx(suite, tmp_path, 240)
+    finetune = _load("_gpu_finetune")
+    run = sys.modules["_gpu_run"]
+    f = ctx.profile["finetune"]
+    dims = {k: f[k] for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate")}
+    dims.update(vocab=f["vocab"], seq=f["seq"], dtype=f["dtype"], lora_r=f["lora_r"])
+    rec = common.Recorder(ctx.result_file)
+    spare = run.RunPool(ctx, env=finetune.ALLOCATOR)
+    name, techniques = finetune.STACKS[-1]
+    try:
+        finetune._run_row(ctx, rec, spare, name, techniques, dims, None, allocator=True)
+    finally:
+        spare.close()
+    row = rec.data["rows"][0]
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0, row
+    assert row["allocator"] == row["allocator_conf"] == "expandable_segments:True", row
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None  # this process: as it was
+    # beside the same stack's default row (CUDA figures made up: the CPU reserves nothing)
+    default = {"stack": name, "status": "ok", "measured_bytes": 100, "reserved_bytes": 150}
+    rec.data["rows"] = [default, {**row, "measured_bytes": 100, "reserved_bytes": 99}]
+    assert finetune._finish_allocator(rec) == "; expandable segments: reserved 0.66x the default's"
+    assert rec.data["figures"]["expandable_reserved_ratio"] == 99 / 150
+    assert default["reserved_over_allocated"] == 1.5

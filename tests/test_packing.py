@@ -245,12 +245,15 @@ def test_a_mixed_row_fails_the_same_assertion(family: str) -> None:
 
 
 # -- in a Lightning fit ------------------------------------------------------------------------
-class DocsModule(pl.LightningModule):
-    """An unmodified module: its training step passes no position_ids to the model."""
+class DocsStep(pl.LightningModule):
+    """An unmodified module: its training step passes no position_ids to the model; its loader
+    is given to ``trainer.fit`` or comes from a datamodule."""
 
-    def __init__(self, model: nn.Module, n_docs: int = 24, lr: float = 0.05) -> None:
+    def __init__(
+        self, model: nn.Module, n_docs: int = 24, lr: float = 0.05, workers: int = 0
+    ) -> None:
         super().__init__()
-        self.model, self.n_docs, self.lr = model, n_docs, lr
+        self.model, self.n_docs, self.lr, self.workers = model, n_docs, lr, workers
         self.seen: list[list[int]] = []
         self.losses: list[float] = []
 
@@ -267,22 +270,39 @@ class DocsModule(pl.LightningModule):
         self.log("loss", loss)
         return loss
 
-    def train_dataloader(self):
-        return DataLoader(Documents(lengths_of(self.n_docs)), batch_size=2, shuffle=True)
-
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class DocsModule(DocsStep):
+    """The same module, owning its loader (``train_dataloader()``)."""
+
+    def train_dataloader(self):
+        return docs_loader(self.n_docs, num_workers=self.workers)
+
+
+def docs_loader(n_docs: int = 24, **kwargs) -> DataLoader:
+    return DataLoader(Documents(lengths_of(n_docs)), batch_size=2, shuffle=True, **kwargs)
+
+
+class DocsData(pl.LightningDataModule):
+    def train_dataloader(self):
+        return docs_loader()
 
 
 def packed_fit(module: pl.LightningModule, tmp_path: Path, **kwargs) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
     callbacks = [SequencePacking(row_length=ROW, seed=2), *kwargs.pop("callbacks", [])]
-    ckpt_path = kwargs.pop("ckpt_path", None)
+    if "callbacks_before" in kwargs:
+        callbacks = [*kwargs.pop("callbacks_before"), *callbacks]
+    fit = {
+        k: kwargs.pop(k) for k in ("ckpt_path", "train_dataloaders", "datamodule") if k in kwargs
+    }
     trainer = pl.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks, **kwargs,
     )  # fmt: skip
-    trainer.fit(module, ckpt_path=ckpt_path)
+    trainer.fit(module, **fit)
     return trainer
 
 
@@ -346,3 +366,175 @@ def test_ddp_two_processes_each_document_once(ddp_case) -> None:
     assert set(seen[0]).isdisjoint(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(ranks[0]["documents"]))
     assert ranks[0]["path"] == "sdpa-document-mask" and ranks[0]["check_error"] < 1e-5
+
+
+# -- issue 49: what is trained is what the user's loader gives, in every way of giving it -------
+@pytest.mark.parametrize("given_by", ["module", "datamodule", "fit"])
+def test_every_way_of_giving_the_loader_is_packed_the_same(tmp_path, given_by: str) -> None:
+    from lightning_efficient.core.report import report_for
+
+    module = (DocsModule if given_by == "module" else DocsStep)(hf_model("llama"))
+    where = {"datamodule": {"datamodule": DocsData()}, "fit": {"train_dataloaders": docs_loader()}}
+    trainer = packed_fit(module, tmp_path, max_epochs=1, **where.get(given_by, {}))
+    row = report_for(trainer)["SequencePacking"]
+    assert row.figures["rows"] == 2 * len(module.seen) and row.figures["fill"] > 0.9
+    assert row.figures["served_calls"] == len(module.seen)  # every training forward served
+    assert sorted(d for step in module.seen for d in step) == list(range(24))
+    reference = DocsModule(hf_model("llama"))
+    packed_fit(reference, tmp_path / "reference", max_epochs=1)
+    assert module.seen == reference.seen and module.losses == reference.losses
+
+
+@pytest.mark.parametrize("order", ["saver after", "saver before"])
+def test_resume_in_a_later_epoch_with_accumulation_and_workers(tmp_path, order: str) -> None:
+    # 5 batches of 2 rows an epoch, 2 batches a step: 3 steps an epoch; step 5 is in epoch 1
+    k, total, ckpt = 5, 10, tmp_path / "k.ckpt"
+    save = SaveAt(k, ckpt, snapshot=lambda trainer: len(trainer.lightning_module.seen))
+    saver = {"callbacks" if order == "saver after" else "callbacks_before": [save]}
+    fit = dict(max_steps=total, accumulate_grad_batches=2)
+    full = DocsModule(hf_model("llama"), workers=1)
+    trainer = packed_fit(full, tmp_path / "full", **fit, **saver)
+    per_epoch, at = trainer.num_training_batches, save.snapshot  # batches trained at the save
+    assert per_epoch < at < 2 * per_epoch  # inside epoch 1
+    state = torch.load(ckpt, weights_only=False)["callbacks"]
+    packer = next(v for key, v in state.items() if key.startswith("SequencePacking"))
+    assert packer["epoch"] == 1 and packer["position"] == 2 * (at - per_epoch)
+    resumed = DocsModule(hf_model("qwen2"), workers=1)
+    resumed.model = hf_model("llama")
+    packed_fit(resumed, tmp_path / "resumed", **fit, ckpt_path=str(ckpt))
+    assert resumed.seen == full.seen[at:]  # the same rows, in epoch 1 and in epoch 2
+    for (name, a), b in zip(params_of(full).items(), params_of(resumed).values()):
+        assert torch.equal(a, b), name
+
+
+def test_the_loaders_collate_is_kept_per_document(tmp_path) -> None:
+    prompt = 3  # a completion-only collate: the first 3 tokens of each document are the prompt
+
+    def completion_only(items):
+        ids = torch.nn.utils.rnn.pad_sequence([i["input_ids"] for i in items], batch_first=True)
+        labels = ids.clone()
+        labels[:, :prompt] = -100
+        lengths = torch.tensor([len(i["input_ids"]) for i in items])
+        mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+        return {
+            "input_ids": ids,
+            "labels": labels.masked_fill(mask == 0, -100),
+            "attention_mask": mask,
+        }
+
+    lengths = lengths_of(24)
+    loader = DataLoader(Documents(lengths), batch_size=2, collate_fn=completion_only)
+    packed = pack_dataloader(loader, ROW)
+    targets = sum(int((b["labels"] != -100).sum()) for b in packed)
+    assert targets == sum(n - prompt for n in lengths)  # not sum(n - 1): the prompts stay masked
+    for batch in packed:
+        starts = batch["position_ids"] < prompt
+        assert (batch["labels"][starts & (batch["attention_mask"] == 1)] == -100).all()
+
+
+def test_a_sampler_that_picks_documents_is_refused_not_replaced(tmp_path) -> None:
+    from torch.utils.data import SubsetRandomSampler
+
+    loader = DataLoader(
+        Documents(lengths_of(24)), batch_size=2, sampler=SubsetRandomSampler(range(8))
+    )
+    with pytest.raises(ValueError, match="SubsetRandomSampler"):
+        pack_dataloader(loader, ROW)
+    with pytest.raises(SettingsError, match="SubsetRandomSampler"):
+        packed_fit(DocsStep(hf_model("llama")), tmp_path, max_steps=1, train_dataloaders=loader)
+
+
+def test_prepadded_items_pack_their_tokens_not_their_padding() -> None:
+    lengths = lengths_of(24)
+
+    class Padded(Documents):
+        def __getitem__(self, i):
+            ids = self.docs[i]
+            pad = ROW - len(ids)
+            return {
+                "input_ids": F.pad(ids, (0, pad), value=0),
+                "attention_mask": F.pad(torch.ones_like(ids), (0, pad), value=0),
+            }
+
+    packed = pack_dataloader(DataLoader(Padded(lengths), batch_size=2), ROW)
+    batches = list(packed)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    targets = sum(int((b["labels"] != -100).sum()) for b in batches)
+    assert tokens == sum(lengths) and targets == sum(n - 1 for n in lengths)
+    assert packed.sampler.fill() == pytest.approx(sum(lengths) / (len(packed.sampler) * ROW))
+    assert sorted(d for b in batches for d in documents_in(b)) == list(range(24))
+
+
+class Counting(DocsModule):
+    """Counts its training steps, feeds a metric and draws from Python's RNG in each."""
+
+    def __init__(self, model: nn.Module) -> None:
+        import torchmetrics
+
+        super().__init__(model)
+        self.calls = 0
+        self.mean_loss = torchmetrics.MeanMetric()
+        self.draws: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        import random
+
+        self.calls += 1
+        self.draws.append(random.random())
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        return loss
+
+
+def test_the_check_leaves_no_trace_on_the_module(tmp_path) -> None:
+    import random
+
+    module = Counting(hf_model("llama"))
+    random.seed(7)
+    trainer = packed_fit(module, tmp_path, max_steps=3)
+    assert module.calls == trainer.global_step == 3
+    assert int(module.mean_loss.weight) == 3  # the metric saw the 3 training steps only
+    random.seed(7)
+    pl.seed_everything(0, verbose=False)
+    assert module.draws[0] == random.random()  # the check consumed none of the stream
+
+
+class SplitOnce(DocsModule):
+    """Runs out of memory on every batch of more than one row (as a GPU would), so
+    ``OOMRecovery`` splits each batch into its rows."""
+
+    def training_step(self, batch, batch_idx):
+        if torch.is_grad_enabled() and batch["input_ids"].shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_after_an_oom_split_each_half_keeps_its_documents_apart(tmp_path) -> None:
+    from lightning_efficient import OOMRecovery
+    from lightning_efficient.core.report import report_for
+
+    model = hf_model("llama")
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    module = SplitOnce(model)
+    trainer = packed_fit(module, tmp_path, max_steps=3, callbacks=[OOMRecovery()])
+    assert report_for(trainer)["OOMRecovery"].figures["recoveries"] == 1
+    assert len(module.seen) == 6  # 3 batches, each run as its 2 rows
+    assert report_for(trainer)["SequencePacking"].figures["served_calls"] == 6
+    fresh = hf_model("llama")
+    fresh.load_state_dict(first)
+    for half in range(2):  # the first step: both rows against the initial weights
+        ref, _ = one_by_one(fresh, Documents(lengths_of(24)), module.seen[half])
+        assert module.losses[half] == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_an_oom_split_on_the_sdpa_path_is_refused(tmp_path) -> None:
+    from lightning_efficient import OOMRecovery
+
+    class OwnPositions(SplitOnce):  # a module of one's own that passes the rows' positions
+        def training_step(self, batch, batch_idx):
+            if torch.is_grad_enabled() and batch["input_ids"].shape[0] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+            return self.model(batch["input_ids"], batch["labels"], batch["position_ids"])
+
+    with pytest.raises(RuntimeError, match="cannot tell which rows"):
+        packed_fit(OwnPositions(PlainLM()), tmp_path, max_steps=2, callbacks=[OOMRecovery()])

@@ -292,7 +292,8 @@ class DocsData(pl.LightningDataModule):
 
 def packed_fit(module: pl.LightningModule, tmp_path: Path, **kwargs) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
-    callbacks = [SequencePacking(row_length=ROW, seed=2), *kwargs.pop("callbacks", [])]
+    packing = kwargs.pop("packing", None) or SequencePacking(row_length=ROW, seed=2)
+    callbacks = [packing, *kwargs.pop("callbacks", [])]
     if "callbacks_before" in kwargs:
         callbacks = [*kwargs.pop("callbacks_before"), *callbacks]
     fit = {
@@ -538,3 +539,109 @@ def test_an_oom_split_on_the_sdpa_path_is_refused(tmp_path) -> None:
 
     with pytest.raises(RuntimeError, match="cannot tell which rows"):
         packed_fit(OwnPositions(PlainLM()), tmp_path, max_steps=2, callbacks=[OOMRecovery()])
+
+
+def test_pack_dataloader_checks_what_it_is_given() -> None:
+    docs = Documents(lengths_of(10))
+    loader = DataLoader(docs, batch_size=2)
+    with pytest.raises(ValueError, match=r"`lengths` has 3 entries but the loader's dataset 10"):
+        pack_dataloader(loader, ROW, lengths=[5, 5, 5])
+    cut = pack_dataloader(loader, ROW, lengths=[2] * 10)  # fewer tokens than the items have
+    with pytest.raises(ValueError, match=r"item #\d+ has \d+ tokens but `lengths` gave 2"):
+        next(iter(cut))
+    with pytest.raises(TypeError, match="`shifted_labels` must be True or False; got .no."):
+        pack_dataloader(loader, ROW, shifted_labels="no")
+    with pytest.raises(ValueError, match="`rows_per_batch` must be >= 1; got 0"):
+        pack_dataloader(loader, ROW, rows_per_batch=0)
+    with pytest.raises(
+        ValueError, match=r"`pad_id` must be in \[0, 2147483647\]; got 1099511627776"
+    ):
+        pack_dataloader(loader, ROW, pad_id=2**40)
+    given = pack_dataloader(loader, ROW, lengths=lengths_of(10))  # the right lengths: served
+    assert sorted(d for b in given for d in documents_in(b)) == list(range(10))
+
+
+@pytest.mark.parametrize("other", ["DevicePreload", "Curriculum"])
+@pytest.mark.parametrize("packing_first", [True, False])
+def test_packing_with_another_order_or_a_preload_is_refused(tmp_path, other, packing_first) -> None:
+    import lightning_efficient as le
+
+    made = le.DevicePreload() if other == "DevicePreload" else le.Curriculum(difficulty="length")
+    where = "callbacks" if packing_first else "callbacks_before"
+    model = hf_model("llama")
+    given = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(SettingsError, match=f"SequencePacking with {other}: packing builds"):
+        packed_fit(DocsModule(model), tmp_path, max_steps=1, **{where: [made]})
+    assert all(torch.equal(given[k], v) for k, v in model.state_dict().items())
+
+
+def test_bad_settings_and_states_are_refused_naming_them(tmp_path) -> None:
+    with pytest.raises(
+        ValueError, match=r"`seed` must be in \[0, 4294967295\]; got 1125899906842624"
+    ):
+        SequencePacking(seed=2**50)
+    with pytest.raises(ValueError, match=r"`pad_id` must be in \[0, 2147483647\]"):
+        SequencePacking(pad_id=2**63)
+    # the packer's state in a checkpoint: checked, not trained from
+    sampler = PackedRowSampler(lengths_of(24), ROW)
+    for bad, key in (({"position": -3}, "position"), ({"position": 10**6}, "position"),
+                     ({"epoch": -1}, "epoch"), ({"seed": 2**40}, "seed")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"`state\['{key}'\]` must be"):
+            sampler.load_state_dict(bad)
+    ckpt = tmp_path / "1.ckpt"
+    packed_fit(DocsModule(hf_model("llama")), tmp_path, max_steps=1, callbacks=[SaveAt(1, ckpt)])
+    saved = torch.load(ckpt, weights_only=False)
+    key = next(k for k in saved["callbacks"] if k.startswith("SequencePacking"))
+    for position in (-3, 10**6):
+        saved["callbacks"][key]["position"] = position
+        torch.save(saved, tmp_path / "bad.ckpt")
+        with pytest.raises(
+            SettingsError, match=rf"`state\['position'\]` must be in \[0, 10\]; got {position}"
+        ):
+            packed_fit(DocsModule(hf_model("llama")), tmp_path, max_steps=2,
+                       ckpt_path=str(tmp_path / "bad.ckpt"))  # fmt: skip
+
+
+def test_documents_without_tokens_or_labels_of_another_length_are_named(tmp_path) -> None:
+    class Empty(Documents):
+        def __getitem__(self, i):
+            return {"input_ids": torch.zeros(0, dtype=torch.long)}
+
+    class Module(DocsModule):
+        def train_dataloader(self):
+            return DataLoader(Empty(lengths_of(4)), batch_size=2)
+
+    for row_length in (None, ROW):  # none given (was "row_length must be >= 1"), or given (0 steps)
+        with pytest.raises(SettingsError, match="every one of the 4 documents .* has 0 tokens"):
+            packed_fit(Module(hf_model("llama")), tmp_path, max_steps=1, callbacks=[],
+                       packing=SequencePacking(row_length=row_length))  # fmt: skip
+
+    class BadLabels(Documents):
+        def __getitem__(self, i):
+            return {
+                "input_ids": self.docs[i],
+                "labels": self.docs[i][:-1] if i == 3 else self.docs[i],
+            }
+
+    with pytest.raises(ValueError, match=r"item #3's `labels` has \d+ entries"):
+        pack_dataloader(DataLoader(BadLabels(lengths_of(6)), batch_size=2), ROW)
+
+
+def test_manual_optimization_is_refused_with_the_reason(tmp_path) -> None:
+    class Manual(DocsModule):
+        def __init__(self, model):
+            super().__init__(model)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    with pytest.raises(SettingsError, match="manual optimization .* pass check=False"):
+        packed_fit(Manual(hf_model("llama")), tmp_path, max_steps=1)
+    module = Manual(hf_model("llama"))  # check=False: served
+    packed_fit(module, tmp_path, max_steps=2, packing=SequencePacking(row_length=ROW, check=False))
+    assert len(module.seen) == 2 and all(len(s) > 1 for s in module.seen)

@@ -19,7 +19,6 @@ from lightning_efficient.measure.scratch import keep_module_state
 from lightning_efficient.measure.step import silenced_logging
 from lightning_efficient.techniques.curriculum.callbacks import _loader_owner
 from lightning_efficient.techniques.curriculum.difficulty import check_seed
-from lightning_efficient.techniques.dataloading.preload import PreloadedBatches
 from lightning_efficient.techniques.packing.attention import (
     DocumentAttention,
     apply_document_attention,
@@ -68,6 +67,7 @@ class SequencePacking(Technique):
     """
 
     stacks = False
+    orders_samples = packs_documents = True  # read by the compatibility rules
 
     def __init__(
         self,
@@ -253,12 +253,6 @@ def _unpackable(loader: Any) -> str | None:
         return "its dataset is iterable-style (packing needs map-style items with input_ids)"
     if len(loader.dataset) == 0:
         return "its dataset is empty"
-    if isinstance(loader.dataset, PreloadedBatches):
-        raise SettingsError(
-            "SequencePacking: the train loader was preloaded to the device by DevicePreload, "
-            "listed before SequencePacking; packed rows change every epoch and cannot be "
-            "preloaded once. Remove DevicePreload (or SequencePacking)."
-        )
     try:
         item = items_of(loader)[0]
     except ValueError as err:  # a sampler or batch sampler packing would drop

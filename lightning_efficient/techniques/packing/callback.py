@@ -124,11 +124,6 @@ class SequencePacking(Technique):
             return loader
         try:
             lengths = document_lengths(items_of(loader))
-            if not any(lengths):
-                raise ValueError(
-                    f"every one of the {len(lengths)} documents of the train loader has 0 "
-                    "tokens: there is nothing to pack or train."
-                )
             new = pack_dataloader(
                 loader, self.row_length or max(lengths), rows_per_batch=self.rows_per_batch,
                 seed=self.seed, oversize=self.oversize, pad_id=self.pad_id,
@@ -169,11 +164,9 @@ class SequencePacking(Technique):
             return
         if self.check and not pl_module.automatic_optimization:
             raise SettingsError(
-                f"{self.name}: the check that packed documents are kept apart runs "
-                "`training_step` before training, which under manual optimization "
-                "(automatic_optimization=False) would call backward and step the optimizers. "
-                "Check your module's packed loss yourself and pass check=False, or use automatic "
-                "optimization."
+                f"{self.name}: the check that documents are kept apart runs `training_step`, "
+                "which under manual optimization would step the optimizers: check the packed "
+                "loss yourself and pass check=False, or use automatic optimization."
             )
         self._attention = self.record(trainer, apply_document_attention(pl_module))
         self.session = self._attention.value
@@ -225,23 +218,26 @@ class SequencePacking(Technique):
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The packer's place as Lightning's loops count it (whatever the order of the callbacks
-        that save): ``epoch`` and ``position``, the rows of the epoch's batches whose step is
-        done; a finished epoch is the next one at 0."""
-        s, trainer = self.sampler, self._trainer()
-        if s is None or self.loader is None or trainer is None:
+        trainer = self._trainer()
+        if self.sampler is None or self.loader is None or trainer is None:
             return dict(self._state or {})
-        epochs, batches = trainer.fit_loop.epoch_progress.current, 0
-        epoch = epochs.processed
-        if epochs.processed < epochs.started:  # inside epoch `epoch`
-            batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            if batches >= min(len(self.loader), trainer.num_training_batches):
-                epoch, batches = epoch + 1, 0
-        position = batches * (self.loader.batch_size or 1)
-        return {"seed": s.seed, "epoch": epoch, "position": position}
+        return {"seed": self.sampler.seed, **_position(trainer, self.loader)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state = dict(state_dict)
+
+
+def _position(trainer: Any, loader: DataLoader) -> dict[str, int]:
+    """The packer's place as Lightning's loops count it (so whatever the order of the callbacks
+    that save): ``epoch`` and ``position``, the rows of the epoch's batches whose step is done;
+    a finished epoch is the next one at 0."""
+    epochs, batches = trainer.fit_loop.epoch_progress.current, 0
+    epoch = epochs.processed
+    if epochs.processed < epochs.started:  # inside epoch `epoch`
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if batches >= min(len(loader), trainer.num_training_batches):
+            epoch, batches = epoch + 1, 0
+    return {"epoch": epoch, "position": batches * (loader.batch_size or 1)}
 
 
 def _unpackable(loader: Any) -> str | None:

@@ -42,8 +42,9 @@ class SequencePacking(Technique):
     """Pack variable-length documents into rows of a fixed length, each token attending only
     within its own document: the slots padding wasted become tokens (see docs/packing.md).
 
-    The datamodule's (or module's) ``train_dataloader`` is wrapped for the fit: its map-style
-    dataset of items with ``input_ids`` (optionally ``labels``) is served as packed rows
+    The fit's train loader (from the datamodule's or module's ``train_dataloader`` or given to
+    ``trainer.fit``) is wrapped for the fit: its map-style dataset of items with ``input_ids``
+    (optionally ``labels``; its ``collate_fn`` applied per document) is served as packed rows
     (``PackedRowSampler``: best-fit decreasing, shuffled per epoch, sharded over the ranks, the
     same number of batches every epoch) of dicts with ``input_ids``, ``labels`` (-100 on padding
     and where a target would cross a document boundary) and ``position_ids`` (restarting at 0
@@ -52,7 +53,9 @@ class SequencePacking(Technique):
     before training, checked: the user's ``training_step`` on one packed row must give the token
     mean of its documents run one by one, or the fit stops saying why. The loss stays the
     module's own (a token mean over the labels that are not -100). The packer's position is in
-    the checkpoint: a run resumed mid-epoch continues with the same rows.
+    the checkpoint: a run resumed mid-epoch continues with the same rows. A sampler that picks
+    documents, manual optimization (with ``check``) and ``Curriculum``/``DevicePreload`` are
+    refused, naming them.
 
     Args:
         row_length: Tokens in a row (None: the longest document).

@@ -64,6 +64,21 @@ class DocumentAttention:
         pos = self.position_ids
         return pos is not None and tuple(pos.shape) == (rows, length)
 
+    def split_off(self, rows: int, length: int) -> bool:
+        """A call holds some of the packed batch's rows (a micro-batch of a split batch)."""
+        pos = self.position_ids
+        return pos is not None and length == pos.shape[1] and rows < pos.shape[0]
+
+    def split_error(self, rows: int, where: str) -> RuntimeError:
+        """Why a micro-batch whose rows cannot be told apart is not run (documents would mix)."""
+        return RuntimeError(
+            f"packed rows reached {where} {rows} of the batch's {self.position_ids.shape[0]} at a "
+            "time (the batch was split into micro-batches, e.g. by OOMRecovery after an "
+            "out-of-memory error), and the packing cannot tell which rows these are, so their "
+            "documents would mix. Pass the batch's input_ids to the model, or turn the split off "
+            "(EfficientBatchSize(oom_recovery=False)) and choose a smaller rows_per_batch."
+        )
+
     def positions_of(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The ``position_ids`` of the rows ``input_ids`` holds: the whole batch, or (a batch
         split into micro-batches, e.g. after an out-of-memory error) the consecutive rows of the
@@ -105,6 +120,8 @@ def _hf_forward(original: Callable[..., Any], session: DocumentAttention, flash:
             embeds = kwargs.get("inputs_embeds")
             ids = embeds[..., 0] if isinstance(embeds, torch.Tensor) else None
         pos = session.positions_of(ids) if isinstance(ids, torch.Tensor) else None
+        if pos is None and isinstance(ids, torch.Tensor) and session.split_off(*ids.shape[:2]):
+            raise session.split_error(ids.shape[0], "the model")
         if pos is not None:
             if kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = pos
@@ -147,20 +164,9 @@ def _sdpa(original: Callable[..., Any], session: DocumentAttention) -> Any:
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
             )
         q_len, k_len = query.shape[-2], key.shape[-2]
-        rows, batch_rows = query.shape[0], session.position_ids.shape[0]
-        if (
-            query.dim() == 4
-            and q_len == k_len == session.position_ids.shape[1]
-            and rows < batch_rows
-        ):
-            raise RuntimeError(
-                f"packed rows reached F.scaled_dot_product_attention {rows} of the batch's "
-                f"{batch_rows} at a time (the batch was split into micro-batches, e.g. by "
-                "OOMRecovery after an out-of-memory error): from the attention call alone the "
-                "packing cannot tell which rows these are, so their documents would mix. With "
-                "SequencePacking on a module of one's own, turn the split off "
-                "(EfficientBatchSize(oom_recovery=False)) and choose a smaller rows_per_batch."
-            )
+        rows = query.shape[0]
+        if query.dim() == 4 and q_len == k_len and session.split_off(rows, q_len):
+            raise session.split_error(rows, "F.scaled_dot_product_attention")
         if query.dim() != 4 or q_len != k_len or not session.matches(rows, q_len):
             session.unmatched += 1
             return original(

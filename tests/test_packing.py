@@ -648,3 +648,45 @@ def test_manual_optimization_is_refused_with_the_reason(tmp_path) -> None:
     module = Manual(hf_model("llama"))  # check=False: served
     packed_fit(module, tmp_path, max_steps=2, packing=SequencePacking(row_length=ROW, check=False))
     assert len(module.seen) == 2 and all(len(s) > 1 for s in module.seen)
+
+
+class SaveAtValidation(pl.Callback):
+    """Saves a checkpoint when validation ends at optimizer step ``step`` (ModelCheckpoint's
+    moment with a val_check_interval), counting the batches trained then."""
+
+    def __init__(self, step: int, path) -> None:
+        self.step, self.path, self.batches = step, str(path), None
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if (
+            trainer.global_step == self.step
+            and self.batches is None
+            and not trainer.sanity_checking
+        ):
+            trainer.save_checkpoint(self.path)
+            self.batches = len(pl_module.seen)
+
+
+class Validated(DocsStep):
+    def validation_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
+class DocsWithValidation(DocsData):
+    def val_dataloader(self):
+        return DataLoader(Documents(lengths_of(2, seed=5)), batch_size=1)
+
+
+def test_resume_from_a_validation_checkpoint_with_a_datamodule(tmp_path) -> None:
+    k, total, ckpt = 7, 12, tmp_path / "val.ckpt"  # 5 batches an epoch: step 7 is in epoch 1
+    fit = dict(max_steps=total, val_check_interval=2, num_sanity_val_steps=0)
+    full, save = Validated(hf_model("llama")), SaveAtValidation(k, ckpt)
+    packed_fit(full, tmp_path / "full", callbacks=[save], datamodule=DocsWithValidation(), **fit)
+    assert save.batches == k
+    resumed = Validated(hf_model("llama"))
+    packed_fit(
+        resumed, tmp_path / "resumed", datamodule=DocsWithValidation(), ckpt_path=str(ckpt), **fit
+    )
+    assert resumed.seen == full.seen[k:]
+    for (name, a), b in zip(params_of(full).items(), params_of(resumed).values()):
+        assert torch.equal(a, b), name

@@ -582,6 +582,12 @@ def test_bad_settings_and_states_are_refused_naming_them(tmp_path) -> None:
         SequencePacking(seed=2**50)
     with pytest.raises(ValueError, match=r"`pad_id` must be in \[0, 2147483647\]"):
         SequencePacking(pad_id=2**63)
+    with pytest.raises(
+        SettingsError,
+        match=r"`pad_id` must be a token id below the vocabulary of `model` \(96 tokens\); got 96",
+    ):
+        packed_fit(DocsModule(hf_model("llama")), tmp_path, max_steps=1,
+                   packing=SequencePacking(row_length=ROW, pad_id=VOCAB))  # fmt: skip
     # the packer's state in a checkpoint: checked, not trained from
     sampler = PackedRowSampler(lengths_of(24), ROW)
     for bad, key in (({"position": -3}, "position"), ({"position": 10**6}, "position"),

@@ -22,6 +22,7 @@ from lightning_efficient.techniques.curriculum.difficulty import check_seed
 from lightning_efficient.techniques.packing.attention import (
     DocumentAttention,
     apply_document_attention,
+    hf_models,
     packing_error,
 )
 from lightning_efficient.techniques.packing.bins import OVERSIZE, fill, padded_fill_of
@@ -171,6 +172,7 @@ class SequencePacking(Technique):
                 "which under manual optimization would step the optimizers: check the packed "
                 "loss yourself and pass check=False, or use automatic optimization."
             )
+        _check_pad_id(self.pad_id, pl_module)
         self._attention = self.record(trainer, apply_document_attention(pl_module))
         self.session = self._attention.value
         self.note(f"attention path {self.session.path!r}: {self._attention.what}")
@@ -241,6 +243,18 @@ def _position(trainer: Any, loader: DataLoader) -> dict[str, int]:
         if batches >= min(len(loader), trainer.num_training_batches):
             epoch, batches = epoch + 1, 0
     return {"epoch": epoch, "position": batches * (loader.batch_size or 1)}
+
+
+def _check_pad_id(pad_id: int, module: Any) -> None:
+    """``pad_id`` must be a token of the Hugging Face models' vocabularies (their input
+    embeddings' rows), or the first padded row fails with a bare index error."""
+    for name, hf in hf_models(module):
+        rows = hf.get_input_embeddings().num_embeddings
+        if pad_id >= rows:
+            raise SettingsError(
+                f"SequencePacking: `pad_id` must be a token id below the vocabulary of "
+                f"`{name or type(hf).__name__}` ({rows} tokens); got {pad_id}."
+            )
 
 
 def _unpackable(loader: Any) -> str | None:

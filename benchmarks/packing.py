@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     data = Items(train_docs)
     lengths = [len(d) for d in train_docs]
     runs: dict[str, dict[str, Any]] = {}
-    packed_loader = pack_dataloader(DataLoader(data, batch_size=ROWS), ROW, seed=SEED)
+    packed_loader = pack_dataloader(DataLoader(data, batch_size=ROWS), ROW, seed=SEED, shuffle=True)
     same_steps = round(count / len(packed_loader))  # documents a packed step holds, on average
     for name, size in (("padded", ROWS), ("packed", ROWS), ("padded, same steps", same_steps)):
         net = model(args.quick)

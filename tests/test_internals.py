@@ -156,6 +156,17 @@ def test_kept_iterator_of_a_dataloader() -> None:
     del first, kept, persistent
 
 
+def test_fit_train_source_holds_the_loaders_given_to_fit() -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(range(4), batch_size=2)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer.fit_loop._data_source.instance = loader  # what trainer.fit(train_dataloaders=) sets
+    source = I.fit_train_source(trainer)
+    assert source.instance is loader and not source.is_module() and source.dataloader() is loader
+
+
 # --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------
 def test_deepspeed_strategy_hooks_exist() -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy

@@ -40,6 +40,7 @@ __all__ = [
     "inductor_modes",
     "is_dynamo_error",
     "kept_iterator",
+    "fit_train_source",
     "make_wrapper_tensor",
     "TENSOR_BASE_GETTER",
     "module_tensor_slots",
@@ -330,6 +331,17 @@ def kept_iterator(loader: Any) -> Any:
     if "_iterator" not in vars(loader):  # pragma: no cover - depends on torch
         raise _moved("torch", "DataLoader._iterator")
     return loader._iterator
+
+
+# --- Lightning: where a fit's train loaders come from -----------------------------------------
+def fit_train_source(trainer: Any) -> Any:
+    """What the fit's train loaders come from (Lightning's ``_DataLoaderSource``): ``.instance``
+    is the module, the datamodule or the loaders given to ``trainer.fit(train_dataloaders=)``;
+    ``.dataloader()`` returns the loaders (calling ``train_dataloader()`` of a module)."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    if source is None or not callable(getattr(source, "dataloader", None)):
+        raise _moved("lightning", "_FitLoop._data_source.dataloader")
+    return source
 
 
 # --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------

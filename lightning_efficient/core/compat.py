@@ -138,6 +138,25 @@ def _preload_with_workers(trainer: Any, techniques: Sequence[Any]) -> str | None
 
 
 @rule
+def _packing_with_loader_changes(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    packers = [t for t in techniques if getattr(t, "packs_documents", False)]
+    others = [
+        t
+        for t in techniques
+        if t not in packers
+        and (getattr(t, "orders_samples", False) or getattr(t, "preloads_to_device", False))
+    ]
+    if packers and others:
+        return (
+            f"{_names(packers)} with {_names(others)}: packing builds its own batches of rows, "
+            "its documents shuffled by its seed each epoch; another order of the samples would be "
+            "dropped by it (or would drop it), and rows that change every epoch cannot be "
+            "preloaded once. Use one of them."
+        )
+    return None
+
+
+@rule
 def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> str | None:
     """EfficientBatchSize sets accumulate_grad_batches; nothing else may change it."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler

@@ -92,6 +92,10 @@ class Technique(Callback):
     loads_in_workers: bool = False
     #: Serves batches that already live on the device.
     preloads_to_device: bool = False
+    #: Decides which samples an epoch trains on and in what order (its own sampler).
+    orders_samples: bool = False
+    #: Builds its own batches of documents packed into rows, anew each epoch.
+    packs_documents: bool = False
     #: Recompilations seen during the fit (``None``: the technique does not compile). Read by
     #: the profiler's advice (many recompilations: bucket the batch shapes).
     recompiles: int | None = None

@@ -86,6 +86,7 @@ class Curriculum(Technique):
     """
 
     stacks = False
+    orders_samples = True  # read by the compatibility rules
 
     def __init__(
         self,

@@ -44,21 +44,58 @@ PATHS = ("hf-position-ids", "sdpa-document-mask")
 
 
 class DocumentAttention:
-    """The packed batch now in training (its ``position_ids``), and what was served."""
+    """The packed batch now in training (its ``position_ids`` and ``input_ids``), and what was
+    served."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.position_ids: torch.Tensor | None = None
+        self.input_ids: torch.Tensor | None = None
         self.served = 0  # calls given the documents (a forward, or an attention call)
         self.unmatched = 0  # attention calls during a packed batch of another shape
 
-    def current(self, position_ids: torch.Tensor | None) -> None:
+    def current(
+        self, position_ids: torch.Tensor | None, input_ids: torch.Tensor | None = None
+    ) -> None:
         """Point at the packed batch in training (``None``: none, e.g. validation)."""
-        self.position_ids = position_ids
+        self.position_ids, self.input_ids = position_ids, input_ids
 
     def matches(self, rows: int, length: int) -> bool:
         pos = self.position_ids
         return pos is not None and tuple(pos.shape) == (rows, length)
+
+    def split_off(self, rows: int, length: int) -> bool:
+        """A call holds some of the packed batch's rows (a micro-batch of a split batch)."""
+        pos = self.position_ids
+        return pos is not None and length == pos.shape[1] and rows < pos.shape[0]
+
+    def split_error(self, rows: int, where: str) -> RuntimeError:
+        """Why a micro-batch whose rows cannot be told apart is not run (documents would mix)."""
+        return RuntimeError(
+            f"packed rows reached {where} {rows} of the batch's {self.position_ids.shape[0]} at a "
+            "time (the batch was split into micro-batches, e.g. by OOMRecovery after an "
+            "out-of-memory error), and the packing cannot tell which rows these are, so their "
+            "documents would mix. Pass the batch's input_ids to the model, or turn the split off "
+            "(EfficientBatchSize(oom_recovery=False)) and choose a smaller rows_per_batch."
+        )
+
+    def positions_of(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The ``position_ids`` of the rows ``input_ids`` holds: the whole batch, or (a batch
+        split into micro-batches, e.g. after an out-of-memory error) the consecutive rows of the
+        batch that equal them; ``None`` when they are not rows of the packed batch."""
+        pos, ids = self.position_ids, self.input_ids
+        if pos is None or input_ids.dim() != 2 or input_ids.shape[1] != pos.shape[1]:
+            return None
+        rows = input_ids.shape[0]
+        if rows == pos.shape[0]:
+            return pos
+        if ids is None or rows > ids.shape[0]:
+            return None
+        given = input_ids.to(ids.device)
+        for start in range(ids.shape[0] - rows + 1):
+            if torch.equal(ids[start : start + rows], given):
+                return pos[start : start + rows]
+        return None
 
 
 def hf_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -82,8 +119,10 @@ def _hf_forward(original: Callable[..., Any], session: DocumentAttention, flash:
         if not isinstance(ids, torch.Tensor):
             embeds = kwargs.get("inputs_embeds")
             ids = embeds[..., 0] if isinstance(embeds, torch.Tensor) else None
-        if ids is not None and ids.dim() == 2 and session.matches(*ids.shape):
-            pos = session.position_ids
+        pos = session.positions_of(ids) if isinstance(ids, torch.Tensor) else None
+        if pos is None and isinstance(ids, torch.Tensor) and session.split_off(*ids.shape[:2]):
+            raise session.split_error(ids.shape[0], "the model")
+        if pos is not None:
             if kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = pos
             mask = kwargs.get("attention_mask")
@@ -125,7 +164,10 @@ def _sdpa(original: Callable[..., Any], session: DocumentAttention) -> Any:
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
             )
         q_len, k_len = query.shape[-2], key.shape[-2]
-        if query.dim() != 4 or q_len != k_len or not session.matches(query.shape[0], q_len):
+        rows = query.shape[0]
+        if query.dim() == 4 and q_len == k_len and session.split_off(rows, q_len):
+            raise session.split_error(rows, "F.scaled_dot_product_attention")
+        if query.dim() != 4 or q_len != k_len or not session.matches(rows, q_len):
             session.unmatched += 1
             return original(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs

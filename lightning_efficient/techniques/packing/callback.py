@@ -4,25 +4,33 @@ attention kept inside each document; the maths is in ``bins``, ``rows``, ``sampl
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_efficient.core._internals import fit_train_source
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_bool, check_choice, check_int
+from lightning_efficient.measure.scratch import keep_module_state
 from lightning_efficient.measure.step import silenced_logging
 from lightning_efficient.techniques.curriculum.callbacks import _loader_owner
+from lightning_efficient.techniques.curriculum.difficulty import check_seed
 from lightning_efficient.techniques.packing.attention import (
     DocumentAttention,
     apply_document_attention,
+    hf_models,
     packing_error,
 )
 from lightning_efficient.techniques.packing.bins import OVERSIZE, fill, padded_fill_of
 from lightning_efficient.techniques.packing.sampler import (
+    MAX_TOKEN_ID,
     PackedRowSampler,
     document_lengths,
+    items_of,
     pack_dataloader,
 )
 
@@ -35,8 +43,9 @@ class SequencePacking(Technique):
     """Pack variable-length documents into rows of a fixed length, each token attending only
     within its own document: the slots padding wasted become tokens (see docs/packing.md).
 
-    The datamodule's (or module's) ``train_dataloader`` is wrapped for the fit: its map-style
-    dataset of items with ``input_ids`` (optionally ``labels``) is served as packed rows
+    The fit's train loader (from the datamodule's or module's ``train_dataloader`` or given to
+    ``trainer.fit``) is wrapped for the fit: its map-style dataset of items with ``input_ids``
+    (optionally ``labels``; its ``collate_fn`` applied per document) is served as packed rows
     (``PackedRowSampler``: best-fit decreasing, shuffled per epoch, sharded over the ranks, the
     same number of batches every epoch) of dicts with ``input_ids``, ``labels`` (-100 on padding
     and where a target would cross a document boundary) and ``position_ids`` (restarting at 0
@@ -45,7 +54,9 @@ class SequencePacking(Technique):
     before training, checked: the user's ``training_step`` on one packed row must give the token
     mean of its documents run one by one, or the fit stops saying why. The loss stays the
     module's own (a token mean over the labels that are not -100). The packer's position is in
-    the checkpoint: a run resumed mid-epoch continues with the same rows.
+    the checkpoint: a run resumed mid-epoch continues with the same rows. A sampler that picks
+    documents, manual optimization (with ``check``) and ``Curriculum``/``DevicePreload`` are
+    refused, naming them.
 
     Args:
         row_length: Tokens in a row (None: the longest document).
@@ -60,6 +71,7 @@ class SequencePacking(Technique):
     """
 
     stacks = False
+    orders_samples = packs_documents = True  # read by the compatibility rules
 
     def __init__(
         self,
@@ -76,9 +88,9 @@ class SequencePacking(Technique):
         self.rows_per_batch = check_int(
             "rows_per_batch", rows_per_batch, minimum=1, allow_none=True
         )
-        self.seed = check_int("seed", seed, minimum=0)
+        self.seed = check_seed(seed)
         self.oversize = check_choice("oversize", oversize, OVERSIZE)
-        self.pad_id = check_int("pad_id", pad_id, minimum=0)
+        self.pad_id = check_int("pad_id", pad_id, minimum=0, maximum=MAX_TOKEN_ID)
         self.shifted_labels = check_bool("shifted_labels", shifted_labels)
         self.check = check_bool("check", check)
         self.sampler: PackedRowSampler | None = None
@@ -87,8 +99,7 @@ class SequencePacking(Technique):
         self._wrapped = Change("train_dataloader not wrapped")
         self._attention = Change("attention not changed")
         self._state: dict[str, Any] | None = None
-        self._in_epoch = self._batches = 0
-        self._epoch_length = float("inf")
+        self._trainer: Callable[[], Any] = lambda: None
         self._figures: dict[str, Any] = {}
         self._what = ""
 
@@ -98,18 +109,16 @@ class SequencePacking(Technique):
         if stage != "fit" or not self._wrapped.undone:
             return
         self.sampler, self.loader, self.session, self._state = None, None, None, None
-        self._in_epoch = self._batches = 0
-        owner = _loader_owner(trainer, pl_module)
-        if owner is None:
-            self.no_effect(
-                "the train DataLoader was not returned by `train_dataloader()` of the datamodule "
-                "or module (loaders given to trainer.fit cannot be rebuilt); return it from "
-                "there, or use pack_dataloader (lightning_efficient.functional) yourself."
-            )
-            return
-        original = owner.train_dataloader
+        self._trainer = weakref.ref(trainer)
+        owner, hook = _loader_owner(trainer, pl_module), "train_dataloader"
+        if owner is None:  # loaders given to trainer.fit(train_dataloaders=...)
+            owner, hook = fit_train_source(trainer), "dataloader"
+            if owner.instance is None or owner.is_module():
+                self.no_effect("the fit has no train DataLoader to pack.")
+                return
+        original = getattr(owner, hook)
         self._wrapped = self.record(
-            trainer, patch_attribute(owner, "train_dataloader", lambda: self._install(original()))
+            trainer, patch_attribute(owner, hook, lambda: self._install(original()))
         )
 
     def _install(self, loader: Any) -> Any:
@@ -117,22 +126,19 @@ class SequencePacking(Technique):
         if why is not None:
             self.no_effect(f"the train loader is left as it is: {why}")
             return loader
-        lengths = document_lengths(loader.dataset)
-        row_length = self.row_length or max(lengths)
         try:
+            lengths = document_lengths(items_of(loader))
             new = pack_dataloader(
-                loader, row_length, rows_per_batch=self.rows_per_batch, seed=self.seed,
-                oversize=self.oversize, pad_id=self.pad_id, shifted_labels=self.shifted_labels,
-                lengths=lengths,
+                loader, self.row_length or max(lengths), rows_per_batch=self.rows_per_batch,
+                seed=self.seed, oversize=self.oversize, pad_id=self.pad_id,
+                shifted_labels=self.shifted_labels, lengths=lengths,
             )  # fmt: skip
-        except ValueError as err:
+            state = self.state_dict() if self.sampler is not None else self._state
+            if state:
+                new.sampler.load_state_dict(state)
+        except (TypeError, ValueError) as err:
             raise SettingsError(f"{self.name}: {err}") from err
-        state = self.state_dict() if self.sampler is not None else self._state
         self.sampler, self.loader = new.sampler, new
-        if state:
-            self.sampler.load_state_dict(state)
-            self._batches = int(state.get("batches", 0))
-            self._in_epoch = int(state.get("position", 0)) // new.batch_size
         self._describe(loader, lengths, new)
         return new
 
@@ -160,6 +166,13 @@ class SequencePacking(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._wrapped.undone:
             return
+        if self.check and not pl_module.automatic_optimization:
+            raise SettingsError(
+                f"{self.name}: the check that documents are kept apart runs `training_step`, "
+                "which under manual optimization would step the optimizers: check the packed "
+                "loss yourself and pass check=False, or use automatic optimization."
+            )
+        _check_pad_id(self.pad_id, pl_module)
         self._attention = self.record(trainer, apply_document_attention(pl_module))
         self.session = self._attention.value
         self.note(f"attention path {self.session.path!r}: {self._attention.what}")
@@ -185,27 +198,20 @@ class SequencePacking(Technique):
                 f"imported under another name cannot be served: {_FALLBACK}."
             )
         self._figures["check_error"] = error
+        self.session.served = 0  # the report counts the training's calls, not the check's
 
     # -- driving it ----------------------------------------------------------------------------
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.sampler is not None and trainer.current_epoch != self.sampler.epoch:
-            self.sampler.set_epoch(trainer.current_epoch)
-            self._in_epoch = 0
-
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.session is not None and isinstance(batch, dict):
-            self.session.current(batch.get("position_ids"))
+            self.session.current(batch.get("position_ids"), batch.get("input_ids"))
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.session is not None:
             self.session.current(None)
-        self._batches += 1
-        self._in_epoch += 1
-        self._epoch_length = trainer.num_training_batches
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.sampler is not None and self.session is not None:
@@ -217,17 +223,38 @@ class SequencePacking(Technique):
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        s = self.sampler
-        if s is None or self.loader is None:
+        trainer = self._trainer()
+        if self.sampler is None or self.loader is None or trainer is None:
             return dict(self._state or {})
-        epoch, in_epoch = s.epoch, self._in_epoch
-        if in_epoch >= min(len(self.loader), self._epoch_length):  # a complete epoch
-            epoch, in_epoch = epoch + 1, 0
-        position = in_epoch * (self.loader.batch_size or 1)
-        return {"seed": s.seed, "epoch": epoch, "position": position, "batches": self._batches}
+        return {"seed": self.sampler.seed, **_position(trainer, self.loader)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state = dict(state_dict)
+
+
+def _position(trainer: Any, loader: DataLoader) -> dict[str, int]:
+    """The packer's place as Lightning's loops count it (so whatever the order of the callbacks
+    that save): ``epoch`` and ``position``, the rows of the epoch's batches whose step is done;
+    a finished epoch is the next one at 0."""
+    epochs, batches = trainer.fit_loop.epoch_progress.current, 0
+    epoch = epochs.processed
+    if epochs.processed < epochs.started:  # inside epoch `epoch`
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if batches >= min(len(loader), trainer.num_training_batches):
+            epoch, batches = epoch + 1, 0
+    return {"epoch": epoch, "position": batches * (loader.batch_size or 1)}
+
+
+def _check_pad_id(pad_id: int, module: Any) -> None:
+    """``pad_id`` must be a token of the Hugging Face models' vocabularies (their input
+    embeddings' rows), or the first padded row fails with a bare index error."""
+    for name, hf in hf_models(module):
+        rows = hf.get_input_embeddings().num_embeddings
+        if pad_id >= rows:
+            raise SettingsError(
+                f"SequencePacking: `pad_id` must be a token id below the vocabulary of "
+                f"`{name or type(hf).__name__}` ({rows} tokens); got {pad_id}."
+            )
 
 
 def _unpackable(loader: Any) -> str | None:
@@ -239,7 +266,12 @@ def _unpackable(loader: Any) -> str | None:
         return "its dataset is iterable-style (packing needs map-style items with input_ids)"
     if len(loader.dataset) == 0:
         return "its dataset is empty"
-    item = loader.dataset[0]
+    try:
+        item = items_of(loader)[0]
+    except ValueError as err:  # a sampler or batch sampler packing would drop
+        raise SettingsError(f"SequencePacking: {err}") from err
+    except TypeError as err:  # a collate_fn whose batches are not dicts of input_ids
+        return str(err)
     if not isinstance(item, dict) or "input_ids" not in item:
         return f"its items are {type(item).__name__}s, not dicts with `input_ids`"
     return None
@@ -247,19 +279,19 @@ def _unpackable(loader: Any) -> str | None:
 
 def _check(trainer: Any, module: Any, data: Any, row: Any, session: Any) -> float:
     """``packing_error`` of ``row`` (and of its documents alone) through the user's training
-    step, on the device: no gradients, dropout off, logging silenced, the RNG and the train/eval
-    flags put back."""
+    step, on the device: no gradients, dropout off, logging silenced, and the module put back as
+    after every trial (``keep_module_state``: its attributes, buffers, metric states, modes and
+    the RNG)."""
 
     def batch(key: Any) -> Any:
         return trainer.strategy.batch_to_device({k: v[None] for k, v in data[key].items()})
 
     packed, alone = batch(row), [batch((piece,)) for piece in row]
-    modes = {m: m.training for m in module.modules()}
-    module.eval()
+    kept = keep_module_state(module)
     try:
-        with torch.no_grad(), silenced_logging(module), torch.random.fork_rng(devices=[]):
+        module.eval()
+        with torch.no_grad(), silenced_logging(module):
             with trainer.precision_plugin.forward_context():
                 return packing_error(lambda b: module.training_step(b, 0), packed, alone, session)
     finally:
-        for m, mode in modes.items():
-            m.training = mode
+        kept.undo()

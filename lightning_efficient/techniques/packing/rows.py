@@ -1,7 +1,8 @@
 """One packed row from its documents, and what a model needs to keep the documents apart.
 
 - ``read_document(item)``: ``(input_ids, labels or None)`` of a dataset item (a dict with
-  ``input_ids`` and optionally ``labels``, as Hugging Face datasets give them).
+  ``input_ids`` and optionally ``labels``, as Hugging Face datasets give them); an item's own
+  ``attention_mask`` (padding to a fixed length) drops the padding it marks.
 - ``build_row(documents, row_length, ...)``: the documents one after another, then padding:
   ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` of ``row_length`` tokens (the
   mask: 1 on the documents, 0 on the padding, so that ``measure/speed/tokens.py`` counts the real
@@ -36,27 +37,45 @@ __all__ = [
 IGNORE_INDEX = -100
 
 
-def read_document(item: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(input_ids, labels or None)`` of one dataset item, as 1-D int64 tensors."""
+def read_document(item: Any, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(input_ids, labels or None)`` of one dataset item (number ``index``, for messages), as
+    1-D int64 tensors. An item with an ``attention_mask`` (padded by its tokenizer) keeps only
+    the tokens its mask marks, which must be one run: the padding is not a document's token."""
+    name = "an item" if index is None else f"item #{index}"
     if not isinstance(item, Mapping) or "input_ids" not in item:
         kind = (
             f"a dict with keys {sorted(item)}" if isinstance(item, Mapping) else type(item).__name__
         )
         raise TypeError(
             f"sequence packing reads dataset items that are dicts with `input_ids` (and optionally "
-            f"`labels`); got {kind}."
+            f"`labels`); {name} is {kind}."
         )
     ids = torch.as_tensor(item["input_ids"], dtype=torch.long).flatten()
     labels = item.get("labels")
-    if labels is None:
-        return ids, None
-    labels = torch.as_tensor(labels, dtype=torch.long).flatten()
-    if labels.shape != ids.shape:
+    if labels is not None:
+        labels = torch.as_tensor(labels, dtype=torch.long).flatten()
+        if labels.shape != ids.shape:
+            raise ValueError(
+                f"{name}'s `labels` has {labels.numel()} entries but its `input_ids` "
+                f"{ids.numel()}; packing needs one label per token."
+            )
+    mask = item.get("attention_mask")
+    if mask is None:
+        return ids, labels
+    kept = torch.as_tensor(mask).flatten() != 0
+    if kept.shape != ids.shape:
         raise ValueError(
-            f"an item's `labels` has {labels.numel()} entries but its `input_ids` {ids.numel()}; "
-            "packing needs one label per token."
+            f"{name}'s `attention_mask` has {kept.numel()} entries but its `input_ids` "
+            f"{ids.numel()}; packing needs one mask value per token."
         )
-    return ids, labels
+    where = kept.nonzero().flatten()
+    if where.numel() and int(where[-1] - where[0]) + 1 != where.numel():
+        raise ValueError(
+            f"{name}'s `attention_mask` marks tokens that are not one run ({where.numel()} "
+            f"between token {int(where[0])} and {int(where[-1])}); packing drops the padding a mask marks at the start or end of an item, and "
+            "cannot tell which tokens of this item are one document."
+        )
+    return ids[kept], None if labels is None else labels[kept]
 
 
 def build_row(

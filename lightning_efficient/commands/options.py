@@ -86,11 +86,13 @@ def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int
     if batch_size is not None and batch_size < 1:
         return fail(f"--batch-size must be an integer >= 1; got {batch_size}.")
     cli = build_cli(configs, rest)
-    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    model, trainer = cli.model, cli.trainer
+    data = cli.datamodule if cli.datamodule is not None else model  # a model's own loaders
     if batch_size is not None:
         if not hasattr(data, "batch_size"):
             return fail(
-                f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute."
+                f"--batch-size: the {'datamodule' if data is not model else 'model'} "
+                f"{type(data).__name__} has no `batch_size` attribute."
             )
         data.batch_size = batch_size
     batch = _one_batch(data)

@@ -439,22 +439,31 @@ def test_dataloader_tuning_with_preload_is_a_conflict(tmp_path) -> None:
         fit(tmp_path, [DataLoaderTuning(num_workers=1), DevicePreload()], max_steps=1)
 
 
-def test_loaders_given_to_fit_directly_say_no_effect(tmp_path) -> None:
+def test_loaders_given_to_fit_directly_are_rebuilt_and_put_back(tmp_path) -> None:
+    """Issue 49: loaders given to ``trainer.fit`` (train and validation) are rebuilt as a
+    module's are (they were left as given, with a NoEffectWarning); the fit loop reads them as
+    given again after the fit. The three ways of giving a loader: tests/test_loader_paths.py."""
     dm = tiny_data()
     dm.setup("fit")
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=1,
+        max_steps=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        limit_val_batches=1,
         callbacks=[DataLoaderTuning(num_workers=1)],
         default_root_dir=str(tmp_path),
     )
-    with pytest.warns(NoEffectWarning, match="loaders passed to trainer.fit directly"):
-        trainer.fit(tiny_model(), train_dataloaders=dm.train_dataloader())
-    assert trainer.train_dataloader.num_workers == 0
+    train, val = dm.train_dataloader(), dm.val_dataloader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoEffectWarning)
+        trainer.fit(tiny_model(), train_dataloaders=train, val_dataloaders=val)
+    assert trainer.train_dataloader.num_workers == 1 and trainer.val_dataloaders.num_workers == 1
+    assert train.num_workers == val.num_workers == 0  # the user's loaders, as given
+    source = trainer.fit_loop._data_source
+    assert "dataloader" not in vars(source) and source.dataloader() is train
 
 
 # -- InputStallMonitor ----------------------------------------------------------------------

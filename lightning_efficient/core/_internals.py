@@ -58,6 +58,7 @@ __all__ = [
     "link_zero_optimizer_states",
     "torch_extension_dir",
     "set_model_parallel_sizes",
+    "fit_loader_source",
 ]
 
 #: Versions the package is tested with: (lowest, highest) release, inclusive by minor version.
@@ -330,6 +331,20 @@ def kept_iterator(loader: Any) -> Any:
     if "_iterator" not in vars(loader):  # pragma: no cover - depends on torch
         raise _moved("torch", "DataLoader._iterator")
     return loader._iterator
+
+
+# --- Lightning: the loaders given to trainer.fit ----------------------------------------------
+def fit_loader_source(trainer: Any, hook: str) -> Any:
+    """Where the fit loop reads the loaders given to ``trainer.fit`` directly
+    (``train_dataloaders=``/``val_dataloaders=``) for ``hook`` (``"train_dataloader"`` or
+    ``"val_dataloader"``): Lightning's ``_DataLoaderSource``, whose ``dataloader()`` the loop
+    calls each time it (re)loads them, inside its argument-capturing context, as it calls a
+    module's hook; ``None`` when the fit's loaders come from a module's or datamodule's hook."""
+    loop = trainer.fit_loop if hook == "train_dataloader" else trainer.fit_loop.epoch_loop.val_loop
+    source = vars(loop).get("_data_source")
+    if not (callable(getattr(source, "dataloader", None)) and hasattr(source, "instance")):
+        raise _moved("lightning", "_FitLoop._data_source")  # pragma: no cover
+    return None if source.instance is None or source.is_module() else source
 
 
 # --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------

@@ -607,6 +607,19 @@ def test_stall_fraction_and_workers_to_hide() -> None:
     assert workers_to_hide(0.01, 1.0, 4) == 5
 
 
+def test_the_stall_advice_never_passes_the_worker_cap() -> None:
+    """Issue 49: the monitor suggested 21 workers on 2 cores where DataLoaderTuning searches to 8;
+    one cap now (``default_max_workers``), and past it the advice says loading must get faster."""
+    from lightning_efficient.measure.speed.input_stall import worker_advice
+    from lightning_efficient.techniques.dataloading import default_max_workers
+
+    most = default_max_workers()
+    many = worker_advice(float(4 * most), 1.0, 0)  # hiding this wait takes 4x the cap
+    assert f"DataLoaderTuning(num_workers={most})" in many and f"take {4 * most} workers" in many
+    assert "DevicePreload()" in many and f"num_workers={4 * most}" not in many
+    assert "DataLoaderTuning(num_workers=1)" in worker_advice(1.0, 1.0, 0)
+
+
 # -- LengthBucketSampler --------------------------------------------------------------------
 def _lengths(n: int = 512, seed: int = 0) -> list[int]:
     rng = random.Random(seed)

@@ -20,10 +20,10 @@ from lightning_efficient.core.change import patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_float, check_int
 from lightning_efficient.measure.speed.fetch_watch import FetchWatch
-from lightning_efficient.measure.speed.host import usable_cores
+from lightning_efficient.measure.speed.host import default_max_workers, usable_cores
 from lightning_efficient.measure.speed.timing import StepTimer
 
-__all__ = ["InputStallMonitor", "stall_fraction", "workers_to_hide"]
+__all__ = ["InputStallMonitor", "stall_fraction", "worker_advice", "workers_to_hide"]
 
 
 def stall_fraction(wait: float, step: float, rest: float = 0.0) -> float | None:
@@ -31,6 +31,25 @@ def stall_fraction(wait: float, step: float, rest: float = 0.0) -> float | None:
     (``None`` before anything was measured)."""
     total = wait + step + rest
     return wait / total if total > 0 else None
+
+
+def worker_advice(wait: float, cycle: float, workers: int, devices: int = 1) -> str:
+    """The fix for a measured ``wait`` over the loop's ``cycle`` with ``workers`` now: the
+    workers that hide it (``workers_to_hide``), never more than ``default_max_workers`` (the cap
+    ``DataLoaderTuning`` searches to); past the cap, faster loading as well."""
+    need, most = workers_to_hide(wait, cycle, workers), default_max_workers(devices)
+    cores = f"this machine has {usable_cores()} usable cores"
+    if need <= most:
+        return (
+            f"Trainer(callbacks=[DataLoaderTuning(num_workers={need})]) (now {workers} workers; "
+            f"{cores}), or DevicePreload() if the dataset fits in device memory."
+        )
+    return (
+        f"DevicePreload() if the dataset fits in device memory, or faster loading (cheaper "
+        f"decoding, pre-tokenized data): hiding this wait would take {need} workers, more than the "
+        f"{most} worth running here ({cores}); Trainer(callbacks=[DataLoaderTuning("
+        f"num_workers={most})]) shortens it (now {workers} workers)."
+    )
 
 
 def workers_to_hide(wait: float, cycle: float, workers: int) -> int:
@@ -188,12 +207,7 @@ class InputStallMonitor(Technique):
     def _fix(self, trainer: Any, wait: float, cycle: float) -> str:
         loader = trainer.train_dataloader
         current = loader.num_workers if isinstance(loader, DataLoader) else 0
-        need = workers_to_hide(wait, cycle, current)
-        return (
-            f"Trainer(callbacks=[DataLoaderTuning(num_workers={need})]) (now {current} workers; "
-            f"this machine has {usable_cores()} usable cores), or DevicePreload() if the "
-            "dataset fits in device memory."
-        )
+        return worker_advice(wait, cycle, current, max(1, trainer.num_devices))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._timer is None:

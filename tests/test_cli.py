@@ -194,6 +194,17 @@ def test_a_model_with_its_own_loader_runs_from_a_yaml(data, tmp_path, capsys) ->
     assert "frozen linear weights in 4 bits" in proc.stdout and "2 of 2 training" in proc.stdout
 
 
+def test_estimate_takes_its_batch_from_the_models_own_loader(tmp_path, capsys) -> None:
+    """The commands that build a config without fitting (estimate, plan) take their batch from
+    the model's own loader when the config names no data."""
+    pytest.importorskip("peft")
+    config = tmp_path / "lora.yaml"
+    config.write_text("model:\n  class_path: own_loader.OwnLoaderLoRA\n")
+    proc = run_command(capsys, "estimate", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "peak" in proc.stdout and "parameters" in proc.stdout
+
+
 def test_the_demo_data_serves_only_the_demo_model_or_when_asked(tmp_path, capsys) -> None:
     """The demo model without `data` gets the demo's data; another model gets it when the config
     or the command line names it; a class the config names takes its own defaults, not the

@@ -243,7 +243,7 @@ def test_the_demo_data_serves_only_the_demo_model_or_when_asked(tmp_path, capsys
     assert "Epoch" not in proc.stdout + proc.stderr  # before training
 
 
-def test_an_error_note_never_prints_a_whole_model() -> None:
+def test_an_error_note_never_prints_a_whole_model(capsys) -> None:
     """Python's "X(...) argument after ** must be a mapping" repeats the callable's repr: with a
     PEFT model, hundreds of lines in a one-line note (issue 49); the notes show ``Name(...)``."""
     from lightning_efficient.core.validate import error_text
@@ -255,3 +255,10 @@ def test_an_error_note_never_prints_a_whole_model() -> None:
     text = error_text(info.value)
     assert text == "TypeError: Sequential(...) argument after ** must be a mapping, not tuple"
     assert len(error_text(ValueError("x" * 1000))) == len("ValueError: ") + 300
+    # and the commands' own error lines
+    from lightning_efficient.commands.options import fail
+
+    assert fail(str(info.value)) == 2
+    assert capsys.readouterr().err == (
+        "error: Sequential(...) argument after ** must be a mapping, not tuple\n"
+    )

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import lightning_efficient  # noqa: F401  (registers every callback and strategy for short names)
 from lightning_efficient.core._internals import set_option_type
+from lightning_efficient.core.validate import without_module_trees
 
 __all__ = [
     "CONFIG_ERRORS",
@@ -210,8 +211,9 @@ def reason_first(message: str) -> str:
 
 
 def exit_with_error(message: str) -> NoReturn:
-    """End the command with ``error: <message>`` (its reason first) and exit code 2."""
-    print(f"error: {reason_first(message)}", file=sys.stderr)
+    """End the command with ``error: <message>`` (its reason first; a module's printed tree as
+    ``Name(...)``) and exit code 2."""
+    print(f"error: {reason_first(without_module_trees(message))}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_efficient.commands.cli import EfficientCLI
+from lightning_efficient.core.validate import without_module_trees
 from lightning_efficient.measure.memory.estimate import PRECISIONS
 
 __all__ = ["OPTIONS", "build_cli", "command_parser", "config_workload", "fail"]
@@ -63,8 +64,9 @@ def command_parser(
 
 
 def fail(message: str) -> int:
-    """Print a short error for a command and return its exit code (2)."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print a short error for a command and return its exit code (2); a module's printed tree
+    in it (an error the user's model raised) reads ``Name(...)``."""
+    print(f"error: {without_module_trees(message)}", file=sys.stderr)
     return 2
 
 

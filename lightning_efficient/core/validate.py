@@ -27,6 +27,7 @@ __all__ = [
     "missing_extra",
     "missing_requirement",
     "error_text",
+    "without_module_trees",
 ]
 
 
@@ -289,11 +290,15 @@ def missing_requirement(package: str, purpose: str) -> ImportError:
 _MODULE_TREE = re.compile(r"(\w+)\(\n.*\n\)", re.S)
 
 
+def without_module_trees(text: str) -> str:
+    """``text`` with each module's printed tree shortened to ``Name(...)``."""
+    return _MODULE_TREE.sub(r"\1(...)", text)
+
+
 def error_text(err: BaseException, limit: int = 300) -> str:
     """``"TypeError: message"`` for a note or a warning: a module's printed tree shortened to
     ``Name(...)``, the whole cut to ``limit`` characters."""
-    text = _MODULE_TREE.sub(r"\1(...)", str(err))
-    text = " ".join(text.split())
+    text = " ".join(without_module_trees(str(err)).split())
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(err).__name__}: {text}"

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from command_runner import run_command
 
 from lightning_efficient import TECHNIQUES
@@ -156,3 +157,108 @@ def test_progress_bar_of_a_run_bounded_by_steps_reads_its_epoch() -> None:
     assert type(given) is RichProgressBar
     off = EfficientCLI(args=[*tiny, "--trainer.enable_progress_bar=false"], run=False)
     assert off.trainer.progress_bar_callback is None
+
+
+# -- a model that owns its data (issue 49) -----------------------------------------------------
+QLORA = """\
+model:
+  class_path: own_loader.OwnLoaderLoRA
+trainer:
+  accelerator: cpu
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: FrozenWeights4bit
+    - class_path: ActivationCheckpointing
+    - class_path: ChunkedCrossEntropy
+"""
+
+
+@pytest.mark.parametrize("data", ["absent", "null"])
+def test_a_model_with_its_own_loader_runs_from_a_yaml(data, tmp_path, capsys) -> None:
+    """Issue 49: a yaml whose model builds its own loader and names no `data` (or `data: null`)
+    trains on that loader, as with Lightning's CLI; the command substituted the demo's
+    TextDataModule (then a RuntimeError) or asked for `fit.data`."""
+    pytest.importorskip("peft")
+    from own_loader import OwnLoaderLoRA
+
+    config = tmp_path / "qlora.yaml"
+    config.write_text(QLORA + ("data: null\n" if data == "null" else ""))
+    OwnLoaderLoRA.trained_on.clear()
+    proc = run_command(capsys, "fit", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert OwnLoaderLoRA.trained_on == [(("attention_mask", "input_ids", "labels"), 32)] * 2
+    assert "frozen linear weights in 4 bits" in proc.stdout and "2 of 2 training" in proc.stdout
+
+
+def test_estimate_takes_its_batch_from_the_models_own_loader(tmp_path, capsys) -> None:
+    """The commands that build a config without fitting (estimate, plan) take their batch from
+    the model's own loader when the config names no data."""
+    pytest.importorskip("peft")
+    config = tmp_path / "lora.yaml"
+    config.write_text("model:\n  class_path: own_loader.OwnLoaderLoRA\n")
+    proc = run_command(capsys, "estimate", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "peak" in proc.stdout and "parameters" in proc.stdout
+
+
+def test_the_demo_data_serves_only_the_demo_model_or_when_asked(tmp_path, capsys) -> None:
+    """The demo model without `data` gets the demo's data; another model gets it when the config
+    or the command line names it; a class the config names takes its own defaults, not the
+    demo's; a model with no loader and no data ends with a short error
+    before training (naming the class, never printing the model)."""
+    pytest.importorskip("peft")
+    from lightning_efficient.commands.cli import EfficientCLI
+    from lightning_efficient.demos import TextDataModule
+
+    def cli(*args: str) -> EfficientCLI:
+        return EfficientCLI(args=["--trainer.accelerator=cpu", *args], run=False)
+
+    def data_of(*args: str) -> object:
+        return cli(*args).datamodule
+
+    assert isinstance(data_of(), TextDataModule)
+    assert data_of("--data.max_train_samples=16").hparams.max_train_samples == 16
+    own = "--model=own_loader.OwnLoaderLoRA"
+    assert data_of(own) is None
+    # the demo's init_args never reach a class the config names (jsonargparse keeps those a new
+    # class_path shares with the one before it: TinyGPT's seq_len 128, TextDataModule's batch 16)
+    assert cli(own).model.seq_len == 32
+    assert data_of("--data=own_loader.DocumentsData").batch_size == 2
+    asked = tmp_path / "asked.yaml"
+    asked.write_text("data:\n  class_path: lightning_efficient.demos.TextDataModule\n")
+    assert isinstance(data_of(own, "--config", str(asked)), TextDataModule)
+    assert isinstance(data_of(own, "--data=TextDataModule"), TextDataModule)
+    proc = run_command(
+        capsys, "fit", "--model=own_loader.LoRAWithoutData", "--trainer.accelerator=cpu",
+        "--trainer.logger=false", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error = proc.stderr[proc.stderr.index("error:") :]
+    assert "LoRAWithoutData" in error and "train_dataloader()" in error and "`data:`" in error
+    assert "Llama" not in error and len(error.splitlines()) < 3, error
+    assert "Epoch" not in proc.stdout + proc.stderr  # before training
+
+
+def test_an_error_note_never_prints_a_whole_model(capsys) -> None:
+    """Python's "X(...) argument after ** must be a mapping" repeats the callable's repr: with a
+    PEFT model, hundreds of lines in a one-line note (issue 49); the notes show ``Name(...)``."""
+    from lightning_efficient.core.validate import error_text
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    with pytest.raises(TypeError) as info:
+        model(**(1, 2))
+    assert len(str(info.value).splitlines()) == 4
+    text = error_text(info.value)
+    assert text == "TypeError: Sequential(...) argument after ** must be a mapping, not tuple"
+    assert len(error_text(ValueError("x" * 1000))) == len("ValueError: ") + 300
+    # and the commands' own error lines
+    from lightning_efficient.commands.options import fail
+
+    assert fail(str(info.value)) == 2
+    assert capsys.readouterr().err == (
+        "error: Sequential(...) argument after ** must be a mapping, not tuple\n"
+    )

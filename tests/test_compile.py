@@ -512,3 +512,54 @@ def test_whole_scope_with_graph_breaks_says_where_and_why(tmp_path) -> None:
     assert "forward at line" in note and "skipped" in note
     raw = [w for w in caught if "torch/_dynamo" in w.filename.replace("\\", "/")]
     assert not raw, [str(w.message)[:80] for w in raw]
+
+
+# -- whole: the model the step calls (issue 49) ---------------------------------------------------
+def _lora_fit(tmp_path, callbacks, module_class=None) -> tuple[pl.Trainer, list[float]]:
+    """The fine-tuning card's module shape: ``training_step`` returns ``self.model(**batch).loss``
+    (PEFT LoRA on a tiny Llama) and the module defines no forward of its own."""
+    from helpers import LossRecorder, tiny_trainer
+    from own_loader import OwnLoaderLoRA
+
+    pl.seed_everything(0, verbose=False)
+    module, rec = (module_class or OwnLoaderLoRA)(), LossRecorder()
+    trainer = tiny_trainer(tmp_path, [*callbacks, rec], max_steps=2, limit_val_batches=0)
+    trainer.fit(module)
+    return trainer, rec.losses
+
+
+def test_whole_compiles_the_model_the_step_calls(tmp_path) -> None:
+    """``scope="whole"`` compiled the LightningModule's own call, which such a step never makes:
+    0 graphs, no warning, and a report that read "compiled the whole model". It compiles the
+    child the step calls; the losses equal eager."""
+    pytest.importorskip("peft")
+    probe = _Probe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoEffectWarning)
+        trainer, losses = _lora_fit(
+            tmp_path, [TorchCompile(backend="aot_eager", scope="whole"), probe]
+        )
+    _, eager = _lora_fit(tmp_path, [])
+    assert probe.seen[1] == ["model"]
+    entry = report_for(trainer)["TorchCompile"]
+    assert entry.figures["compiles"] >= 1 and entry.figures["compiled_modules"] == 1
+    assert entry.change.startswith("compiled `model` whole (aot_eager)"), entry.change
+    _close(losses, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_module_the_step_never_calls_warns(tmp_path) -> None:
+    """A module with a forward of its own whose step calls ``self.model(...)`` instead: what was
+    compiled never runs; the callback says so (NoEffectWarning, "0 graphs compiled")."""
+    pytest.importorskip("peft")
+    from own_loader import OwnLoaderLoRA
+
+    class Bypassed(OwnLoaderLoRA):
+        def forward(self, **batch):  # the step does not call it
+            return self.model(**batch)
+
+    with pytest.warns(NoEffectWarning, match="never calls the module's own forward"):
+        trainer, _ = _lora_fit(
+            tmp_path, [TorchCompile(backend="aot_eager", scope="whole")], Bypassed
+        )
+    entry = report_for(trainer)["TorchCompile"]
+    assert entry.change.startswith("0 graphs compiled") and entry.figures["compiled_modules"] == 0

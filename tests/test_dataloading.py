@@ -439,22 +439,31 @@ def test_dataloader_tuning_with_preload_is_a_conflict(tmp_path) -> None:
         fit(tmp_path, [DataLoaderTuning(num_workers=1), DevicePreload()], max_steps=1)
 
 
-def test_loaders_given_to_fit_directly_say_no_effect(tmp_path) -> None:
+def test_loaders_given_to_fit_directly_are_rebuilt_and_put_back(tmp_path) -> None:
+    """Issue 49: loaders given to ``trainer.fit`` (train and validation) are rebuilt as a
+    module's are (they were left as given, with a NoEffectWarning); the fit loop reads them as
+    given again after the fit. The three ways of giving a loader: tests/test_loader_paths.py."""
     dm = tiny_data()
     dm.setup("fit")
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=1,
+        max_steps=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        limit_val_batches=1,
         callbacks=[DataLoaderTuning(num_workers=1)],
         default_root_dir=str(tmp_path),
     )
-    with pytest.warns(NoEffectWarning, match="loaders passed to trainer.fit directly"):
-        trainer.fit(tiny_model(), train_dataloaders=dm.train_dataloader())
-    assert trainer.train_dataloader.num_workers == 0
+    train, val = dm.train_dataloader(), dm.val_dataloader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoEffectWarning)
+        trainer.fit(tiny_model(), train_dataloaders=train, val_dataloaders=val)
+    assert trainer.train_dataloader.num_workers == 1 and trainer.val_dataloaders.num_workers == 1
+    assert train.num_workers == val.num_workers == 0  # the user's loaders, as given
+    source = trainer.fit_loop._data_source
+    assert "dataloader" not in vars(source) and source.dataloader() is train
 
 
 # -- InputStallMonitor ----------------------------------------------------------------------
@@ -598,6 +607,19 @@ def test_stall_fraction_and_workers_to_hide() -> None:
     assert workers_to_hide(0.01, 1.0, 4) == 5
 
 
+def test_the_stall_advice_never_passes_the_worker_cap() -> None:
+    """Issue 49: the monitor suggested 21 workers on 2 cores where DataLoaderTuning searches to 8;
+    one cap now (``default_max_workers``), and past it the advice says loading must get faster."""
+    from lightning_efficient.measure.speed.input_stall import worker_advice
+    from lightning_efficient.techniques.dataloading import default_max_workers
+
+    most = default_max_workers()
+    many = worker_advice(float(4 * most), 1.0, 0)  # hiding this wait takes 4x the cap
+    assert f"DataLoaderTuning(num_workers={most})" in many and f"take {4 * most} workers" in many
+    assert "DevicePreload()" in many and f"num_workers={4 * most}" not in many
+    assert "DataLoaderTuning(num_workers=1)" in worker_advice(1.0, 1.0, 0)
+
+
 # -- LengthBucketSampler --------------------------------------------------------------------
 def _lengths(n: int = 512, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
@@ -719,3 +741,28 @@ def test_bucket_sampler_under_lightning_ddp_shards_itself(ddp_case) -> None:
         assert (
             seen[r] == LengthBucketSampler(LENGTHS, 16, seed=3, num_replicas=2, rank=r).rank_order()
         )
+
+
+class StepFetchesItsBatch(type(tiny_model())):
+    """A ``training_step(self, dataloader_iter)``: the step calls the loader's ``next`` itself."""
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        return self._loss(batch)[0]
+
+
+def test_stall_monitor_counts_the_fetch_a_step_makes_itself(tmp_path) -> None:
+    """Issue 49: with ``training_step(self, dataloader_iter)`` the fetch runs inside the step; a
+    40 ms-a-batch loader against 1 ms of compute read 0.4% and no warning (the fetch was the
+    step's). The in-step fetch is the wait now, as in the plain loop (400 ms a batch here: on a
+    loaded machine the tiny model's steps took 1-1.6 s)."""
+    from helpers import TINY_MODEL
+
+    model = StepFetchesItsBatch(**TINY_MODEL)
+    msgs, monitor, _ = _stall_warnings(tmp_path, 0.1, model=model, step_s=0.001)
+    assert monitor.fetch_seen and len(msgs) == 1 and "DataLoaderTuning" in msgs[0], msgs
+    wait, step, rest = monitor.measured()
+    assert wait > 5 * 0.4 and monitor.stall_fraction > 0.1, (wait, step, rest)
+    # the plain loop on the same data: the same wait
+    _, plain, _ = _stall_warnings(tmp_path, 0.1, step_s=0.001)
+    assert wait == pytest.approx(plain.measured()[0], rel=0.2)

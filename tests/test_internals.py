@@ -156,17 +156,6 @@ def test_kept_iterator_of_a_dataloader() -> None:
     del first, kept, persistent
 
 
-def test_fit_train_source_holds_the_loaders_given_to_fit() -> None:
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(range(4), batch_size=2)
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
-    trainer.fit_loop._data_source.instance = loader  # what trainer.fit(train_dataloaders=) sets
-    source = I.fit_train_source(trainer)
-    assert source.instance is loader and not source.is_module() and source.dataloader() is loader
-
-
 # --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------
 def test_deepspeed_strategy_hooks_exist() -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -321,3 +310,27 @@ def test_make_wrapper_tensor_has_metadata_and_no_data() -> None:
     assert t.device == torch.device("cpu") and t.requires_grad and t.dim() == 3
     with pytest.raises(LookupError, match="no data"):  # an operator reaches the dispatcher
         t + 1
+
+
+def test_fit_loader_source() -> None:
+    """The fit loop's source of the loaders given to ``trainer.fit``: the loader itself from its
+    ``dataloader()``; ``None`` for a module's hooks."""
+    import lightning.pytorch as pl
+    from helpers import tiny_data, tiny_model, tiny_trainer
+
+    seen: dict[str, object] = {}
+
+    class Look(pl.Callback):
+        def setup(self, trainer, pl_module, stage) -> None:
+            seen["train"] = I.fit_loader_source(trainer, "train_dataloader")
+            seen["val"] = I.fit_loader_source(trainer, "val_dataloader")
+
+    data = tiny_data()
+    data.setup("fit")
+    loader = data.train_dataloader()
+    tiny_trainer(None, [Look()], max_steps=1, limit_val_batches=0).fit(
+        tiny_model(), train_dataloaders=loader
+    )
+    assert seen["train"].dataloader() is loader and seen["val"] is None
+    tiny_trainer(None, [Look()], max_steps=1, limit_val_batches=0).fit(tiny_model(), data)
+    assert seen["train"] is None and seen["val"] is None

@@ -4,8 +4,10 @@ classes.
 - Every callback and strategy of this package resolves by its short class name in yaml
   (``class_path: ActivationCheckpointing``) because importing the package registers them as
   subclasses.
-- The model defaults to ``TinyGPT`` and the data to ``TextDataModule``; any LightningModule and
-  LightningDataModule can be given by class path.
+- The model defaults to ``TinyGPT``, and the demo model to the demo's ``TextDataModule``; any
+  LightningModule and LightningDataModule can be given by class path. A config that names another
+  model and no ``data`` (or ``data: null``) trains on the model's own loaders, as with Lightning's
+  CLI: the demo's data serves it only when the config asks for it.
 - Bad configuration ends with a short ``error: ...`` message and exit code 2
   (:func:`exit_with_error`).
 - The commands that are not trainer methods (``estimate``, ...) are the other modules of
@@ -24,12 +26,15 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import lightning_efficient  # noqa: F401  (registers every callback and strategy for short names)
 from lightning_efficient.core._internals import set_option_type
+from lightning_efficient.core.validate import without_module_trees
 
 __all__ = [
     "CONFIG_ERRORS",
+    "DEMO",
     "NOISE",
     "EfficientCLI",
     "EpochBar",
@@ -38,6 +43,12 @@ __all__ = [
     "quiet_known_noise",
     "reason_first",
 ]
+
+#: The demo: the model a config that names none trains, and its data.
+DEMO = {
+    "model": "lightning_efficient.demos.TinyGPT",
+    "data": "lightning_efficient.demos.TextDataModule",
+}
 
 #: Exceptions raised while building the objects of a config that are configuration mistakes.
 CONFIG_ERRORS = (ValueError, TypeError, MisconfigurationException, ImportError)
@@ -94,9 +105,10 @@ class EfficientCLI(LightningCLI):
     """LightningCLI over any LightningModule/DataModule (default: the TinyGPT demo)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.parsers: list[LightningArgumentParser] = []
         kwargs.setdefault("parser_class", _ShortErrorParser)
         kwargs.setdefault("model_class", pl.LightningModule)
-        kwargs.setdefault("datamodule_class", pl.LightningDataModule)
+        kwargs.setdefault("datamodule_class", None)  # `data` optional, as in Lightning's CLI
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_callback", RunConfigSaver)
@@ -109,14 +121,28 @@ class EfficientCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.set_defaults(
-            {
-                "model": {"class_path": "lightning_efficient.demos.TinyGPT"},
-                "data": {"class_path": "lightning_efficient.demos.TextDataModule"},
-            }
-        )
+        parser.set_defaults({key: {"class_path": path} for key, path in DEMO.items()})
+        self.parsers.append(parser)  # one per subcommand
         for hook in _PARSER_HOOKS:
             hook(parser)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse; where the config names a model or data other than the demo's, parse again
+        without the demo's defaults: jsonargparse keeps the init_args a new ``class_path`` shares
+        with the one before it (the default's ``seq_len``, ``batch_size``, ... would reach the
+        user's classes), and the demo's data serves the demo model only (another model without
+        ``data`` trains on its own loaders, as with Lightning's CLI)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        model, data = (getattr(config.get(k), "class_path", None) for k in DEMO)
+        demo = {"model": model == DEMO["model"]}
+        demo["data"] = demo["model"] and data == DEMO["data"]
+        undo = {key: None for key, is_demo in demo.items() if not is_demo}
+        if undo:
+            for each in self.parsers:
+                each.set_defaults(undo)
+            super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -134,7 +160,15 @@ class EfficientCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """The trainer, with :class:`EpochBar` in place of Lightning's default progress bar (a bar
-        the config gives is kept as given)."""
+        the config gives is kept as given). A fit with no data to train on ends here, before the
+        trainer is built."""
+        no_loader = not is_overridden("train_dataloader", self.model, pl.LightningModule)
+        if self.subcommand in (None, "fit") and self.datamodule is None and no_loader:
+            exit_with_error(
+                f"the config gives no `data` and the model {type(self.model).__name__} defines "
+                "no `train_dataloader()`: name a LightningDataModule under `data:` (the demo's "
+                "text: `data: {class_path: lightning_efficient.demos.TextDataModule}`)"
+            )
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         given = list((config.get("trainer") or {}).get("callbacks") or [])  # before the Trainer
         trainer = super().instantiate_trainer(**kwargs)  # (which extends that very list)
@@ -177,8 +211,9 @@ def reason_first(message: str) -> str:
 
 
 def exit_with_error(message: str) -> NoReturn:
-    """End the command with ``error: <message>`` (its reason first) and exit code 2."""
-    print(f"error: {reason_first(message)}", file=sys.stderr)
+    """End the command with ``error: <message>`` (its reason first; a module's printed tree as
+    ``Name(...)``) and exit code 2."""
+    print(f"error: {reason_first(without_module_trees(message))}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_efficient.commands.cli import EfficientCLI
+from lightning_efficient.core.validate import without_module_trees
 from lightning_efficient.measure.memory.estimate import PRECISIONS
 
 __all__ = ["OPTIONS", "build_cli", "command_parser", "config_workload", "fail"]
@@ -63,8 +64,9 @@ def command_parser(
 
 
 def fail(message: str) -> int:
-    """Print a short error for a command and return its exit code (2)."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print a short error for a command and return its exit code (2); a module's printed tree
+    in it (an error the user's model raised) reads ``Name(...)``."""
+    print(f"error: {without_module_trees(message)}", file=sys.stderr)
     return 2
 
 
@@ -86,11 +88,13 @@ def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int
     if batch_size is not None and batch_size < 1:
         return fail(f"--batch-size must be an integer >= 1; got {batch_size}.")
     cli = build_cli(configs, rest)
-    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    model, trainer = cli.model, cli.trainer
+    data = cli.datamodule if cli.datamodule is not None else model  # a model's own loaders
     if batch_size is not None:
         if not hasattr(data, "batch_size"):
             return fail(
-                f"--batch-size: the datamodule {type(data).__name__} has no `batch_size` attribute."
+                f"--batch-size: the {'datamodule' if data is not model else 'model'} "
+                f"{type(data).__name__} has no `batch_size` attribute."
             )
         data.batch_size = batch_size
     batch = _one_batch(data)

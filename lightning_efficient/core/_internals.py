@@ -40,7 +40,6 @@ __all__ = [
     "inductor_modes",
     "is_dynamo_error",
     "kept_iterator",
-    "fit_train_source",
     "make_wrapper_tensor",
     "TENSOR_BASE_GETTER",
     "module_tensor_slots",
@@ -59,6 +58,7 @@ __all__ = [
     "link_zero_optimizer_states",
     "torch_extension_dir",
     "set_model_parallel_sizes",
+    "fit_loader_source",
 ]
 
 #: Versions the package is tested with: (lowest, highest) release, inclusive by minor version.
@@ -333,15 +333,18 @@ def kept_iterator(loader: Any) -> Any:
     return loader._iterator
 
 
-# --- Lightning: where a fit's train loaders come from -----------------------------------------
-def fit_train_source(trainer: Any) -> Any:
-    """What the fit's train loaders come from (Lightning's ``_DataLoaderSource``): ``.instance``
-    is the module, the datamodule or the loaders given to ``trainer.fit(train_dataloaders=)``;
-    ``.dataloader()`` returns the loaders (calling ``train_dataloader()`` of a module)."""
-    source = getattr(trainer.fit_loop, "_data_source", None)
-    if source is None or not callable(getattr(source, "dataloader", None)):
-        raise _moved("lightning", "_FitLoop._data_source.dataloader")
-    return source
+# --- Lightning: the loaders given to trainer.fit ----------------------------------------------
+def fit_loader_source(trainer: Any, hook: str) -> Any:
+    """Where the fit loop reads the loaders given to ``trainer.fit`` directly
+    (``train_dataloaders=``/``val_dataloaders=``) for ``hook`` (``"train_dataloader"`` or
+    ``"val_dataloader"``): Lightning's ``_DataLoaderSource``, whose ``dataloader()`` the loop
+    calls each time it (re)loads them, inside its argument-capturing context, as it calls a
+    module's hook; ``None`` when the fit's loaders come from a module's or datamodule's hook."""
+    loop = trainer.fit_loop if hook == "train_dataloader" else trainer.fit_loop.epoch_loop.val_loop
+    source = vars(loop).get("_data_source")
+    if not (callable(getattr(source, "dataloader", None)) and hasattr(source, "instance")):
+        raise _moved("lightning", "_FitLoop._data_source")  # pragma: no cover
+    return None if source.instance is None or source.is_module() else source
 
 
 # --- Lightning / DeepSpeed: the ZeRO-Offload strategy -------------------------------------------

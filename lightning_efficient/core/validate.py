@@ -26,6 +26,8 @@ __all__ = [
     "import_object",
     "missing_extra",
     "missing_requirement",
+    "error_text",
+    "without_module_trees",
 ]
 
 
@@ -281,3 +283,22 @@ def missing_requirement(package: str, purpose: str) -> ImportError:
         f"{purpose} needs `{package}`, an install requirement of lightning-efficient that is not "
         f"installed here. Install it with: pip install '{_requirement(package)}'"
     )
+
+
+#: A module's printed tree inside an error message (Python's "X(...) argument after ** must be a
+#: mapping" repeats the callable's repr: a whole model, hundreds of lines).
+_MODULE_TREE = re.compile(r"(\w+)\(\n.*\n\)", re.S)
+
+
+def without_module_trees(text: str) -> str:
+    """``text`` with each module's printed tree shortened to ``Name(...)``."""
+    return _MODULE_TREE.sub(r"\1(...)", text)
+
+
+def error_text(err: BaseException, limit: int = 300) -> str:
+    """``"TypeError: message"`` for a note or a warning: a module's printed tree shortened to
+    ``Name(...)``, the whole cut to ``limit`` characters."""
+    text = " ".join(without_module_trees(str(err)).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(err).__name__}: {text}"

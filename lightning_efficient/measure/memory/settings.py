@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.technique import ChangesEstimate
+from lightning_efficient.core.validate import error_text
 from lightning_efficient.measure.memory.targets import resolve_target
 from lightning_efficient.measure.memory.types import PRECISIONS
 
@@ -107,7 +108,7 @@ def configured_optimizer(
     try:
         config = configure()
     except Exception as err:  # noqa: BLE001 - e.g. it reads self.trainer, which is not attached
-        return None, f"configure_optimizers failed without a trainer ({type(err).__name__}: {err})"
+        return None, f"configure_optimizers failed without a trainer ({error_text(err)})"
     optimizer = _first_optimizer(config)
     if optimizer is None:
         return None, "configure_optimizers returned no optimizer"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.technique import ReportsCheckpointing, ReportsCompile
+from lightning_efficient.core.validate import error_text
 from lightning_efficient.measure.memory.breakdown import MemoryBreakdown
 from lightning_efficient.measure.memory.heads import find_output_head
 from lightning_efficient.measure.memory.kv_cache import cache_bytes, training_caches
@@ -177,7 +178,7 @@ def plain_peak(trainer: Any, pl_module: Any) -> tuple[int | None, str]:
         device = trainer.strategy.root_device  # its kernels, workspaces and rounding
         est = estimate_memory(pl_module, batch, optimizer="adamw", device=device)
     except Exception as err:
-        return None, f"compare_plain: the plain estimate failed ({type(err).__name__}: {err})."
+        return None, f"compare_plain: the plain estimate failed ({error_text(err)})."
     return int(est.peak_bytes), ""
 
 

@@ -4,7 +4,7 @@ Lightning wraps the train loader's ``next`` (and, with its prefetching fetcher, 
 the batch after it) in a profiler action whose name ends with ``train_dataloader_next``; no
 callback hook marks that moment. ``FetchWatch`` wraps the trainer's profiler (the user's, or
 Lightning's pass-through), calls ``on_fetch`` when that action starts and forwards every call to
-the profiler it wraps. Installed with ``core.change.patch_attribute(trainer, "profiler", ...)``,
+the profiler it wraps (and ``on_fetched``, when given, when it stops). Installed with ``core.change.patch_attribute(trainer, "profiler", ...)``,
 so the fit's end puts the trainer's own back (two watches stack, undone last first). Used by
 ``StepProfiler`` (its ``data`` phase) and ``InputStallMonitor`` (its wait).
 """
@@ -24,12 +24,19 @@ FETCH_ACTION = "train_dataloader_next"
 
 class FetchWatch(Profiler):
     """The trainer's profiler, wrapped: tells ``on_fetch`` when the train loader's ``next`` starts
-    and forwards every call to the profiler it wraps (the user's, or Lightning's pass-through)."""
+    (``on_fetched``, if given, when it has returned) and forwards every call to the profiler it
+    wraps (the user's, or Lightning's pass-through)."""
 
-    def __init__(self, inner: Profiler, on_fetch: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        inner: Profiler,
+        on_fetch: Callable[[], None],
+        on_fetched: Callable[[], None] | None = None,
+    ) -> None:
         # no Profiler.__init__: its attributes (dirpath, _stage, ...) are the wrapped profiler's
         self.inner = inner
         self.on_fetch = on_fetch
+        self.on_fetched = on_fetched
         self.seen = False
 
     def start(self, action_name: str) -> None:
@@ -40,6 +47,8 @@ class FetchWatch(Profiler):
 
     def stop(self, action_name: str) -> None:
         self.inner.stop(action_name)
+        if self.on_fetched is not None and action_name.endswith(FETCH_ACTION):
+            self.on_fetched()
 
     def summary(self) -> str:
         return self.inner.summary()

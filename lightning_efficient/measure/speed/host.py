@@ -9,7 +9,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["available_bytes", "child_pids", "private_bytes", "usable_cores"]
+from lightning_efficient.core.validate import check_int
+
+__all__ = [
+    "available_bytes",
+    "child_pids",
+    "default_max_workers",
+    "private_bytes",
+    "usable_cores",
+]
 
 _PROC = Path("/proc")
 
@@ -19,6 +27,14 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def default_max_workers(devices: int = 1) -> int:
+    """The most loader workers per loader worth running: 4 per usable core of a device (waiting
+    loads gain beyond the core count), at least 2, at most 64. ``DataLoaderTuning``'s search stops
+    there and ``InputStallMonitor`` never suggests more: one cap."""
+    check_int("devices", devices, minimum=1)
+    return max(2, min(64, 4 * usable_cores() // devices))
 
 
 def child_pids() -> set[int]:

@@ -2,7 +2,8 @@
 
 A measuring callback (it changes nothing but the trainer's profiler, wrapped for the fit): it
 times, with the instrument's ``StepTimer``, the loop's wait for each batch (from the start of the
-train loader's ``next``, seen through ``FetchWatch``, to the batch's step), the step, and the
+train loader's ``next``, seen through ``FetchWatch``, to the batch's step; or, in a
+``training_step`` that takes the ``dataloader_iter``, the ``next`` it calls), the step, and the
 loop's own work between the two (callbacks, logging, schedulers), and warns once, with a concrete
 fix, when the loader holds training back. Also importable from
 ``lightning_efficient.techniques.dataloading`` (where it lived before).
@@ -19,10 +20,10 @@ from lightning_efficient.core.change import patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_float, check_int
 from lightning_efficient.measure.speed.fetch_watch import FetchWatch
-from lightning_efficient.measure.speed.host import usable_cores
+from lightning_efficient.measure.speed.host import default_max_workers, usable_cores
 from lightning_efficient.measure.speed.timing import StepTimer
 
-__all__ = ["InputStallMonitor", "stall_fraction", "workers_to_hide"]
+__all__ = ["InputStallMonitor", "stall_fraction", "worker_advice", "workers_to_hide"]
 
 
 def stall_fraction(wait: float, step: float, rest: float = 0.0) -> float | None:
@@ -30,6 +31,25 @@ def stall_fraction(wait: float, step: float, rest: float = 0.0) -> float | None:
     (``None`` before anything was measured)."""
     total = wait + step + rest
     return wait / total if total > 0 else None
+
+
+def worker_advice(wait: float, cycle: float, workers: int, devices: int = 1) -> str:
+    """The fix for a measured ``wait`` over the loop's ``cycle`` with ``workers`` now: the
+    workers that hide it (``workers_to_hide``), never more than ``default_max_workers`` (the cap
+    ``DataLoaderTuning`` searches to); past the cap, faster loading as well."""
+    need, most = workers_to_hide(wait, cycle, workers), default_max_workers(devices)
+    cores = f"this machine has {usable_cores()} usable cores"
+    if need <= most:
+        return (
+            f"Trainer(callbacks=[DataLoaderTuning(num_workers={need})]) (now {workers} workers; "
+            f"{cores}), or DevicePreload() if the dataset fits in device memory."
+        )
+    return (
+        f"DevicePreload() if the dataset fits in device memory, or faster loading (cheaper "
+        f"decoding, pre-tokenized data): hiding this wait would take {need} workers, more than the "
+        f"{most} worth running here ({cores}); Trainer(callbacks=[DataLoaderTuning("
+        f"num_workers={most})]) shortens it (now {workers} workers)."
+    )
 
 
 def workers_to_hide(wait: float, cycle: float, workers: int) -> int:
@@ -51,11 +71,14 @@ class InputStallMonitor(Technique):
     from the start of the train loader's ``next`` (Lightning's profiler action, seen through
     ``FetchWatch``) to ``on_train_batch_start`` (the batch is moved to the device in between);
     the *step*, from
-    ``on_train_batch_start`` to ``on_train_batch_end``; the *rest*, the loop's own work from a
+    ``on_train_batch_start`` to ``on_train_batch_end``, less the wait for any batch the step
+    fetches itself (a ``training_step(self, dataloader_iter)`` calls the loader's ``next``: that
+    call counts as the wait); the *rest*, the loop's own work from a
     step's end to the next fetch (callbacks, logging, LR schedulers), which more loader workers
-    would not shorten. Validation is cut out, the first batch never counted. Where the fetch is
-    not seen (a loop that fetches otherwise), the whole gap between two steps counts as the wait,
-    an upper bound, and the report says so. After ``check_after`` steps (and again when training
+    would not shorten. Validation is cut out, the first batch and its step never counted. Where no fetch is
+    seen (a loop that fetches without Lightning's profiler action), the whole gap between two
+    steps counts as the wait: it holds the loop's own work and misses any fetch made inside the
+    step, so it bounds the stall neither way, and the report says so. After ``check_after`` steps (and again when training
     ends, if not decided yet) it warns once, with a concrete fix, when
     ``wait / (wait + step + rest) > threshold``. The fraction goes to the efficiency report.
 
@@ -73,7 +96,8 @@ class InputStallMonitor(Technique):
         self._timer: Any = None
         self._open: str | None = None  # the region running between two steps: "rest" or "wait"
         self._in_step = False
-        self._fetch_seen = False  # the train loader's next, seen between two steps
+        self._fetch_in_step = False  # a fetch the step makes itself, running
+        self._fetch_seen = False  # the train loader's next, seen
         self._steps = 0
         self._decided = False
         self.stall_fraction: float | None = None
@@ -81,18 +105,30 @@ class InputStallMonitor(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._timer = StepTimer(trainer.strategy.root_device)
         self._open, self._in_step, self._fetch_seen, self._steps = None, False, False, 0
-        self._decided = False
+        self._fetch_in_step, self._decided = False, False
         self.stall_fraction = None
-        watch = FetchWatch(trainer.profiler, lambda: self._on_fetch(trainer))
+        watch = FetchWatch(trainer.profiler, lambda: self._on_fetch(trainer), self._on_fetched)
         self.record(trainer, patch_attribute(trainer, "profiler", watch))
 
     def _on_fetch(self, trainer: Any) -> None:
-        if self._timer is None or self._steps == 0 or self._in_step or not trainer.training:
-            return  # the first batch is never counted; a fetch inside a step is the step's
+        if self._timer is None or self._steps == 0 or not trainer.training:
+            return  # the first batch is never counted
         self._fetch_seen = True
+        if self._in_step:  # the step fetches its batch itself (it takes the dataloader_iter)
+            if not self._fetch_in_step:
+                self._timer.stop("step")
+                self._timer.start("wait")
+                self._fetch_in_step = True
+            return
         self._close()
         self._timer.start("wait")
         self._open = "wait"
+
+    def _on_fetched(self) -> None:
+        if self._fetch_in_step:  # back to the step that fetched
+            self._timer.stop("wait")
+            self._timer.start("step")
+            self._fetch_in_step = False
 
     def _close(self) -> None:
         if self._open is not None:
@@ -105,23 +141,30 @@ class InputStallMonitor(Technique):
         if self._timer is None:
             return
         self._close()
+        self._end_step()  # a step that never reached its end (it raised inside the loop)
         if not self._decided and self._steps >= self.check_after:
             self._decide(trainer)  # no region is open here
         elif self._steps % 256 == 0:
             self._timer.totals()  # read pending CUDA events now and then, so they do not pile up
-        self._timer.start("step")
-        self._in_step = True
+        if self._steps:  # the first step (allocation, compilation, profilers starting) is not
+            self._timer.start("step")  # the loop's steady work
+            self._in_step = True
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._timer is None:
             return
-        self._timer.stop("step")
-        self._in_step = False
+        self._end_step()
         self._steps += 1
         self._timer.start("rest")
         self._open = "rest"
+
+    def _end_step(self) -> None:
+        self._on_fetched()
+        if self._in_step:
+            self._timer.stop("step")
+            self._in_step = False
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         # what follows is validation, not the loop's work between steps nor a wait for data
@@ -131,11 +174,12 @@ class InputStallMonitor(Technique):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._timer is not None:
             self._close()
+            self._end_step()
 
     @property
     def fetch_seen(self) -> bool:
-        """Whether the train loader's ``next`` was seen between steps (else the wait is the
-        whole gap between two steps)."""
+        """Whether the train loader's ``next`` was seen, between steps or inside them (else the
+        wait is the whole gap between two steps)."""
         return self._fetch_seen
 
     def measured(self) -> tuple[float, float, float]:
@@ -163,17 +207,13 @@ class InputStallMonitor(Technique):
     def _fix(self, trainer: Any, wait: float, cycle: float) -> str:
         loader = trainer.train_dataloader
         current = loader.num_workers if isinstance(loader, DataLoader) else 0
-        need = workers_to_hide(wait, cycle, current)
-        return (
-            f"Trainer(callbacks=[DataLoaderTuning(num_workers={need})]) (now {current} workers; "
-            f"this machine has {usable_cores()} usable cores), or DevicePreload() if the "
-            "dataset fits in device memory."
-        )
+        return worker_advice(wait, cycle, current, max(1, trainer.num_devices))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._timer is None:
             return
         self._close()
+        self._end_step()
         if not self._decided:
             self._decide(trainer)
         wait, step, rest = self.measured()

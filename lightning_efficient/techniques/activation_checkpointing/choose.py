@@ -22,7 +22,13 @@ from typing import Any
 
 from torch import nn
 
-from lightning_efficient.core.validate import SettingsError, check_int, format_bytes, parse_bytes
+from lightning_efficient.core.validate import (
+    SettingsError,
+    check_int,
+    error_text,
+    format_bytes,
+    parse_bytes,
+)
 from lightning_efficient.techniques._blocks import BlockGroup, candidate_groups, select_modules
 from lightning_efficient.techniques.activation_checkpointing.apply import (
     apply_activation_checkpointing,
@@ -336,7 +342,7 @@ def _measure(
     except Exception as err:  # noqa: BLE001 - e.g. a model the fake estimate cannot run
         fallback = " auto takes the repeated blocks with the most parameters." * auto
         choice.notes.append(
-            f"could not measure what the blocks save ({type(err).__name__}: {err});{fallback}"
+            f"could not measure what the blocks save ({error_text(err)});{fallback}"
         )
         return
     choice.ranking = ranking

@@ -17,6 +17,8 @@ from lightning_efficient.techniques.compile.functions import (
     apply_compile,
     check_backend,
     check_mode,
+    compiled_calls,
+    whole_targets,
 )
 from lightning_efficient.techniques.compile.report import compile_line, no_graphs_warning
 from lightning_efficient.techniques.compile.scope import (
@@ -113,7 +115,8 @@ class TorchCompile(Technique):
 
     def _install(self, trainer: Any, pl_module: Any, change: Change) -> None:
         self._compiled = self.record(trainer, change)
-        if self._scope == "regional" and change.value == [""]:
+        whole = [name for name, _ in whole_targets(pl_module)]
+        if self._scope == "regional" and change.value == whole:
             self.note("no repeated blocks found; compiling the whole model instead.")
 
     def _choose(self, trainer: Any, pl_module: Any, batch: Any) -> None:
@@ -172,7 +175,9 @@ class TorchCompile(Technique):
 
     def _check_graphs(self, pl_module: Any) -> None:
         steps = self._times.steps if self._times else 0
-        message = no_graphs_warning(pl_module, self._compiled.value, self._watch, steps)
+        names = self._compiled.value or []
+        calls = compiled_calls(pl_module, names) if not self._compiled.undone else 0
+        message = no_graphs_warning(pl_module, names, self._watch, steps, calls)
         if message and not self._fell_back and not self._no_graphs:
             self._no_graphs = True
             self.no_effect(message)
@@ -183,7 +188,8 @@ class TorchCompile(Technique):
         names = self._compiled.value or []
         scope = None
         if names and not self._fell_back and not self._no_graphs and not self._compiled.undone:
-            scope = "whole" if names == [""] else "regional"
+            chosen = self.choice.scope if self.choice is not None else self._scope
+            scope = "whole" if names == [""] or chosen == "whole" else "regional"
         steps = self.choice.figures() if self.choice is not None else {}
         return {
             "mode": self.mode,

@@ -14,7 +14,11 @@
   ``torch.compiler.nested_compile_region`` on a block instance's ``forward`` gave outputs that
   differ from eager (torch 2.13, TinyGPT), so neither is used. Whole-model compilation compiles
   the module's ``forward`` (for a LightningModule: ``training_step`` itself stays eager, so
-  ``self.log`` in it keeps working).
+  ``self.log`` in it keeps working); a module whose class defines no ``forward`` of its own (a
+  LightningModule whose ``training_step`` calls ``self.model(...)``) has each child that holds
+  parameters compiled whole instead (``whole_targets``): its own call would never run.
+- Every compiled call counts its calls (``compiled_calls``): a compiled module the step never
+  calls is found, not reported as compiled.
 - A compile failure on a forward falls back to eager for every module compiled together
   (``on_error``), unless it re-raises.
 - ``reinstall``: compiled calls an earlier ``apply_compile`` made, put back (no second compile).
@@ -43,12 +47,14 @@ __all__ = [
     "apply_compile",
     "check_backend",
     "check_mode",
+    "compiled_calls",
     "compiled_modules",
     "describe_compile",
     "reinstall",
     "uncompile_modules",
     "valid_backends",
     "valid_modes",
+    "whole_targets",
 ]
 
 
@@ -96,8 +102,10 @@ class _FallbackCall:
         on_error: Callable[[BaseException], None],
     ) -> None:
         self.module, self.compiled, self.on_error = module, compiled, on_error
+        self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
         try:
             return self.compiled(*args, **kwargs)
         except Exception as err:
@@ -120,6 +128,29 @@ def uncompile_modules(model: nn.Module) -> list[str]:
     return names
 
 
+def compiled_calls(model: nn.Module, names: list[str]) -> int:
+    """How many times the modules ``names`` of ``model`` that ``apply_compile`` compiled were
+    called since."""
+    modules = (model.get_submodule(name) for name in names)
+    return sum(getattr(compiled_call(m), "calls", 0) for m in modules)
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class (or a base of the user's) defines ``forward``: not torch.nn's
+    placeholder nor LightningModule's, which only calls it."""
+    defined_in = getattr(type(module).forward, "__module__", "") or ""
+    return not defined_in.startswith(("torch.nn.modules.module", "lightning.pytorch.core."))
+
+
+def whole_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What a whole-model compile compiles: the model, or, where its class defines no ``forward``
+    of its own (its step calls ``self.model(...)``), each child that holds parameters."""
+    if has_own_forward(model):
+        return [("", model)]
+    children = [(n, m) for n, m in model.named_children() if next(m.parameters(), None) is not None]
+    return children or [("", model)]
+
+
 def apply_compile(
     model: nn.Module,
     *,
@@ -136,12 +167,13 @@ def apply_compile(
     user's own ``module.compile()``).
 
     Regional: every block ``select_modules(model, blocks)`` picks; with ``blocks="auto"`` and no
-    repeated blocks, the whole model. ``on_error(err)`` is called when a forward fails to compile
-    (default: re-raise); after it returns, that forward runs eagerly.
+    repeated blocks, the whole model (``whole_targets``). ``on_error(err)`` is called when a
+    forward fails to compile (default: re-raise); after it returns, that forward runs eagerly.
     """
     targets: list[tuple[str, nn.Module]]
-    if not regional or (blocks == "auto" and not find_repeated_blocks(model)):
-        targets = [("", model)]
+    whole = not regional or (blocks == "auto" and not find_repeated_blocks(model))
+    if whole:
+        targets = whole_targets(model)
     else:
         targets = select_modules(model, blocks, argument="blocks")
     kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
@@ -158,15 +190,25 @@ def apply_compile(
         set_compiled_call(module, _FallbackCall(module, compiled_call(module), on_error or reraise))
         changes.append(before)
     names = [name for name, _ in targets]
-    what = describe_compile(names, backend, mode)
+    what = describe_compile(names, backend, mode, whole=whole)
     return Change.of(what, changes, figures={"compiled_modules": len(names)}, value=names)
 
 
-def describe_compile(names: list[str], backend: Any, mode: str | None) -> str:
+def describe_compile(
+    names: list[str], backend: Any, mode: str | None, *, whole: bool | None = None
+) -> str:
+    """The report's words for the modules ``names`` compiled (``whole``: by a whole-model compile;
+    ``None``: only ``[""]`` is)."""
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
     how = f"{name}, mode={mode}" if mode else name
     if names == [""]:
         return f"compiled the whole model ({how})"
+    if whole:
+        shown = ", ".join(f"`{n}`" for n in names)
+        return (
+            f"compiled {shown} whole ({how}): the module defines no forward of its own, its "
+            "step calls " + ("it" if len(names) == 1 else "them")
+        )
     return f"compiled {len(names)} blocks in place ({how}); the rest of the model runs eagerly"
 
 
@@ -177,10 +219,11 @@ def reinstall(
     *,
     backend: Any = "inductor",
     mode: str | None = None,
+    whole: bool | None = None,
 ) -> Change:
     """Put back compiled calls taken from an earlier ``apply_compile`` (the same compiled
     functions, so Dynamo's cache serves them: no second compile), failing over to ``on_error``;
-    the change puts back exactly what each module had."""
+    the change puts back exactly what each module had (``whole``: as ``describe_compile``)."""
     changes = []
     for name, call in calls.items():
         module = model.get_submodule(name) if name else model
@@ -188,4 +231,5 @@ def reinstall(
         changes.append(install_compiled_call(module, _FallbackCall(module, compiled, on_error)))
     names = list(calls)
     figures = {"compiled_modules": len(names)}
-    return Change.of(describe_compile(names, backend, mode), changes, figures=figures, value=names)
+    what = describe_compile(names, backend, mode, whole=whole)
+    return Change.of(what, changes, figures=figures, value=names)

@@ -18,11 +18,19 @@ def _span(names: list[str]) -> str:
 
 
 def no_graphs_warning(
-    module: nn.Module, names: list[str] | None, watch: CompileWatch | None, steps: int
+    module: nn.Module, names: list[str] | None, watch: CompileWatch | None, steps: int, calls: int
 ) -> str:
-    """The warning when only torch.nn's own layers were compiled, the model ran, and Dynamo
-    captured no graph (it skips their frames); ``""`` otherwise."""
+    """The warning when the training steps never called a module that was compiled (``calls``:
+    the compiled modules' calls), or when only torch.nn's own layers were compiled, the model ran,
+    and Dynamo captured no graph (it skips their frames); ``""`` otherwise."""
     names = names or []
+    if names and steps > 0 and calls == 0:
+        what = "the module's own forward" if names == [""] else f"the compiled {_span(names)}"
+        return (
+            f"0 graphs compiled: the training step never calls {what} (it calls other modules "
+            "directly), so everything runs eagerly. Compile what `training_step` calls: its "
+            "blocks (scope='regional', `blocks=`), or call the model through `self(...)`."
+        )
     torch_nn_only = bool(names) and all(
         type(module.get_submodule(n)).__module__.startswith("torch.nn.") for n in names
     )

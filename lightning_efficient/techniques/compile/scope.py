@@ -215,7 +215,7 @@ def auto_scope(
     )
     change = None
     if choice.scope in calls:
-        change = reinstall(module, calls[choice.scope], on_error)
+        change = reinstall(module, calls[choice.scope], on_error, whole=choice.scope == "whole")
     elif not errors.get(choice.scope):  # measured elsewhere (another rank): compile here
         change = compile_as(choice.scope, on_error)
     warning = ""

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_choice, check_float, check_int
+from lightning_efficient.techniques._loader_source import loader_source
 from lightning_efficient.techniques.curriculum.difficulty import (
     check_difficulty,
     check_seed,
@@ -34,16 +35,6 @@ from lightning_efficient.techniques.curriculum.sequence import CUT_MODES, cut_ba
 __all__ = ["Curriculum", "SequenceLengthWarmup"]
 
 
-def _loader_owner(trainer: Any, pl_module: Any) -> Any:
-    """The object whose ``train_dataloader`` Lightning calls (None: loaders given to fit)."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    dm = trainer.datamodule
-    if dm is not None:
-        return dm if is_overridden("train_dataloader", dm) else None
-    return pl_module if is_overridden("train_dataloader", pl_module) else None
-
-
 def _batch_hook_owner(trainer: Any, pl_module: Any) -> Any:
     """The object whose ``on_after_batch_transfer`` Lightning calls (the datamodule, unless only
     the module defines the hook); wrapping it there keeps Lightning's choice unchanged."""
@@ -59,8 +50,8 @@ def _batch_hook_owner(trainer: Any, pl_module: Any) -> Any:
 class Curriculum(Technique):
     """Train on the easiest samples first; the pool of samples grows to the whole dataset.
 
-    Wraps the datamodule's (or module's) ``train_dataloader`` in ``setup``: the loader it returns
-    is rebuilt with a ``CurriculumSampler`` (same dataset, batch_size, collate_fn, workers). The
+    Wraps what Lightning calls for the train loader in ``setup`` (the datamodule's or module's
+    ``train_dataloader``, or the loader given to ``trainer.fit``): the loader it returns is rebuilt with a ``CurriculumSampler`` (same dataset, batch_size, collate_fn, workers). The
     sampler is a ``DistributedSampler``, so under DDP Lightning keeps it, and it gives each rank a
     disjoint shard of the same pool. Its position is saved with the callback's state, so a run
     resumed mid-epoch sees the batches an uninterrupted run would. Put ``Curriculum`` before
@@ -123,22 +114,17 @@ class Curriculum(Technique):
             return
         # a new fit: forget the last one (a checkpoint's state is loaded after setup)
         self.sampler, self._state, self._batches, self._epoch_start = None, None, 0, 0
-        owner = _loader_owner(trainer, pl_module)
-        if owner is None:
-            self.no_effect(
-                "the train DataLoader was not returned by a LightningDataModule or LightningModule "
-                "`train_dataloader()` (loaders passed to trainer.fit directly cannot be "
-                "rebuilt); return it from `train_dataloader()`, or use CurriculumSampler yourself."
-            )
-            return
-        original = owner.train_dataloader
+        source = loader_source(trainer, pl_module)  # module, datamodule or fit's loaders
+        if source is None:
+            return  # Lightning refuses a fit without a train loader
+        owner, attribute = source
+        original = getattr(owner, attribute)
 
         def train_dataloader() -> Any:
             return self._install(trainer, original())
 
-        self._wrapped = self.record(
-            trainer, patch_attribute(owner, "train_dataloader", train_dataloader)
-        )
+        change = patch_attribute(owner, attribute, train_dataloader, "train_dataloader wrapped")
+        self._wrapped = self.record(trainer, change)
 
     def _install(self, trainer: Any, loader: Any) -> Any:
         if not isinstance(loader, DataLoader):

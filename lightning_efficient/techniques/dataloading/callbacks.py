@@ -1,10 +1,11 @@
 """The data-pipeline callbacks: they only decide *when* the loaders are rebuilt.
 
-``DataLoaderTuning`` and ``DevicePreload`` rebuild the loaders that the datamodule's (or
-module's) ``train_dataloader``/``val_dataloader`` return, by wrapping those hooks in ``setup``:
-Lightning calls them later (the train loader after ``on_fit_start``), inside its
-argument-capturing context, so the rebuilt loader still gets Lightning's ``DistributedSampler``
-under DDP.
+``DataLoaderTuning`` and ``DevicePreload`` rebuild the fit's train and validation loaders, however
+they were given (a datamodule's or the module's ``train_dataloader``/``val_dataloader``, or
+``trainer.fit(train_dataloaders=..., val_dataloaders=...)``), by wrapping what Lightning calls to
+read them (``techniques._loader_source``) in ``setup``: Lightning reads them later (the train
+loader after ``on_fit_start``), inside its argument-capturing context, so the rebuilt loader still
+gets Lightning's ``DistributedSampler`` under DDP.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_float, parse_bytes
 from lightning_efficient.measure.speed.host import available_bytes
+from lightning_efficient.techniques._loader_source import loader_source
 from lightning_efficient.techniques.dataloading.in_fit import StepClock, TunedInFit, WorkerChoice
 from lightning_efficient.techniques.dataloading.preload import PreloadRefused, preloaded_loader
 from lightning_efficient.techniques.dataloading.rebuild import (
@@ -43,9 +44,10 @@ _HOOKS = ("train_dataloader", "val_dataloader")
 
 
 class _LoaderRebuilder(Technique):
-    """Wraps the datamodule's (or module's) dataloader hooks in ``setup`` so that every loader they
-    return passes through ``self._rebuild(trainer, loader, hook)``; the hooks are put back after
-    fit (and when it raises or is interrupted)."""
+    """Wraps what Lightning calls to read the fit's loaders (``loader_source``: a datamodule's or
+    the module's hook, or the loaders given to ``trainer.fit``) in ``setup`` so that every loader
+    passes through ``self._rebuild(trainer, loader, hook)``; all is put back after fit (and when
+    it raises or is interrupted)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,28 +59,18 @@ class _LoaderRebuilder(Technique):
         if self._wrapped:
             return
         self._start()
-        datamodule = trainer.datamodule
         for hook in _HOOKS:
-            source = None
-            if datamodule is not None and is_overridden(hook, datamodule):
-                source = datamodule
-            elif datamodule is None and is_overridden(hook, pl_module):
-                source = pl_module
+            source = loader_source(trainer, pl_module, hook)
             if source is None:
                 continue
-            original = getattr(source, hook)
+            owner, attribute = source
+            original = getattr(owner, attribute)
 
             def wrapped(_original: Callable[[], Any] = original, _hook: str = hook) -> Any:
                 return self._rebuild_all(trainer, _original(), _hook)
 
-            self._wrapped[hook] = self.record(trainer, patch_attribute(source, hook, wrapped))
-        if "train_dataloader" not in self._wrapped and stage == "fit":
-            self.no_effect(
-                "the train DataLoader was not returned by a LightningDataModule or LightningModule "
-                "`train_dataloader()` (loaders passed to trainer.fit directly cannot be rebuilt); "
-                "return it from `train_dataloader()`, or rebuild it yourself with "
-                "lightning_efficient.functional."
-            )
+            change = patch_attribute(owner, attribute, wrapped, f"{hook} wrapped")
+            self._wrapped[hook] = self.record(trainer, change)
 
     def _start(self) -> None:
         """Forget what an earlier fit decided (a new trainer may differ)."""

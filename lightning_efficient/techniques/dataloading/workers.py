@@ -33,8 +33,8 @@ from lightning_efficient.core.validate import (
 from lightning_efficient.measure.speed.host import (
     available_bytes,
     child_pids,
+    default_max_workers,
     private_bytes,
-    usable_cores,
 )
 from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.techniques.dataloading.rebuild import (
@@ -85,13 +85,6 @@ class TuneResult:
                 f"| {w}{mark} | {rate:.1f} | {self.batches[w]} | {self.in_training(w):.1f} |"
             )
         return "\n".join(lines)
-
-
-def default_max_workers(devices: int = 1) -> int:
-    """The most workers the search tries per loader: 4 per usable core of a device (waiting
-    loads gain beyond the core count), at least 2, at most 64."""
-    check_int("devices", devices, minimum=1)
-    return max(2, min(64, 4 * usable_cores() // devices))
 
 
 def tune_num_workers(

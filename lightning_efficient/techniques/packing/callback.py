@@ -11,13 +11,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_efficient.core._internals import fit_train_source
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_bool, check_choice, check_int
 from lightning_efficient.measure.scratch import keep_module_state
 from lightning_efficient.measure.step import silenced_logging
-from lightning_efficient.techniques.curriculum.callbacks import _loader_owner
+from lightning_efficient.techniques._loader_source import loader_source
 from lightning_efficient.techniques.curriculum.difficulty import check_seed
 from lightning_efficient.techniques.packing.attention import (
     DocumentAttention,
@@ -110,12 +109,11 @@ class SequencePacking(Technique):
             return
         self.sampler, self.loader, self.session, self._state = None, None, None, None
         self._trainer = weakref.ref(trainer)
-        owner, hook = _loader_owner(trainer, pl_module), "train_dataloader"
-        if owner is None:  # loaders given to trainer.fit(train_dataloaders=...)
-            owner, hook = fit_train_source(trainer), "dataloader"
-            if owner.instance is None or owner.is_module():
-                self.no_effect("the fit has no train DataLoader to pack.")
-                return
+        source = loader_source(trainer, pl_module)  # module, datamodule or fit's loaders
+        if source is None:
+            self.no_effect("the fit has no train DataLoader to pack.")
+            return
+        owner, hook = source
         original = getattr(owner, hook)
         self._wrapped = self.record(
             trainer, patch_attribute(owner, hook, lambda: self._install(original()))

@@ -741,3 +741,21 @@ def test_allocator_row_dry_run(suite, tmp_path) -> None:
     assert finetune._finish_allocator(rec) == "; expandable segments: reserved 0.66x the default's"
     assert rec.data["figures"]["expandable_reserved_ratio"] == 99 / 150
     assert default["reserved_over_allocated"] == 1.5
+
+
+def test_packing_script_takes_out(tmp_path) -> None:
+    """``benchmarks/packing.py`` (part 5's packing workload on the CPU) writes ``STEM.md`` and
+    ``STEM.json`` where ``--out STEM`` says, as every script does, not its committed results."""
+    import torch
+
+    results = BENCH / "results" / "packing_quick.json"
+    before = results.stat().st_mtime_ns if results.exists() else None
+    threads = torch.get_num_threads()
+    try:
+        assert _load("packing").main(["--quick", "--docs", "16", "--out", str(tmp_path / "p")]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script takes one thread
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["documents"] == 16 and data["ratio_tokens_per_s"] > 0, data
+    assert "packed rows against padded batches (16 documents)" in (tmp_path / "p.md").read_text()
+    assert (results.stat().st_mtime_ns if results.exists() else None) == before

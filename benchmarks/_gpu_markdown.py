@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from _gpu_registry import UNFINISHED
 from _results import fmt_bytes, table
 
 __all__ = ["GOALS", "RENDER", "markdown"]
@@ -431,6 +432,16 @@ def markdown(data: dict[str, Any]) -> str:
         f"{data['total_s']:.0f} s of a {data['budget_s']:.0f} s budget; commit {data['commit']}.",
         "",
     ]
+    unfinished = [p for p in data["parts"] if p["status"] in UNFINISHED]
+    if unfinished:
+        lines += [
+            f"**Not finished**: written {data['total_s']:.0f} s after the start, when the last "
+            "part before it ended (the suite writes its results after every part, and it "
+            "did not end); parts that did not finish: "
+            + ", ".join(f"{p['number']} ({p['status']})" for p in unfinished)
+            + ". Their output so far is in `gpu_suite.log.tmp` beside this file.",
+            "",
+        ]
     if data["dry_run"]:
         lines += [
             "**Dry run**: tiny shapes on the CPU, memory caps emulated by the estimate only, "

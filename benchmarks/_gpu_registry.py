@@ -26,11 +26,16 @@ __all__ = [
     "PARTS",
     "PHASE_A",
     "PHASE_B",
+    "UNFINISHED",
     "Part",
     "critical_path_s",
 ]
 
 HERE = Path(__file__).resolve().parent
+
+#: A part's status until it ends: not started, then running. The suite writes its results after
+#: every part, so the files of a suite stopped from outside still name these.
+UNFINISHED = ("not started", "running")
 
 #: The longest part 4 waits for DeepSpeed's build (not charged to its cap).
 BUILD_WAIT_S = 300.0

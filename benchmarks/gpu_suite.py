@@ -81,6 +81,7 @@ from _gpu_registry import (  # noqa: E402
     PARTS,
     PHASE_A,
     PHASE_B,
+    UNFINISHED,
     Part,
 )
 from _results import environment, host_ram_bytes, save_results  # noqa: E402
@@ -423,12 +424,23 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [],
             "figures": {},
             "notes": [],
+            "status": UNFINISHED[0],
         }
         data["parts"].append(entries[part.key])
     chosen = [p for p in PARTS if p.number in selected]
     children: dict[str, Child] = {}
     every_child: list[Child] = []
     say = threading.Lock()
+    closed = False  # the last write is done: a lane still ending writes no more
+
+    def record(entry: dict[str, Any], **fields: Any) -> None:
+        """``fields`` into a part's entry, then the results so far written (atomically): a suite
+        stopped from outside still leaves every part that ended."""
+        with say:
+            entry.update(fields)
+            if not closed:
+                data["total_s"] = time.time() - started
+                save_results(out_dir / f"gpu_{name}", markdown(data), data, echo=False)
 
     def grace_of(part: Part, since: float) -> Any:
         """Part 4's extra time: DeepSpeed's build after the part started (at most its wait)."""
@@ -444,12 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     def run_one(part: Part) -> None:
         entry = entries[part.key]
         if part.number not in selected:
-            entry.update(status="skipped", reason="not selected (--parts)", seconds=0.0)
+            record(entry, status="skipped", reason="not selected (--parts)", seconds=0.0)
             return
         later = [p for p in chosen if p.lane == PHASE_B and p.number > part.number]
         left, timeout = time_for(part, later, time.time() - started, args.budget_s, scale)
         if left < part.min_s * scale:
-            entry.update(
+            record(
+                entry,
                 status="skipped",
                 seconds=0.0,
                 reason=f"would pass the {args.budget_s:.0f} s limit: {max(0, left):.0f} s left "
@@ -463,19 +476,20 @@ def main(argv: list[str] | None = None) -> int:
             return
         with say:
             print(f"[{part.number}/{len(PARTS)}] {part.title} (cap {timeout:.0f} s)", flush=True)
+        record(entry, status=UNFINISHED[1])
         if part.key == "pytest":
             child = start_pytest(args.dry_run, work)
             child.go(None, timeout)
-            entry.update(finish_pytest(child, args.dry_run, work, log))
+            result = finish_pytest(child, args.dry_run, work, log)
         else:
             ctx = dict(base_ctx)
             if args.dry_run and part.key in DRY_CAPS:
                 ctx["cap_bytes"] = DRY_CAPS[part.key]
-            entry["cap_bytes"] = ctx["cap_bytes"] if part.key in DRY_CAPS else None
+            result = {"cap_bytes": ctx["cap_bytes"] if part.key in DRY_CAPS else None}
             child = children.pop(part.key, None) or Child.part(part, work)
             child.go(ctx, timeout)
-            entry.update(finish_part(child, log, grace_of(part, child.started)))
-        entry["seconds"] = time.time() - child.started
+            result.update(finish_part(child, log, grace_of(part, child.started)))
+        record(entry, **result, seconds=time.time() - child.started)
         with say:
             print(
                 f"[{part.number}/{len(PARTS)}] {part.title}: {entry['status']}: "
@@ -519,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
             build.stop()  # part 4 has ended: nothing needs it any more
         lane(PHASE_B)  # alone: nothing else of the suite runs while these time anything
     finally:
+        with say:
+            closed = True
         for child in [*children.values(), *every_child]:
             child.kill()
         data["total_s"] = time.time() - started

@@ -759,3 +759,53 @@ def test_packing_script_takes_out(tmp_path) -> None:
     assert data["documents"] == 16 and data["ratio_tokens_per_s"] > 0, data
     assert "packed rows against padded batches (16 documents)" in (tmp_path / "p.md").read_text()
     assert (results.stat().st_mtime_ns if results.exists() else None) == before
+
+
+def _kill_processes_of(folder: Path) -> None:
+    """Kill, by id, the processes whose command line names ``folder`` (a stopped suite's parts:
+    each in a session of its own, they outlive it)."""
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(folder) in (proc / "cmdline").read_text():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.mark.slow
+def test_a_stopped_suite_leaves_every_part_that_ended(suite, tmp_path) -> None:
+    """The results are written after every part (atomically), not only at the suite's end: a
+    suite killed from outside (a device command at its time limit) still leaves the parts that
+    ended, and the Markdown names the parts that did not. Part 1 (pytest, phase A), then part 6
+    (phase B); the suite is killed once part 1 is written."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--parts", "1,6"]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the suite's work folder: its parts' files
+    proc = subprocess.Popen([*cmd, "--out", str(out)], cwd=ROOT, env=env, start_new_session=True)
+    js, md = out / "gpu_dry_run_cpu.json", out / "gpu_dry_run_cpu.md"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if js.exists() and json.loads(js.read_text())["parts"][0]["status"] == "ok":
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the suite ended before it could be stopped"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        _kill_processes_of(tmp_path)
+    data = json.loads(js.read_text())
+    by = {p["key"]: p for p in data["parts"]}
+    assert by["pytest"]["status"] == "ok" and by["pytest"]["rows"], by["pytest"]
+    assert by["compile"]["status"] in ("not started", "running"), by["compile"]
+    assert by["estimate"]["status"] == "skipped"  # not selected: written with part 1
+    text = md.read_text()
+    assert "## 1. pytest -m gpu" in text and "| collected |" in text
+    assert f"parts that did not finish: 6 ({by['compile']['status']})" in text
+    assert not [p.name for p in out.iterdir() if p.suffix == ".tmp" and "log" not in p.name]
+    assert (out / "gpu_suite.log.tmp").exists()  # the parts' output so far, beside it

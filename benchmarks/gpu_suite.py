@@ -24,10 +24,11 @@ that time something (5-7) run alone afterwards:
 5. Speed, one lever at a time (issue 29): tokens/s, step time and MFU of TinyGPT at GPT-2
    124M shape from plain fp32 Lightning through bf16-mixed, TF32, fused AdamW, compile
    (``TorchCompile(scope="auto")``: both scopes measured, its choice kept), a larger
-   micro-batch (the effective batch kept), the chunked loss and CUDA graphs; each row's
-   ``StepProfiler`` verdict, and the profiler's own cost on the last stack. Then packing
-   (issue 52): ``packing.py``'s long-tail documents on a 244M Llama, padded batches against
-   ``SequencePacking``'s rows, tokens/s of the documents' own tokens (goal: >= 2x).
+   micro-batch (the effective batch kept) and the chunked loss; each row's ``StepProfiler``
+   verdict, and the profiler's own cost on the last stack. Then packing (issue 52):
+   ``packing.py``'s long-tail documents on a 244M Llama, padded batches against
+   ``SequencePacking``'s rows, tokens/s of the documents' own tokens (goal: >= 2x). Last, where
+   time is left: CUDA graphs on the ablation's last stack.
 6. Compile: regional vs whole-model compile time and steady step time, and the auto choice.
 7. Fine-tuning (issue 39): a Llama shape (8 layers of Llama-3.2-1B's, vocabulary 128,256, bf16
    weights) with PEFT LoRA r=16 on every linear layer, seq 2048, bf16-mixed: LoRA alone and

@@ -111,7 +111,9 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     assert compiled["scope"] in ("regional", "whole"), compiled
     assert compiled["regional_step_s"] > 0 and compiled["whole_step_s"] > 0
     assert "verdict" in speed["plain Lightning, fp32"]  # the profiler's next lever (or None)
-    assert all("levers" in r for r in ran if not r["variant"].startswith("last"))
+    assert all("levers" in r for r in ran if "without_profiler_of" not in r)
+    # the named figures first (the profiler's cost after the ablation), optional rows last
+    assert ablation[-1]["variant"] == "+ CUDA graphs" and ablation[-2]["without_profiler_of"]
     assert by["speed"]["figures"]["profiler_overhead"] > 0
     assert "StepProfiler's cost" in md.read_text()
     # issue 52: packing's pair after the ablation, its figure beside the goal (not a GPU one)
@@ -809,3 +811,61 @@ def test_a_stopped_suite_leaves_every_part_that_ended(suite, tmp_path) -> None:
     assert f"parts that did not finish: 6 ({by['compile']['status']})" in text
     assert not [p.name for p in out.iterdir() if p.suffix == ".tmp" and "log" not in p.name]
     assert (out / "gpu_suite.log.tmp").exists()  # the parts' output so far, beside it
+
+
+def test_speed_part_runs_the_named_figures_before_optional_rows(
+    suite, tmp_path, monkeypatch
+) -> None:
+    """Part 5 at its cap (142 s to its deadline) with rows of the ~14.4 s estimated for a GPU
+    (130 s for 9) and packing runs of 10 s: the ablation, the profiler's cost and the packing
+    pair all run, and the optional CUDA graphs row, last, is the one skipped, saying why. Runs
+    stand in for the run processes here: each returns at once and moves the part's deadline by
+    its time. Before, CUDA graphs came before the profiler's cost, which was the row skipped;
+    the profiler's cost needs its stack's time (it runs the same stack), not 1.2x as a new lever."""
+    common, ctx = _ctx(suite, tmp_path, 142)
+    speed = _load("_gpu_speed")
+    ctx.device, ctx.device_name, ctx.profile = (
+        "cuda",
+        "NVIDIA H100 80GB HBM3",
+        suite.PROFILES["gpu"],
+    )
+    submitted: list[dict] = []
+
+    class Runs:  # RunPool's interface: submit, then wait for the results
+        def __init__(self, ctx, **_) -> None:
+            pass
+
+        def submit(self, spec, timeout, isolate=False):
+            submitted.append(spec)
+            return spec
+
+        def wait(self, runs):
+            spec = runs[0]
+            packing = spec["model"] == "llama_docs"
+            wall = 10.0 if packing else 14.4
+            ctx.deadline -= wall
+            step = 0.1 if packing or spec["callbacks"][-1:] == [speed.PROFILER] else 0.0995
+            return [{"ok": True, "tokens_per_s": 1000 / step, "step_s": step, "wall_s": wall}]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(speed, "RunPool", Runs)
+    rec = common.Recorder(ctx.result_file)
+    speed.part_speed(ctx, rec)
+    rows = rec.data["rows"]
+    names = [r["variant"] for r in rows]
+    last = speed.ABLATION[-1][0]
+    assert names[: len(speed.ABLATION)] == [n.format(effective=16) for n, _ in speed.ABLATION]
+    assert names[len(speed.ABLATION)] == f"{last} without StepProfiler"
+    assert [r.get("loader") for r in rows[-3:-1]] == ["padded", "packed"]
+    assert names[-1] == "+ CUDA graphs" and len(rows) == len(speed.ABLATION) + 4
+    assert all(r["status"] == "ok" for r in rows[:-1]), [(r["variant"], r["status"]) for r in rows]
+    assert rows[-1]["status"].startswith("skipped: 7 s left") and "optional" in rows[-1]["status"]
+    figures = rec.data["figures"]
+    assert figures["profiler_overhead"] == pytest.approx(0.1 / 0.0995)
+    assert figures["profiler_overhead_row"] == last and figures["packing_speedup"] == 1.0
+    assert rows[0]["mfu"] > 0  # P3: MFU on a device of the package's table
+    assert rec.data["status"] == "partial" and "optional" in rec.data["reason"]
+    text = sys.modules["_gpu_markdown"].RENDER["speed"]({"key": "speed", **rec.data})
+    assert f"on {last}: **1.005x**" in text and "optional, run last" in text

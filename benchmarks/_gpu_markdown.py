@@ -416,7 +416,7 @@ RENDER = {
 
 
 def _seconds(p: dict[str, Any]) -> str:
-    """A part's seconds, with the time it waited for DeepSpeed's build (not charged to its cap)."""
+    """A part's seconds, with the time it waited for DeepSpeed's build (part 4)."""
     waited = p.get("figures", {}).get("build_wait_s")
     text = f"{p.get('seconds', 0):.0f}"
     return text + (f" ({waited:.0f} of them waiting for the build)" if waited else "")
@@ -487,7 +487,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [
             "",
             f"DeepSpeed's CPU extensions: {build.get('status')} in {build.get('seconds', 0):.0f} s "
-            "(started first, alongside parts 1-3; not counted in any part's cap"
+            "(started first, alongside parts 1-4; part 4's ZeRO rows wait for it within its cap"
             + (f"; part 4 waited {waited:.0f} s for them" if waited is not None else "")
             + ").",
         ]

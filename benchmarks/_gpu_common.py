@@ -95,14 +95,13 @@ class Ctx:
     host_ram_bytes: int
     prebuild_done: str = ""  # a file the DeepSpeed prebuild writes when it ends (JSON)
     device_total_bytes: int = 0  # CUDA: the device's memory (0 on the CPU)
-    extra_s: float = 0.0  # time not charged to the part's cap (waiting for DeepSpeed's build)
 
     @classmethod
     def load(cls, path: str) -> Ctx:
         return cls(**json.loads(Path(path).read_text()))
 
     def left(self) -> float:
-        return self.deadline + self.extra_s - time.time()
+        return self.deadline - time.time()
 
     @property
     def cuda(self) -> bool:

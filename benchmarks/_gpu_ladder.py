@@ -28,7 +28,6 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_registry import BUILD_WAIT_S
 from _gpu_run import Run, RunPool, run_status
 
 from lightning_efficient.core.validate import format_bytes
@@ -68,15 +67,17 @@ def _host_need(n_params: int, host_bytes: int, setting: dict[str, Any] | None) -
     return 4 * n_params + (host_bytes + 4 * n_params if setting else 0)
 
 
-def wait_prebuild(ctx: Ctx, limit: float = BUILD_WAIT_S) -> str:
-    """Wait for DeepSpeed's extension build the suite started first (``ok``, ``failed: ...``,
-    ``still building``). The wait is not charged to the part's cap: its deadline moves by it."""
+def wait_prebuild(ctx: Ctx, need_s: float) -> tuple[str, float]:
+    """Wait for DeepSpeed's extension build the suite started first, while the part's cap still
+    leaves ``need_s`` for a ZeRO run after it: ``(state, seconds waited)``, the state ``ok``,
+    ``failed to build: ...`` or ``still building ...``. The wait is part of the part's cap (and
+    so of the suite's budget)."""
     if not ctx.prebuild_done:
-        return "ok"
+        return "ok", 0.0
     t0 = time.time()
     flag = Path(ctx.prebuild_done)
-    state = "still building"
-    while time.time() - t0 < limit:
+    state = ""
+    while ctx.left() > need_s:
         if flag.exists():
             text = flag.read_text().strip()
             try:
@@ -86,8 +87,12 @@ def wait_prebuild(ctx: Ctx, limit: float = BUILD_WAIT_S) -> str:
             break
         time.sleep(0.5)
     waited = time.time() - t0
-    ctx.extra_s += waited
-    return state
+    if not state:
+        state = (
+            f"still building with {max(0.0, ctx.left()):.0f} s left in the part's cap (a ZeRO "
+            f"run needs about {need_s:.0f} s; waited {waited:.0f} s)"
+        )
+    return state, waited
 
 
 def part_ladder(ctx: Ctx, rec: Recorder) -> None:
@@ -106,8 +111,9 @@ def part_ladder(ctx: Ctx, rec: Recorder) -> None:
             else " (dry run: on the CPU, cap emulated; ZeRO's device peak is not measured, as "
             "host and device memory are one)."
         )
-        + " The ZeRO settings wait for DeepSpeed's cpu_adam build, started first by the suite; "
-        "the wait is not counted in the part's cap."
+        + " The ZeRO settings wait for DeepSpeed's cpu_adam build, started first by the suite, "
+        f"within the part's cap: while it leaves {p['zero_need_s']:.0f} s for a ZeRO run (then "
+        "they are skipped, saying so)."
     )
     cpus = os.cpu_count() or 1
     # DeepSpeed's CPU Adam takes every core; leave some to the parts alongside
@@ -198,6 +204,7 @@ def _ladder(ctx: Ctx, rec: Recorder, pool: RunPool, ladder: list, cap: int, limi
                 first = pool.submit(spec(plan["choice"], None), ctx.left() - 2, isolate=ctx.cuda)
 
     zero_wall: float | None = None
+    waited = 0.0
     for plan in (plans[k] for k in RUN_ORDER if k < len(plans)):
         row = {"setting": plan["setting"], "estimate_tried": plan.get("tried", [])}
         if plan.get("skip"):
@@ -207,7 +214,8 @@ def _ladder(ctx: Ctx, rec: Recorder, pool: RunPool, ladder: list, cap: int, limi
             rec.row(**row, status="skipped: no size fits the cap by the estimate")
             continue
         if plan["zero"] is not None:
-            state = wait_prebuild(ctx)
+            state, wait = wait_prebuild(ctx, p["zero_need_s"])
+            waited += wait
             if state != "ok":
                 rec.row(**row, status=f"skipped: DeepSpeed's cpu_adam extension {state}")
                 continue
@@ -240,7 +248,7 @@ def _ladder(ctx: Ctx, rec: Recorder, pool: RunPool, ladder: list, cap: int, limi
             status="ok" if trained else real[-1]["status"],
             **({"needs_s": real[-1]["needs_s"]} if "needs_s" in real[-1] else {}),
         )
-    rec.figure(build_wait_s=round(ctx.extra_s, 1))
+    rec.figure(build_wait_s=round(waited, 1))
     parts = []
     for r in rec.data["rows"]:
         short = r["setting"].split(",")[0]

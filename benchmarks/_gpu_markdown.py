@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from _gpu_registry import UNFINISHED
 from _results import fmt_bytes, table
 
 __all__ = ["GOALS", "RENDER", "markdown"]
@@ -415,7 +416,7 @@ RENDER = {
 
 
 def _seconds(p: dict[str, Any]) -> str:
-    """A part's seconds, with the time it waited for DeepSpeed's build (not charged to its cap)."""
+    """A part's seconds, with the time it waited for DeepSpeed's build (part 4)."""
     waited = p.get("figures", {}).get("build_wait_s")
     text = f"{p.get('seconds', 0):.0f}"
     return text + (f" ({waited:.0f} of them waiting for the build)" if waited else "")
@@ -431,6 +432,16 @@ def markdown(data: dict[str, Any]) -> str:
         f"{data['total_s']:.0f} s of a {data['budget_s']:.0f} s budget; commit {data['commit']}.",
         "",
     ]
+    unfinished = [p for p in data["parts"] if p["status"] in UNFINISHED]
+    if unfinished:
+        lines += [
+            f"**Not finished**: written {data['total_s']:.0f} s after the start, when the last "
+            "part before it ended (the suite writes its results after every part, and it "
+            "did not end); parts that did not finish: "
+            + ", ".join(f"{p['number']} ({p['status']})" for p in unfinished)
+            + ". Their output so far is in `gpu_suite.log.tmp` beside this file.",
+            "",
+        ]
     if data["dry_run"]:
         lines += [
             "**Dry run**: tiny shapes on the CPU, memory caps emulated by the estimate only, "
@@ -476,7 +487,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [
             "",
             f"DeepSpeed's CPU extensions: {build.get('status')} in {build.get('seconds', 0):.0f} s "
-            "(started first, alongside parts 1-3; not counted in any part's cap"
+            "(started first, alongside parts 1-4; part 4's ZeRO rows wait for it within its cap"
             + (f"; part 4 waited {waited:.0f} s for them" if waited is not None else "")
             + ").",
         ]

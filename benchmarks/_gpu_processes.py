@@ -78,8 +78,7 @@ finally:
 class Build:
     """DeepSpeed's CPU extensions (``ensure_extensions``, what ``lightning-efficient prepare``
     runs), built in a process the suite starts before any part: a cold machine compiles
-    ``cpu_adam`` for minutes. Only part 4's ZeRO rows wait for it, and that wait is not charged
-    to part 4's cap. It writes ``prebuild.json`` (status, seconds, extensions) when it ends."""
+    ``cpu_adam`` for minutes. Only part 4's ZeRO rows wait for it, within part 4's cap. It writes ``prebuild.json`` (status, seconds, extensions) when it ends."""
 
     def __init__(self, work: Path, log: Path) -> None:
         from importlib.util import find_spec
@@ -99,13 +98,6 @@ class Build:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-
-    def ended_at(self) -> float | None:
-        if self.flag.exists():
-            return self.flag.stat().st_mtime
-        if self.proc is not None and self.proc.poll() is not None:
-            return time.time()
-        return None
 
     def info(self) -> dict[str, Any]:
         try:
@@ -149,8 +141,7 @@ class Child:
 
     A part's process is started when the suite starts, so that it imports torch and Lightning
     while other parts run; it waits for its context file, which ``go()`` writes with the
-    deadline. ``finish()`` waits until the cap (plus a grace: part 4's wait for DeepSpeed's
-    build) and kills the process group if it is still running (the part's own run processes and
+    deadline. ``finish()`` waits until the cap and kills the process group if it is still running (the part's own run processes and
     loader workers with it)."""
 
     def __init__(
@@ -204,9 +195,8 @@ class Child:
             tmp.write_text(json.dumps(ctx))
             os.replace(tmp, self.ctx_file)  # the waiting child sees a complete file
 
-    def finish(self, log: Path, grace: Any = None) -> tuple[int | None, bool]:
-        """Wait for the end or the cap (plus ``grace()`` seconds: time not charged to it);
-        ``(exit code, timed out)``. Appends the output to ``log``."""
+    def finish(self, log: Path) -> tuple[int | None, bool]:
+        """Wait for the end or the cap; ``(exit code, timed out)``. Appends the output to ``log``."""
         while True:
             code = self.proc.poll()
             if code is None and self.shared and self.done_file.exists():  # the process goes on
@@ -214,7 +204,7 @@ class Child:
             if code is not None:
                 timed_out = False
                 break
-            if time.time() > self.started + self.timeout + (grace() if grace else 0.0):
+            if time.time() > self.started + self.timeout:
                 self.kill()
                 code, timed_out = None, True
                 break
@@ -239,8 +229,8 @@ class Child:
             kill_group(self.proc)
 
 
-def finish_part(child: Child, log: Path, grace: Any = None) -> dict[str, Any]:
-    code, timed_out = child.finish(log, grace)
+def finish_part(child: Child, log: Path) -> dict[str, Any]:
+    code, timed_out = child.finish(log)
     try:
         result = json.loads(child.result_file.read_text())
     except (OSError, ValueError):

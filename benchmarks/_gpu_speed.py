@@ -7,14 +7,17 @@ to the plain run, the verdict ``StepProfiler`` gives on that row (the next lever
 expected gain), and for the compile row what ``TorchCompile(scope="auto")`` measured and chose.
 The effective batch is 16 sequences in every row (2 accumulated micro-batches of 8), so the
 larger micro-batch row (16, no accumulation) keeps the maths. Then the profiler's own cost: the
-final stack without ``StepProfiler``, against the same stack with it (start-to-start: the
-synchronised wall time of the timed steps, every hook included).
+ablation's last stack without ``StepProfiler``, against the same stack with it (start-to-start:
+the synchronised wall time of the timed steps, every hook included).
 
 Last, packing (issue 52; its goal is in ``_gpu_markdown.GOALS``): the workload of
 ``benchmarks/packing.py`` (``_documents.py``: long-tail paragraphs as byte tokens, a Hugging Face
 Llama, here at the profile's size), padded batches against ``SequencePacking``'s rows, each a
 Lightning run in a fresh process on CUDA; tokens/s counts the documents' own tokens (padding left
 out). The ablation keeps the pair's time (the profile's ``packing.need_s``) out of its own.
+
+Last, where the part's time is left, the optional rows (``OPTIONAL``: CUDA graphs, on the
+ablation's last stack): every figure issue 52 names comes first, so the part's cap cuts these.
 
 Run by the suite as ``python benchmarks/_gpu_speed.py --ctx FILE``.
 """
@@ -40,7 +43,7 @@ from _gpu_common import (
 )
 from _gpu_run import RunPool, run_status, timed_fields
 
-__all__ = ["ABLATION", "part_speed"]
+__all__ = ["ABLATION", "OPTIONAL", "part_speed"]
 
 #: The ablation: (row, what the row adds). Each row keeps every lever of the rows before it.
 ABLATION = [
@@ -54,8 +57,10 @@ ABLATION = [
     ("+ compile (scope auto)", {"compile": {"scope": "auto"}}),
     ("+ micro-batch {effective}, no accumulation", {"micro_batch": "effective"}),
     ("+ chunked loss", {"add": {"class_path": "ChunkedCrossEntropy", "init_args": {}}}),
-    ("+ CUDA graphs", {"compile_mode": "reduce-overhead"}),
 ]
+#: Rows that go on from the ablation's last stack where the part's time is left, after every
+#: figure issue 52 names (the ablation, the profiler's cost, the packing pair).
+OPTIONAL = [("+ CUDA graphs", {"compile_mode": "reduce-overhead"})]
 PROFILER = {"class_path": "StepProfiler", "init_args": {"print_table": False}}
 
 
@@ -65,7 +70,7 @@ def _rows_specs(ctx: Ctx, dims: dict[str, Any]) -> list[tuple[str, dict[str, Any
     micro, accumulate = p["speed_batch"], p["speed_accumulate"]
     precision, callbacks, compile_args = "32-true", [], None
     out = []
-    for name, lever in ABLATION:
+    for name, lever in ABLATION + OPTIONAL:
         precision = lever.get("precision", precision)
         if "add" in lever:
             callbacks = [*callbacks, lever["add"]]
@@ -107,7 +112,10 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
         f"optimizer steps after {p['speed_warmup']} warm-up steps (compile happens there), "
         f"synchronised wall time, at most {p['speed_window_s']:.0f} s or {p['speed_steps']} "
         "steps; every row runs with StepProfiler() (its verdict: the next lever); on CUDA each "
-        "row in a fresh process. The profiler's cost: the last row again without StepProfiler."
+        "row in a fresh process. The profiler's cost: the ablation's last row again without "
+        "StepProfiler. In this order: the ablation, the profiler's cost, the packing pair, then "
+        "the optional rows (" + ", ".join(n for n, _ in OPTIONAL) + "), each only where the "
+        "part's time is left: a row skipped says so, with what it would have needed."
     )
     peak, source = bf16_peak(ctx.device_name) if ctx.cuda else (None, "")
     if ctx.cuda and peak is None:
@@ -120,16 +128,13 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
     pool = RunPool(ctx, warm=1 if ctx.cuda else 0)
     last_wall: float | None = None
     specs = _rows_specs(ctx, dims)
-    final: dict[str, Any] | None = None
+    final: tuple[str, dict[str, Any]] | None = None
     keep = p["packing"]["need_s"]  # the packing rows' time, after the ablation's
     try:
-        for name, spec in specs:
-            if name == "+ CUDA graphs" and not ctx.cuda:
-                rec.row(variant=name, status="skipped: CUDA graphs need a CUDA device")
-                continue
+        for name, spec in specs[: len(ABLATION)]:
             res, last_wall = _timed_row(ctx, rec, pool, name, spec, last_wall, fpt, peak, keep)
             if res is not None and res.get("ok") and res.get("tokens_per_s"):
-                final = spec  # the overhead pair runs the last stack that trained
+                final = name, spec  # the overhead pair runs the last stack that trained
             chosen = ((res or {}).get("figures") or {}).get("TorchCompile", {}).get("scope")
             if chosen in ("regional", "whole"):  # later rows compile what auto chose here
                 for _, later in specs:
@@ -137,11 +142,17 @@ def part_speed(ctx: Ctx, rec: Recorder) -> None:
                         if c.get("class_path") == "TorchCompile":
                             c["init_args"]["scope"] = chosen
         if final is not None:
-            bare = {**final, "callbacks": [c for c in final["callbacks"] if c is not PROFILER]}
-            name = "last stack without StepProfiler"
-            _timed_row(ctx, rec, pool, name, bare, last_wall, fpt, peak, keep)
+            of, spec = final
+            bare = {**spec, "callbacks": [c for c in spec["callbacks"] if c is not PROFILER]}
+            name = f"{of} without StepProfiler"
+            _timed_row(ctx, rec, pool, name, bare, last_wall, fpt, peak, keep, of=of)
         for name, spec in _packing_specs(ctx):
             _packing_row(ctx, rec, pool, name, spec)
+        for name, spec in specs[len(ABLATION) :]:  # where time is left
+            if not ctx.cuda:
+                rec.row(variant=name, status="skipped: CUDA graphs need a CUDA device")
+                continue
+            _timed_row(ctx, rec, pool, name, spec, last_wall, fpt, peak, optional=True)
     finally:
         pool.close()
     _finish_speed(rec)
@@ -157,12 +168,18 @@ def _timed_row(
     fpt: int,
     peak: float | None,
     keep: float = 0.0,
+    of: str | None = None,
+    optional: bool = False,
 ) -> tuple[dict[str, Any] | None, float | None]:
-    """One row of the ablation, unless less than it needs is left (``keep`` s kept for later)."""
-    need = 1.2 * last_wall if last_wall else 20.0
+    """One row of the ablation, unless less than it needs is left (``keep`` s kept for later);
+    ``of``: the row whose stack this one runs without ``StepProfiler`` (the profiler's cost);
+    ``optional``: a row run after every figure issue 52 names, where time is left. A row needs
+    1.2x the last row's time (a new lever), the profiler's cost 1x (the same stack again)."""
+    need = (1.0 if of else 1.2) * last_wall if last_wall else 20.0
     if ctx.left() - keep < need:
         basis = f"the last row took {last_wall:.0f} s" if last_wall else "a first guess"
         basis += f"; {keep:.0f} s kept for the packing rows" if keep else ""
+        basis += "; optional, run last: only where time is left" if optional else ""
         rec.row(variant=name, **time_skip(ctx.left() - keep, need, basis))
         return None, last_wall
     res = pool.wait([pool.submit(spec, ctx.left() - 2, isolate=ctx.cuda)])[0]
@@ -173,6 +190,7 @@ def _timed_row(
         "accumulate": spec["accumulate"],
         "status": run_status(res),
         **timed_fields(res),
+        **({"without_profiler_of": of} if of else {}),
     }
     if peak and res.get("tokens_per_s"):
         row["mfu"] = res["tokens_per_s"] * fpt / peak
@@ -270,12 +288,13 @@ def _finish_speed(rec: Recorder) -> None:
     timed = [
         r
         for r in rows
-        if r.get("tokens_per_s") and r["status"] == "ok" and not r["variant"].startswith("last")
+        if r.get("tokens_per_s") and r["status"] == "ok" and "without_profiler_of" not in r
     ]
-    bare = next((r for r in rows if r["variant"].startswith("last") and r.get("step_s")), None)
-    if bare and timed and timed[-1].get("step_s"):
-        overhead = timed[-1]["step_s"] / bare["step_s"]
-        rec.figure(profiler_overhead=overhead, profiler_overhead_row=timed[-1]["variant"])
+    bare = next((r for r in rows if r.get("without_profiler_of") and r.get("step_s")), None)
+    of = next((r for r in timed if bare and r["variant"] == bare["without_profiler_of"]), None)
+    if bare and of and of.get("step_s"):
+        overhead = of["step_s"] / bare["step_s"]
+        rec.figure(profiler_overhead=overhead, profiler_overhead_row=of["variant"])
         bare["profiler_overhead"] = overhead
     rec.save()
     if plain and len(timed) > 1:

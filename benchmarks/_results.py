@@ -127,7 +127,9 @@ def save_results(
 ) -> tuple[Path, Path]:
     """Print ``text`` (unless ``echo`` is false) and write ``path.md`` and ``path.json``.
 
-    ``path`` is the stem (``benchmarks/results/compile``); missing folders are created. Values
+    ``path`` is the stem (``benchmarks/results/compile``); missing folders are created. Each
+    file is written whole to a temporary file and renamed over the old one (a reader, or a run
+    stopped meanwhile, never sees half a file). Values
     JSON cannot hold are written with ``str``. Returns the two paths written.
     """
     stem = Path(path)
@@ -135,6 +137,8 @@ def save_results(
     md, js = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
     if echo:
         print(text)
-    md.write_text(text.rstrip("\n") + "\n")
-    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    for path, content in ((md, text.rstrip("\n")), (js, json.dumps(data, indent=2, default=str))):
+        tmp = path.with_name(path.name + ".tmp")  # then renamed: never half a file
+        tmp.write_text(content + "\n")
+        os.replace(tmp, path)
     return md, js

@@ -6,8 +6,8 @@
 Seven parts, each in its own process with its own time cap (a part that would pass the suite's
 limit is skipped and says so; a failure in one does not stop the others; the dry run runs the
 parts of one lane in one process, which imports once, and parts 4-7 in the memory lane's
-process, ``DRY_PROCESS``). DeepSpeed's CPU
-extensions are built first, in a process of their own that no part's cap counts; the parts that
+process, ``DRY_PROCESS``). DeepSpeed's CPU extensions are built first, in a process of their
+own, while parts 1-4 run (part 4's ZeRO rows wait for it within part 4's cap); the parts that
 measure memory or correctness (1-4) run side by side, each within its own caps, and the parts
 that time something (5-7) run alone afterwards:
 
@@ -24,10 +24,11 @@ that time something (5-7) run alone afterwards:
 5. Speed, one lever at a time (issue 29): tokens/s, step time and MFU of TinyGPT at GPT-2
    124M shape from plain fp32 Lightning through bf16-mixed, TF32, fused AdamW, compile
    (``TorchCompile(scope="auto")``: both scopes measured, its choice kept), a larger
-   micro-batch (the effective batch kept), the chunked loss and CUDA graphs; each row's
-   ``StepProfiler`` verdict, and the profiler's own cost on the last stack. Then packing
-   (issue 52): ``packing.py``'s long-tail documents on a 244M Llama, padded batches against
-   ``SequencePacking``'s rows, tokens/s of the documents' own tokens (goal: >= 2x).
+   micro-batch (the effective batch kept) and the chunked loss; each row's ``StepProfiler``
+   verdict, and the profiler's own cost on the last stack. Then packing (issue 52):
+   ``packing.py``'s long-tail documents on a 244M Llama, padded batches against
+   ``SequencePacking``'s rows, tokens/s of the documents' own tokens (goal: >= 2x). Last, where
+   time is left: CUDA graphs on the ablation's last stack.
 6. Compile: regional vs whole-model compile time and steady step time, and the auto choice.
 7. Fine-tuning (issue 39): a Llama shape (8 layers of Llama-3.2-1B's, vocabulary 128,256, bf16
    weights) with PEFT LoRA r=16 on every linear layer, seq 2048, bf16-mixed: LoRA alone and
@@ -77,10 +78,10 @@ from _gpu_markdown import markdown  # noqa: E402
 from _gpu_processes import Build, Child, finish_part  # noqa: E402
 from _gpu_pytest import finish_pytest, start_pytest  # noqa: E402
 from _gpu_registry import (  # noqa: E402
-    BUILD_WAIT_S,
     PARTS,
     PHASE_A,
     PHASE_B,
+    UNFINISHED,
     Part,
 )
 from _results import environment, host_ram_bytes, save_results  # noqa: E402
@@ -116,6 +117,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         ],
         "ladder_seq": 1024,
         "ladder_vocab": 50257,
+        # part 4 waits for DeepSpeed's build while its cap leaves this for a ZeRO run (one took
+        # more than 83 s on an H200, stopped there)
+        "zero_need_s": 90.0,
         "speed_batch": 8,
         "speed_accumulate": 2,
         "speed_steps": 300,
@@ -178,6 +182,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "ladder": [["tiny-1", 1, 64], ["tiny-2", 2, 64], ["tiny-3", 2, 128], ["tiny-4", 4, 128]],
         "ladder_seq": 64,
         "ladder_vocab": 512,
+        "zero_need_s": 10.0,
         "speed_batch": 4,
         "speed_accumulate": 2,
         "speed_steps": 6,
@@ -423,33 +428,34 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [],
             "figures": {},
             "notes": [],
+            "status": UNFINISHED[0],
         }
         data["parts"].append(entries[part.key])
     chosen = [p for p in PARTS if p.number in selected]
     children: dict[str, Child] = {}
     every_child: list[Child] = []
     say = threading.Lock()
+    closed = False  # the last write is done: a lane still ending writes no more
 
-    def grace_of(part: Part, since: float) -> Any:
-        """Part 4's extra time: DeepSpeed's build after the part started (at most its wait)."""
-        if part.key != "ladder" or build is None:
-            return None
-
-        def grace() -> float:
-            end = build.ended_at() or time.time()
-            return min(BUILD_WAIT_S * max(1.0, scale), max(0.0, end - since))
-
-        return grace
+    def record(entry: dict[str, Any], **fields: Any) -> None:
+        """``fields`` into a part's entry, then the results so far written (atomically): a suite
+        stopped from outside still leaves every part that ended."""
+        with say:
+            entry.update(fields)
+            if not closed:
+                data["total_s"] = time.time() - started
+                save_results(out_dir / f"gpu_{name}", markdown(data), data, echo=False)
 
     def run_one(part: Part) -> None:
         entry = entries[part.key]
         if part.number not in selected:
-            entry.update(status="skipped", reason="not selected (--parts)", seconds=0.0)
+            record(entry, status="skipped", reason="not selected (--parts)", seconds=0.0)
             return
         later = [p for p in chosen if p.lane == PHASE_B and p.number > part.number]
         left, timeout = time_for(part, later, time.time() - started, args.budget_s, scale)
         if left < part.min_s * scale:
-            entry.update(
+            record(
+                entry,
                 status="skipped",
                 seconds=0.0,
                 reason=f"would pass the {args.budget_s:.0f} s limit: {max(0, left):.0f} s left "
@@ -463,19 +469,20 @@ def main(argv: list[str] | None = None) -> int:
             return
         with say:
             print(f"[{part.number}/{len(PARTS)}] {part.title} (cap {timeout:.0f} s)", flush=True)
+        record(entry, status=UNFINISHED[1])
         if part.key == "pytest":
             child = start_pytest(args.dry_run, work)
             child.go(None, timeout)
-            entry.update(finish_pytest(child, args.dry_run, work, log))
+            result = finish_pytest(child, args.dry_run, work, log)
         else:
             ctx = dict(base_ctx)
             if args.dry_run and part.key in DRY_CAPS:
                 ctx["cap_bytes"] = DRY_CAPS[part.key]
-            entry["cap_bytes"] = ctx["cap_bytes"] if part.key in DRY_CAPS else None
+            result = {"cap_bytes": ctx["cap_bytes"] if part.key in DRY_CAPS else None}
             child = children.pop(part.key, None) or Child.part(part, work)
             child.go(ctx, timeout)
-            entry.update(finish_part(child, log, grace_of(part, child.started)))
-        entry["seconds"] = time.time() - child.started
+            result.update(finish_part(child, log))
+        record(entry, **result, seconds=time.time() - child.started)
         with say:
             print(
                 f"[{part.number}/{len(PARTS)}] {part.title}: {entry['status']}: "
@@ -519,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
             build.stop()  # part 4 has ended: nothing needs it any more
         lane(PHASE_B)  # alone: nothing else of the suite runs while these time anything
     finally:
+        with say:
+            closed = True
         for child in [*children.values(), *every_child]:
             child.kill()
         data["total_s"] = time.time() - started

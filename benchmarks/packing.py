@@ -26,7 +26,7 @@ loss on the held-out documents after the epoch (each document alone).
 
 Run:  python benchmarks/packing.py          (a few minutes on 2 busy cores)
       python benchmarks/packing.py --quick  (fewer documents, a smaller model)
-Writes benchmarks/results/packing{,_quick}.{md,json}.
+Writes benchmarks/results/packing{,_quick}.{md,json} (``--out STEM``: STEM.{md,json}).
 """
 
 from __future__ import annotations
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--docs", type=int, default=None)
+    parser.add_argument(
+        "--out", default=None, help="result stem (default benchmarks/results/packing{,_quick})"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     count = args.docs or (120 if args.quick else 400)
@@ -209,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         "longest": max(lengths), "ratio_tokens_per_s": ratio_wall,
         "ratio_tokens_per_cpu_s": ratio_cpu, "same_steps_batch": same_steps, "runs": runs, "environment": env, "command": command,
     }  # fmt: skip
-    stem = ROOT / "benchmarks" / "results" / ("packing_quick" if args.quick else "packing")
-    save_results(stem, text, data_out)
+    default = ROOT / "benchmarks" / "results" / ("packing_quick" if args.quick else "packing")
+    save_results(args.out or default, text, data_out)
     return 0
 
 

@@ -111,7 +111,9 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     assert compiled["scope"] in ("regional", "whole"), compiled
     assert compiled["regional_step_s"] > 0 and compiled["whole_step_s"] > 0
     assert "verdict" in speed["plain Lightning, fp32"]  # the profiler's next lever (or None)
-    assert all("levers" in r for r in ran if not r["variant"].startswith("last"))
+    assert all("levers" in r for r in ran if "without_profiler_of" not in r)
+    # the named figures first (the profiler's cost after the ablation), optional rows last
+    assert ablation[-1]["variant"] == "+ CUDA graphs" and ablation[-2]["without_profiler_of"]
     assert by["speed"]["figures"]["profiler_overhead"] > 0
     assert "StepProfiler's cost" in md.read_text()
     # issue 52: packing's pair after the ablation, its figure beside the goal (not a GPU one)
@@ -153,8 +155,8 @@ def test_results_name_and_sizes(suite) -> None:
 
 def test_caps_fit_the_budget(suite) -> None:
     """Nine minutes: the longest lane of the parts side by side, then the timed parts alone.
-    DeepSpeed's build runs alongside; a wait on it past what is left is taken from the last
-    timed part, which the suite gives what is left (or skips below its minimum)."""
+    DeepSpeed's build runs alongside; part 4 waits for it within its cap. A part that overruns
+    is taken from the last timed part, which the suite gives what is left (or skips)."""
     assert suite.TOTAL_S == 540
     registry = sys.modules["_gpu_registry"]  # what the suite imported
     assert suite.PARTS is registry.PARTS  # the suite starts the registry's parts
@@ -741,3 +743,166 @@ def test_allocator_row_dry_run(suite, tmp_path) -> None:
     assert finetune._finish_allocator(rec) == "; expandable segments: reserved 0.66x the default's"
     assert rec.data["figures"]["expandable_reserved_ratio"] == 99 / 150
     assert default["reserved_over_allocated"] == 1.5
+
+
+def test_packing_script_takes_out(tmp_path) -> None:
+    """``benchmarks/packing.py`` (part 5's packing workload on the CPU) writes ``STEM.md`` and
+    ``STEM.json`` where ``--out STEM`` says, as every script does, not its committed results."""
+    import torch
+
+    results = BENCH / "results" / "packing_quick.json"
+    before = results.stat().st_mtime_ns if results.exists() else None
+    threads = torch.get_num_threads()
+    try:
+        assert _load("packing").main(["--quick", "--docs", "16", "--out", str(tmp_path / "p")]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script takes one thread
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["documents"] == 16 and data["ratio_tokens_per_s"] > 0, data
+    assert "packed rows against padded batches (16 documents)" in (tmp_path / "p.md").read_text()
+    assert (results.stat().st_mtime_ns if results.exists() else None) == before
+
+
+def _kill_processes_of(folder: Path) -> None:
+    """Kill, by id, the processes whose command line names ``folder`` (a stopped suite's parts:
+    each in a session of its own, they outlive it)."""
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(folder) in (proc / "cmdline").read_text():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.mark.slow
+def test_a_stopped_suite_leaves_every_part_that_ended(suite, tmp_path) -> None:
+    """The results are written after every part (atomically), not only at the suite's end: a
+    suite killed from outside (a device command at its time limit) still leaves the parts that
+    ended, and the Markdown names the parts that did not. Part 1 (pytest, phase A), then part 6
+    (phase B); the suite is killed once part 6 has started."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--parts", "1,6"]
+    cmd += ["--budget-s", "2160", "--out", str(out)]  # 4x caps: cores shared (as above)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the suite's work folder: its parts' files
+    printed = open(tmp_path / "printed.txt", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=printed, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    js, md = out / "gpu_dry_run_cpu.json", out / "gpu_dry_run_cpu.md"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            # once part 6 has started: written after part 1 ended, and the last write until
+            # part 6 ends (the .md is written before the .json: both are whole)
+            if js.exists() and json.loads(js.read_text())["parts"][5]["status"] == "running":
+                break
+            time.sleep(0.1)
+        said = (tmp_path / "printed.txt").read_text()[-3000:]
+        assert proc.poll() is None, "the suite ended before it could be stopped:\n" + said
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        _kill_processes_of(tmp_path)
+        printed.close()
+    data = json.loads(js.read_text())
+    by = {p["key"]: p for p in data["parts"]}
+    assert by["pytest"]["status"] == "ok" and by["pytest"]["rows"], by["pytest"]
+    assert by["compile"]["status"] == "running", by["compile"]
+    assert by["estimate"]["status"] == "skipped"  # not selected: written with part 1
+    text = md.read_text()
+    assert "## 1. pytest -m gpu" in text and "| collected |" in text
+    assert "parts that did not finish: 6 (running)" in text
+    assert not [p.name for p in out.iterdir() if p.suffix == ".tmp" and "log" not in p.name]
+    assert (out / "gpu_suite.log.tmp").exists()  # the parts' output so far, beside it
+
+
+def test_speed_part_runs_the_named_figures_before_optional_rows(
+    suite, tmp_path, monkeypatch
+) -> None:
+    """Part 5 at its cap (142 s to its deadline) with rows of the ~14.4 s estimated for a GPU
+    (130 s for 9) and packing runs of 10 s: the ablation, the profiler's cost and the packing
+    pair all run, and the optional CUDA graphs row, last, is the one skipped, saying why. Runs
+    stand in for the run processes here: each returns at once and moves the part's deadline by
+    its time. Before, CUDA graphs came before the profiler's cost, which was the row skipped;
+    the profiler's cost needs its stack's time (it runs the same stack), not 1.2x as a new lever."""
+    common, ctx = _ctx(suite, tmp_path, 142)
+    speed = _load("_gpu_speed")
+    ctx.device, ctx.device_name, ctx.profile = (
+        "cuda",
+        "NVIDIA H100 80GB HBM3",
+        suite.PROFILES["gpu"],
+    )
+    submitted: list[dict] = []
+
+    class Runs:  # RunPool's interface: submit, then wait for the results
+        def __init__(self, ctx, **_) -> None:
+            pass
+
+        def submit(self, spec, timeout, isolate=False):
+            submitted.append(spec)
+            return spec
+
+        def wait(self, runs):
+            spec = runs[0]
+            packing = spec["model"] == "llama_docs"
+            wall = 10.0 if packing else 14.4
+            ctx.deadline -= wall
+            step = 0.1 if packing or spec["callbacks"][-1:] == [speed.PROFILER] else 0.0995
+            return [{"ok": True, "tokens_per_s": 1000 / step, "step_s": step, "wall_s": wall}]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(speed, "RunPool", Runs)
+    rec = common.Recorder(ctx.result_file)
+    speed.part_speed(ctx, rec)
+    rows = rec.data["rows"]
+    names = [r["variant"] for r in rows]
+    last = speed.ABLATION[-1][0]
+    assert names[: len(speed.ABLATION)] == [n.format(effective=16) for n, _ in speed.ABLATION]
+    assert names[len(speed.ABLATION)] == f"{last} without StepProfiler"
+    assert [r.get("loader") for r in rows[-3:-1]] == ["padded", "packed"]
+    assert names[-1] == "+ CUDA graphs" and len(rows) == len(speed.ABLATION) + 4
+    assert all(r["status"] == "ok" for r in rows[:-1]), [(r["variant"], r["status"]) for r in rows]
+    assert rows[-1]["status"].startswith("skipped: 7 s left") and "optional" in rows[-1]["status"]
+    figures = rec.data["figures"]
+    assert figures["profiler_overhead"] == pytest.approx(0.1 / 0.0995)
+    assert figures["profiler_overhead_row"] == last and figures["packing_speedup"] == 1.0
+    assert rows[0]["mfu"] > 0  # P3: MFU on a device of the package's table
+    assert rec.data["status"] == "partial" and "optional" in rec.data["reason"]
+    text = sys.modules["_gpu_markdown"].RENDER["speed"]({"key": "speed", **rec.data})
+    assert f"on {last}: **1.005x**" in text and "optional, run last" in text
+
+
+@pytest.mark.slow
+def test_ladder_waits_for_the_build_within_its_cap(suite, tmp_path) -> None:
+    """Part 4's ZeRO rows wait for DeepSpeed's build only while the part's cap leaves a ZeRO
+    run its time; then they are skipped, saying why, and the part ends within its deadline (the
+    wait was extra time past the cap, up to 300 s, that later parts lost)."""
+    import time
+
+    common, ctx = _ctx(suite, tmp_path, 45)
+    ctx.profile = {**ctx.profile, "zero_need_s": 30.0}
+    ctx.cap_bytes = suite.DRY_CAPS["ladder"]
+    ctx.host_ram_bytes = 16 * 2**30
+    ctx.prebuild_done = str(tmp_path / "prebuild.json")  # a build that never ends
+    ladder = _load("_gpu_ladder")
+    rec = common.Recorder(ctx.result_file)
+    ladder.part_ladder(ctx, rec)
+    assert time.time() < ctx.deadline  # within the cap, no time added to it
+    rows = {r["setting"].split(",")[0]: r for r in rec.data["rows"]}
+    assert rows["plain Lightning"]["status"] == "ok", rows["plain Lightning"]
+    for name in ("ZeRO-2", "ZeRO-3"):
+        status = rows[name]["status"]
+        assert status.startswith("skipped: DeepSpeed's cpu_adam extension still building with ")
+        assert "a ZeRO run needs about 30 s" in status, status
+    assert 0 <= rec.data["figures"]["build_wait_s"] < 45
+    assert rec.data["status"] == "partial" and "still building" in rec.data["reason"]
+    # a finished build: no wait
+    Path(ctx.prebuild_done).write_text(json.dumps({"status": "ok"}))
+    assert ladder.wait_prebuild(ctx, 1.0)[0] == "ok"

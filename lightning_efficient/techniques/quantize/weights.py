@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from torch import nn
 from lightning_efficient.core._internals import FakeTensor
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.validate import SettingsError, missing_requirement
+from lightning_efficient.measure.memory.heads import find_output_head
 
 __all__ = [
     "QUANT_TYPES",
@@ -67,9 +69,34 @@ class Selection:
     refused: list[str] = field(default_factory=list)
 
 
-def _vocabulary(model: nn.Module) -> int | None:
-    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return max(rows) if rows else None
+def _kept_in_fp32(model: nn.Module) -> set[str]:
+    """The module names a Hugging Face model keeps in full precision (``_keep_in_fp32_modules``
+    and ``_strict``, as transformers' own 4-bit loading does): its code reads their weight's dtype
+    (T5's feed-forward casts its input to ``wo.weight.dtype``: a packed weight makes it uint8)."""
+    names: set[str] = set()
+    for mod in model.modules():
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            value = getattr(mod, attr, None)
+            if isinstance(value, (list, tuple, set, frozenset)):
+                names.update(v for v in value if isinstance(v, str) and v)
+    return names
+
+
+def _conv1d_class() -> type | None:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections: a linear layer whose weight is stored
+    transposed, ``in x out``) when transformers is loaded (a model holding one has loaded it)."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def _linear_forward(mod: nn.Module, conv1d: type | None) -> Any:
+    """The plain forward of ``mod``'s kind of linear layer (``nn.Linear`` or HF ``Conv1D``),
+    ``None`` when it is neither."""
+    if isinstance(mod, nn.Linear):
+        return nn.Linear.forward
+    if conv1d is not None and isinstance(mod, conv1d):
+        return conv1d.forward
+    return None
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -82,9 +109,12 @@ def select_frozen_linears(
     modules: Sequence[str] | None = None,
     skip: Sequence[str] = (),
 ) -> Selection:
-    """The plain ``nn.Linear`` layers of ``model`` whose weight is frozen, owned by that layer
-    alone, and not the output head (a Linear as wide as the largest Embedding: the chunked loss
-    and most recipes keep it in full precision; name it in ``modules`` to include it).
+    """The plain ``nn.Linear`` layers of ``model`` (and Hugging Face ``Conv1D``, GPT-2's
+    transposed linear) whose weight is frozen, owned by that layer
+    alone, not the output head (by the package's one rule, ``measure.memory.heads``: the chunked
+    loss and most recipes keep it in full precision; name it in ``modules`` to include it), and
+    not a layer the model keeps in full precision (a Hugging Face model's
+    ``_keep_in_fp32_modules``, whose forward reads the weight's dtype).
 
     Args:
         model: The module searched.
@@ -97,10 +127,14 @@ def select_frozen_linears(
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    vocab = _vocabulary(model)
+    found = find_output_head(model)
+    head = found.linear if found is not None else None
+    kept = _kept_in_fp32(model)
     out = Selection()
+    conv1d = _conv1d_class()
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
+        plain_forward = _linear_forward(mod, conv1d)
+        if plain_forward is None:
             continue
         named = modules is not None and _matches(name, modules)
         w = mod.weight
@@ -108,7 +142,12 @@ def select_frozen_linears(
             continue
         if skip and _matches(name, skip):
             out.left[name] = "in `skip`"
-        elif type(mod).forward is not nn.Linear.forward:
+        elif any(f".{k}." in f".{name}." for k in kept):
+            out.left[name] = (
+                "kept in full precision by the model (`_keep_in_fp32_modules`: its forward "
+                "reads this weight's dtype)"
+            )
+        elif type(mod).forward is not plain_forward:
             out.left[name] = f"{type(mod).__name__} has a forward of its own"
         elif hasattr(mod, _PREFIX + "absmax"):
             out.left[name] = "already in 4 bits"
@@ -121,7 +160,7 @@ def select_frozen_linears(
                 out.left[name] = "trainable"
         elif owners.get(id(w), 0) > 1:
             out.left[name] = "weight shared with another module (tied)"
-        elif vocab is not None and mod.out_features == vocab and not named:
+        elif mod is head and not named:
             out.left[name] = "output head (full precision; name it in `modules` to include it)"
         else:
             out.chosen.append(name)
@@ -170,8 +209,9 @@ def linear_weight_bytes(model: nn.Module, names: Sequence[str] | None = None) ->
     """Bytes held by the weights of ``model``'s Linear layers (``names``: only those), the 4-bit
     block scales included."""
     seen: dict[int, int] = {}
+    conv1d = _conv1d_class()
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and (names is None or name in names):
+        if _linear_forward(mod, conv1d) is not None and (names is None or name in names):
             tensors = [mod.weight, *(getattr(mod, _PREFIX + b, None) for b in _BUFFERS)]
             for t in tensors:
                 if t is not None:  # the code tables are one tensor shared by every layer
@@ -226,7 +266,7 @@ def _state_of(lin: nn.Linear, template: Any) -> Any:
 
 
 def _quantize_layer(
-    lin: nn.Linear,
+    lin: nn.Module,
     shared: dict[str, torch.Tensor],
     compute_dtype: torch.dtype | None,
     quant_type: str,
@@ -238,7 +278,11 @@ def _quantize_layer(
     original = w.data
     device = original.device
     host = original if device.type == "cpu" else original.to("cpu")  # the undo's copy
-    packed, template, tensors = _quantize(original, quant_type, double_quant, blocksize)
+
+    def as_linear(t: torch.Tensor) -> torch.Tensor:  # HF Conv1D stores ``in x out``
+        return t if isinstance(lin, nn.Linear) else t.t().contiguous()
+
+    packed, template, tensors = _quantize(as_linear(original), quant_type, double_quant, blocksize)
     names = []
     for b, t in tensors.items():
         if b in ("code", "code2"):  # constant tables: one tensor for every layer
@@ -262,12 +306,12 @@ def _quantize_layer(
     def loading(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         key = prefix + "weight"
         incoming = state_dict.get(key)
-        if incoming is None or tuple(incoming.shape) != tuple(template.shape):
+        if incoming is None or tuple(incoming.shape) != tuple(host.shape):
             return
         with torch.no_grad():
             host.copy_(incoming)
             new, _, fresh = _quantize(
-                host.to(lin.weight.device), quant_type, double_quant, blocksize
+                as_linear(host.to(lin.weight.device)), quant_type, double_quant, blocksize
             )
             for b, t in fresh.items():
                 if b not in ("code", "code2"):
@@ -301,8 +345,9 @@ def apply_frozen_weights_4bit(
     modules: Sequence[str] | None = None,
     skip: Sequence[str] = (),
 ) -> Change:
-    """Store the frozen weights of ``model``'s plain Linear layers in 4 bits (see the module
-    docstring); trainable weights, adapters, tied weights and the output head are left alone.
+    """Store the frozen weights of ``model``'s plain Linear (and HF ``Conv1D``) layers in 4 bits
+    (see the module docstring); trainable weights, adapters, tied weights, the output head and
+    the layers the model keeps in full precision are left alone.
 
     Args:
         model: The module changed in place (its class, parameters' identity and state_dict keys

@@ -1,0 +1,155 @@
+"""FrozenWeights4bit, issue 49: no code that reads a frozen layer's weight sees the packed tensor
+(T5's ``_keep_in_fp32_modules``), the output head by the package's one rule, GPT-2's ``Conv1D``,
+adapter checkpoints, and its arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_efficient.functional import apply_frozen_weights_4bit
+from lightning_efficient.planning import fit as auto_fit
+from lightning_efficient.planning.ladder import FROZEN_4BIT, Rung
+from lightning_efficient.planning.search import decide
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+V, SEQ = 64, 8
+
+
+def _t5() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        vocab_size=V, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _ids(rows: int = 2) -> torch.Tensor:
+    return torch.randint(0, V, (rows, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+# -- row 3: T5 reads `wo.weight.dtype`: kept in full precision, as transformers keeps it ---------
+def test_t5_feed_forward_output_kept_in_full_precision() -> None:
+    model = _t5().requires_grad_(False)
+    ids = _ids()
+    plain = model(input_ids=ids, labels=ids).loss
+    change = apply_frozen_weights_4bit(model)
+    wo = [n for n, m in model.named_modules() if n.endswith(".wo")]
+    assert len(wo) == 4 and not set(wo) & set(change.value.chosen)
+    assert all("_keep_in_fp32_modules" in change.value.left[n] for n in wo)
+    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in wo)
+    assert change.figures["layers_4bit"] == 28  # every other projection of the blocks
+    quantized = model(input_ids=ids, labels=ids).loss  # train mode: dropout on float activations
+    torch.testing.assert_close(quantized, plain, rtol=0.02, atol=0)
+    change.undo()
+
+
+class _LoRAT5(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0)
+        self.model = peft.get_peft_model(_t5(), lora)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def test_autoefficient_estimates_the_4bit_rung_of_a_lora_t5() -> None:
+    model, ids = _LoRAT5(), _ids(4)
+    settings = {"precision": "32-true", "device": "cpu", "optimizer": "adamw"}
+    measure = auto_fit.estimate_measure(
+        model, lambda n: (ids[:n],), 2**40, 4, {**settings, "loss_fn": lambda m, b: m(b[0])}
+    )
+    plain = measure(Rung("as configured", "32-true"), 2)
+    fits, used, est = measure(Rung("32-true + 4-bit", "32-true", (FROZEN_4BIT,)), 2)
+    assert fits and used < plain[1]  # estimated, and the frozen projections take less
+    assert any("28 frozen linear weights in 4 bits" in n for n in est.notes)
+
+
+def test_a_rung_that_cannot_be_estimated_is_read_as_such() -> None:
+    from lightning_efficient.core.technique import Technique
+
+    class Unestimable(Technique):
+        def configure_estimate(self, plan: Any) -> None:
+            raise RuntimeError("A must be float16, bfloat16, or float32, got torch.uint8")
+
+    model, ids = _LoRAT5(), _ids(4)
+    settings = {"precision": "32-true", "device": "cpu", "loss_fn": lambda m, b: m(b[0])}
+    measure = auto_fit.estimate_measure(model, lambda n: (ids[:n],), 2**40, 4, settings)
+    bad = Rung("32-true + 4-bit", "32-true", (FROZEN_4BIT,), configured=(Unestimable(),))
+    fits, used, err = measure(bad, 2)
+    assert not fits and used == float("inf") and isinstance(err, RuntimeError)
+    plain = Rung("as configured", "32-true")
+    decision = decide([bad, plain], measure, 2**40, 4)
+    assert decision.rung is plain
+    assert ("32-true + 4-bit", "cannot estimate: A must be float16, bfloat16, or float32, got "
+            "torch.uint8") in decision.tried  # fmt: skip
+
+
+# -- row 10: the output head by the package's one rule ------------------------------------------
+def _gpt2(*, vocab: int = V, positions: int = SEQ, tied: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=2, n_head=2,
+        tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_head_found_by_the_one_rule_not_the_largest_embedding() -> None:
+    from lightning_efficient.measure.memory.heads import find_output_head
+
+    # 64 tokens, 128 positions (the position table is the largest Embedding), an untied head
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0)
+    model = peft.get_peft_model(_gpt2(positions=128, tied=False), lora)
+    head = find_output_head(model)
+    assert head.linear.out_features == V and not head.linear.weight.requires_grad
+    change = apply_frozen_weights_4bit(model)
+    assert head.name not in change.value.chosen and "output head" in change.value.left[head.name]
+    assert head.linear.weight.dtype == torch.float32  # the chunked loss reads it as it is
+    change.undo()
+    # a Llama whose intermediate size is its vocabulary: every projection of the blocks is stored
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    llama = transformers.LlamaForCausalLM(config).requires_grad_(False)
+    chosen = apply_frozen_weights_4bit(llama).value.chosen
+    assert len(chosen) == 14 and "lm_head" not in chosen  # 7 projections x 2 layers, not the head
+
+
+# -- row 12: GPT-2's Conv1D is a transposed linear: served ----------------------------------------
+def test_gpt2_conv1d_served_as_a_transposed_linear() -> None:
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True
+    )
+    model = peft.get_peft_model(_gpt2(), lora)
+    ids = _ids(4)
+    plain = model(input_ids=ids, labels=ids).loss
+    given = {k: v.clone() for k, v in model.state_dict().items()}
+    change = apply_frozen_weights_4bit(model)
+    chosen = change.value.chosen
+    assert len(chosen) == 8  # c_attn's base layer, c_proj, c_fc, mlp.c_proj in each of 2 layers
+    assert all(type(model.get_submodule(n)).__name__ == "Conv1D" for n in chosen)
+    assert change.figures["weight_bytes_after"] < 0.2 * change.figures["weight_bytes_before"]
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, plain, rtol=0.02, atol=0)
+    loss.backward()  # the adapters get their gradient through the 4-bit base
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    state = model.state_dict()  # the original weights, in Conv1D's in x out layout
+    assert all(torch.equal(state[k], v) for k, v in given.items())
+    layer = model.get_submodule(chosen[0])
+    packed = layer.weight.detach().clone()
+    key = chosen[0] + ".weight"
+    model.load_state_dict({**given, key: given[key].flip(0)})  # re-quantized from what it loads
+    assert not torch.equal(layer.weight, packed)
+    model.load_state_dict(given)
+    assert torch.equal(layer.weight, packed)
+    change.undo()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in given.items())

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import SaveAt, tiny_trainer
 from torch import nn
 
 from lightning_efficient.functional import apply_frozen_weights_4bit
 from lightning_efficient.planning import fit as auto_fit
 from lightning_efficient.planning.ladder import FROZEN_4BIT, Rung
 from lightning_efficient.planning.search import decide
+from lightning_efficient.techniques.quantize import FrozenWeights4bit
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -153,3 +156,59 @@ def test_gpt2_conv1d_served_as_a_transposed_linear() -> None:
     assert torch.equal(layer.weight, packed)
     change.undo()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in given.items())
+
+
+# -- row 13: a frozen-base fit's checkpoint holds the trainable state; resume bit-identical -------
+class _LoRALlama(pl.LightningModule):
+    """The base is built from a seed, as a pretrained one is read from its files."""
+
+    def __init__(self, base_seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(base_seed)
+        config = transformers.LlamaConfig(
+            vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        )  # fmt: skip
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        self.model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _adapter_fit(tmp_path: Any, *, ckpt: Any = None, callbacks: Any = (), seed: int = 0) -> Any:
+    pl.seed_everything(0, verbose=False)
+    module = _LoRALlama(seed)
+    ids = torch.randint(0, V, (8, SEQ), generator=torch.Generator().manual_seed(2))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+    trainer = tiny_trainer(
+        tmp_path, [FrozenWeights4bit(save_frozen=False), *callbacks], max_steps=4,
+        limit_train_batches=2, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
+    return trainer, module
+
+
+def test_adapter_checkpoint_holds_the_trainable_state_and_resumes_bit_identical(tmp_path) -> None:
+    path = tmp_path / "k.ckpt"
+    save = SaveAt(2, path)
+    _, full = _adapter_fit(tmp_path / "full", callbacks=[save])
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    trainable = {n for n, p in full.named_parameters() if p.requires_grad}
+    assert set(saved) <= set(full.state_dict()) and trainable <= set(saved)
+    assert not any(k in saved for k, p in full.named_parameters() if not p.requires_grad)
+    whole = tmp_path / "whole.ckpt"  # the same checkpoint with the frozen weights in it
+    torch.save({**torch.load(path, weights_only=True), "state_dict": full.state_dict()}, whole)
+    ratio = path.stat().st_size / whole.stat().st_size
+    print(f"trainable-only checkpoint: {path.stat().st_size} B, with the frozen weights: "
+          f"{whole.stat().st_size} B ({ratio:.3f}x)")  # fmt: skip
+    assert ratio < 0.2  # the adapters, their optimizer state, the norms
+    _, resumed = _adapter_fit(tmp_path / "resumed", ckpt=str(path))
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name  # bit-identical, the base read from the module
+    # a module built with another base is refused, naming the entry
+    with pytest.raises(ValueError, match=r"frozen `model\.base_model.*is not the one"):
+        _adapter_fit(tmp_path / "other", ckpt=str(path), seed=1)

@@ -8,6 +8,10 @@ from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
+from lightning_efficient.techniques.quantize.adapters import (
+    apply_frozen_base_loading,
+    trainable_state,
+)
 from lightning_efficient.techniques.quantize.weights import (
     QUANT_TYPES,
     apply_frozen_weights_4bit,
@@ -50,6 +54,12 @@ class FrozenWeights4bit(Technique):
             every frozen ``nn.Linear``); naming a layer whose weight is trainable is refused
             when fit starts.
         skip: Names or patterns of layers kept in full precision.
+        save_frozen: Checkpoints hold the frozen weights too (``True``: the whole model, as
+            without this callback). ``False``: the trainable state only (adapters, a head, the
+            buffers), the frozen weights listed with a fingerprint: a checkpoint the size of the
+            adapters. A resume with this callback reads the frozen weights from the module as
+            built (its pretrained files) and checks them against the fingerprints; without it,
+            build the module and load with ``strict=False``.
     """
 
     quantizes_frozen_weights = True
@@ -66,6 +76,7 @@ class FrozenWeights4bit(Technique):
         blocksize: int = 64,
         modules: list[str] | None = None,
         skip: list[str] | None = None,
+        save_frozen: bool = True,
     ) -> None:
         super().__init__()
         self.quant_type = check_choice("quant_type", quant_type, QUANT_TYPES)
@@ -78,6 +89,7 @@ class FrozenWeights4bit(Technique):
         self.blocksize = blocksize
         self.modules = _patterns("modules", modules, allow_none=True)
         self.skip = _patterns("skip", [] if skip is None else skip, allow_none=False)
+        self.save_frozen = check_bool("save_frozen", save_frozen)
         self._change: Change | None = None
 
     # -- the estimate -------------------------------------------------------------------------
@@ -91,6 +103,15 @@ class FrozenWeights4bit(Technique):
         plan.note(f"{self.name}: {change.what}")
 
     # -- hooks ----------------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # before Lightning restores a checkpoint: one that holds the trainable state only loads
+        self.record(trainer, apply_frozen_base_loading(pl_module))
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        if not self.save_frozen:
+            checkpoint["state_dict"] = trainable_state(pl_module, checkpoint["state_dict"])
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.record(trainer, apply_training_without_cache(pl_module))
         change = self._apply(pl_module, compute_dtype_for(trainer.precision))

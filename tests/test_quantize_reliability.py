@@ -212,3 +212,66 @@ def test_adapter_checkpoint_holds_the_trainable_state_and_resumes_bit_identical(
     # a module built with another base is refused, naming the entry
     with pytest.raises(ValueError, match=r"frozen `model\.base_model.*is not the one"):
         _adapter_fit(tmp_path / "other", ckpt=str(path), seed=1)
+
+
+# -- smaller items: DoRA, weight averaging, names, compute_dtype, a non-module -------------------
+def _llama(**kw: Any) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, **kw,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_dora_base_layers_stay_in_full_precision() -> None:
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+    model = peft.get_peft_model(_llama(), lora)
+    ids = _ids()
+    plain = model(input_ids=ids, labels=ids).loss
+    change = apply_frozen_weights_4bit(model)
+    dora = [n for n in change.value.left if n.endswith(("q_proj.base_layer", "v_proj.base_layer"))]
+    assert len(dora) == 2 and all("DoRA" in change.value.left[n] for n in dora)
+    assert change.figures["layers_4bit"] == 5  # k, o, gate, up, down
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, plain, rtol=0.02, atol=0)
+    change.undo()
+
+
+def test_weight_averaging_refused_with_the_reason(tmp_path) -> None:
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    from lightning_efficient.core.validate import SettingsError
+
+    module = _LoRALlama()
+    given = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = tiny_trainer(tmp_path, [FrozenWeights4bit(), WeightAveraging()], max_steps=1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_ids(4)), batch_size=2)
+    with pytest.raises(SettingsError, match="WeightAveraging: weight averaging keeps a full"):
+        trainer.fit(module, train_dataloaders=loader)
+    assert all(torch.equal(v, given[k]) for k, v in module.state_dict().items())
+
+
+def test_names_and_compute_dtype_checked() -> None:
+    from lightning_efficient.core.validate import SettingsError
+
+    model = _llama().requires_grad_(False)
+    with pytest.raises(SettingsError, match=r"`modules` pattern\(s\) \['q_proj'\] match no"):
+        apply_frozen_weights_4bit(model, modules=["q_proj"])
+    with pytest.warns(UserWarning, match=r"`skip` pattern\(s\) \['nah'\] match no .*skip nothing"):
+        apply_frozen_weights_4bit(model, skip=["nah"]).undo()
+    # a string is one pattern, not its characters
+    with apply_frozen_weights_4bit(model, modules="model.layers.0.mlp") as change:
+        mlp = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        assert change.value.chosen == mlp
+    with apply_frozen_weights_4bit(model, skip="model.layers.0.mlp") as change:
+        assert change.figures["layers_4bit"] == 4
+    for name in ("bf16", "float16", torch.float32, None):
+        with apply_frozen_weights_4bit(model, compute_dtype=name) as change:
+            out = model(input_ids=_ids()).logits
+            assert out.dtype == torch.float32 and change.figures["layers_4bit"] == 7
+    for bad in (torch.int8, "int4", 3):
+        with pytest.raises(ValueError, match="`compute_dtype` must be None, torch.bfloat16"):
+            apply_frozen_weights_4bit(model, compute_dtype=bad)
+    with pytest.raises(TypeError, match=r"`model` must be a torch.nn.Module; got 3 \(int\)"):
+        apply_frozen_weights_4bit(3)  # type: ignore[arg-type]
+    assert not any("weight_4bit" in n for n, _ in model.named_buffers())  # each one undone

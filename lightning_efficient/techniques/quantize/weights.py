@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,13 @@ from torch import nn
 
 from lightning_efficient.core._internals import FakeTensor
 from lightning_efficient.core.change import Change, patch_attribute
-from lightning_efficient.core.validate import SettingsError, missing_requirement
+from lightning_efficient.core.validate import (
+    SettingsError,
+    check_choice,
+    check_int,
+    check_module,
+    missing_requirement,
+)
 from lightning_efficient.measure.memory.heads import find_output_head
 
 __all__ = [
@@ -37,7 +44,9 @@ __all__ = [
     "Selection",
     "apply_frozen_weights_4bit",
     "compute_dtype_for",
+    "check_blocksize",
     "linear_weight_bytes",
+    "patterns",
     "select_frozen_linears",
     "frozen_linear_share",
     "worth_quantizing",
@@ -61,12 +70,14 @@ def _bitsandbytes() -> Any:
 @dataclass
 class Selection:
     """Which linear layers get 4-bit weights: ``chosen`` (names, in model order), ``left`` (name
-    -> why it stays as it is) and ``refused`` (names a user asked for that hold trainable
-    weights)."""
+    -> why it stays as it is), ``refused`` (names a user asked for that hold trainable
+    weights) and ``unmatched`` (``"modules"``/``"skip"`` -> the patterns that name no linear
+    layer)."""
 
     chosen: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
+    unmatched: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _kept_in_fp32(model: nn.Module) -> set[str]:
@@ -99,8 +110,74 @@ def _linear_forward(mod: nn.Module, conv1d: type | None) -> Any:
     return None
 
 
+def _read_by_dora(model: nn.Module) -> set[int]:
+    """The base layers of PEFT DoRA adapters (``use_dora``): DoRA reads its base layer's weight
+    (the norm of the adapted weight), which a packed weight would make the wrong size."""
+    found = set()
+    for mod in model.modules():
+        dora = getattr(mod, "use_dora", None)
+        base = getattr(mod, "base_layer", None)
+        if isinstance(dora, dict) and any(dora.values()) and isinstance(base, nn.Module):
+            found.add(id(base))
+    return found
+
+
+def patterns(name: str, value: Any, allow_none: bool) -> list[str] | None:
+    """``value`` as a list of layer names or ``fnmatch`` patterns (a string is one pattern);
+    anything else raises a ``TypeError`` naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        allowed = "a list of module names or patterns" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {allowed}; got {value!r} ({type(value).__name__}).")
+    return list(value)
+
+
 def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+    return any(_match(name, p) for p in patterns)
+
+
+def _match(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")
+
+
+#: The dtypes the 4-bit layers can compute in, by the names a user writes.
+COMPUTE_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def check_blocksize(value: Any) -> int:
+    """``blocksize`` checked: an int, a power of two from 64 to 4096."""
+    check_int("blocksize", value, minimum=64, maximum=4096)
+    if value & (value - 1):
+        raise ValueError(f"`blocksize` must be a power of two from 64 to 4096; got {value}.")
+    return value
+
+
+def _compute_dtype(value: Any) -> torch.dtype | None:
+    """``compute_dtype`` checked: ``None``, a floating dtype bitsandbytes computes in, or its
+    name (``"bf16"``, ``"float16"``, ...)."""
+    if value is None or value in (torch.bfloat16, torch.float16, torch.float32):
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[value.lower().removeprefix("torch.")]
+    allowed = ", ".join(repr(k) for k in COMPUTE_DTYPES)
+    raise ValueError(
+        "`compute_dtype` must be None, torch.bfloat16, torch.float16, torch.float32 or one of "
+        f"{allowed}; got {value!r} ({type(value).__name__})."
+    )
 
 
 def select_frozen_linears(
@@ -130,12 +207,17 @@ def select_frozen_linears(
     found = find_output_head(model)
     head = found.linear if found is not None else None
     kept = _kept_in_fp32(model)
+    dora = _read_by_dora(model)
+    modules = patterns("modules", modules, allow_none=True)
+    skip = patterns("skip", skip, allow_none=False) or []
     out = Selection()
     conv1d = _conv1d_class()
+    used: set[str] = set()
     for name, mod in model.named_modules():
         plain_forward = _linear_forward(mod, conv1d)
         if plain_forward is None:
             continue
+        used.update(p for p in [*(modules or ()), *skip] if _match(name, p))
         named = modules is not None and _matches(name, modules)
         w = mod.weight
         if modules is not None and not named:
@@ -146,6 +228,10 @@ def select_frozen_linears(
             out.left[name] = (
                 "kept in full precision by the model (`_keep_in_fp32_modules`: its forward "
                 "reads this weight's dtype)"
+            )
+        elif id(mod) in dora:
+            out.left[name] = (
+                "its PEFT DoRA adapter reads this weight (the norm of the adapted weight)"
             )
         elif type(mod).forward is not plain_forward:
             out.left[name] = f"{type(mod).__name__} has a forward of its own"
@@ -164,6 +250,9 @@ def select_frozen_linears(
             out.left[name] = "output head (full precision; name it in `modules` to include it)"
         else:
             out.chosen.append(name)
+    for arg, given in (("modules", modules or ()), ("skip", skip)):
+        if [p for p in given if p not in used]:
+            out.unmatched[arg] = [p for p in given if p not in used]
     return out
 
 
@@ -365,7 +454,25 @@ def apply_frozen_weights_4bit(
         A ``Change`` whose ``value`` is the :class:`Selection` and whose figures compare the
         linear weight bytes before and after; ``undo()`` restores the original weights exactly.
     """
+    check_module("model", model)
+    compute_dtype = _compute_dtype(compute_dtype)
+    check_choice("quant_type", quant_type, QUANT_TYPES)
+    check_blocksize(blocksize)
     selection = select_frozen_linears(model, modules=modules, skip=skip)
+    example = next((n for n, m in model.named_modules() if _linear_forward(m, _conv1d_class())), "")
+    names_look = f" (its linear layers are named like {example!r})" if example else ""
+    if "modules" in selection.unmatched:
+        raise SettingsError(
+            f"`modules` pattern(s) {selection.unmatched['modules']} match no nn.Linear or Conv1D "
+            f"layer of the module{names_look}: name the layers to store in 4 bits, or None for "
+            "every frozen one."
+        )
+    if "skip" in selection.unmatched:
+        warnings.warn(
+            f"`skip` pattern(s) {selection.unmatched['skip']} match no nn.Linear or Conv1D layer "
+            f"of the module{names_look}: they skip nothing.",
+            stacklevel=2,
+        )
     if selection.refused:
         names = ", ".join(f"`{n}`" for n in selection.refused)
         raise SettingsError(

@@ -169,7 +169,9 @@ def check_blocksize(value: Any) -> int:
 def _compute_dtype(value: Any) -> torch.dtype | None:
     """``compute_dtype`` checked: ``None``, a floating dtype bitsandbytes computes in, or its
     name (``"bf16"``, ``"float16"``, ...)."""
-    if value is None or value in (torch.bfloat16, torch.float16, torch.float32):
+    if value is None or (
+        isinstance(value, torch.dtype) and value in (torch.bfloat16, torch.float16, torch.float32)
+    ):
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in COMPUTE_DTYPES:
         return COMPUTE_DTYPES[value.lower().removeprefix("torch.")]

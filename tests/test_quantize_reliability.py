@@ -275,3 +275,30 @@ def test_names_and_compute_dtype_checked() -> None:
     with pytest.raises(TypeError, match=r"`model` must be a torch.nn.Module; got 3 \(int\)"):
         apply_frozen_weights_4bit(3)  # type: ignore[arg-type]
     assert not any("weight_4bit" in n for n, _ in model.named_buffers())  # each one undone
+
+
+class _LoRAGPT2(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        lora = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+        self.model = peft.get_peft_model(_gpt2(positions=128, tied=False), lora)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_chunked_loss_reads_the_full_precision_head_under_4bit(tmp_path) -> None:
+    """Row 10 in a fit: the head left as it is, every training loss comes from the chunks (the
+    4-bit head made the chunked loss fall back every step and advise `head=`)."""
+    from lightning_efficient import ChunkedCrossEntropy
+    from lightning_efficient.core.report import report_for
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_ids(8)), batch_size=2)
+    callbacks = [FrozenWeights4bit(), ChunkedCrossEntropy()]
+    trainer = tiny_trainer(tmp_path, callbacks, max_steps=3, limit_val_batches=0)
+    trainer.fit(_LoRAGPT2(), train_dataloaders=loader)
+    assert report_for(trainer)["ChunkedCrossEntropy"].figures["losses_from_chunks"] == 3
+    assert report_for(trainer)["FrozenWeights4bit"].figures["layers_4bit"] == 8

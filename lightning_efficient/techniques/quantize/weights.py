@@ -189,11 +189,11 @@ def select_frozen_linears(
     skip: Sequence[str] = (),
 ) -> Selection:
     """The plain ``nn.Linear`` layers of ``model`` (and Hugging Face ``Conv1D``, GPT-2's
-    transposed linear) whose weight is frozen, owned by that layer
-    alone, not the output head (by the package's one rule, ``measure.memory.heads``: the chunked
-    loss and most recipes keep it in full precision; name it in ``modules`` to include it), and
-    not a layer the model keeps in full precision (a Hugging Face model's
-    ``_keep_in_fp32_modules``, whose forward reads the weight's dtype).
+    transposed linear) whose weight is frozen, owned by that layer alone, not the output head (by
+    the package's one rule, ``measure.memory.heads``: the chunked loss and most recipes keep it in
+    full precision; name it in ``modules`` to include it), not a layer the model keeps in full
+    precision (a Hugging Face model's ``_keep_in_fp32_modules``, whose forward reads the weight's
+    dtype) and not the base of a PEFT DoRA adapter (which reads the base weight).
 
     Args:
         model: The module searched.
@@ -443,7 +443,8 @@ def apply_frozen_weights_4bit(
     Args:
         model: The module changed in place (its class, parameters' identity and state_dict keys
             are kept).
-        compute_dtype: The dtype the layers compute in (``None``: the input's).
+        compute_dtype: The dtype the layers compute in (``None``: the input's): ``torch.bfloat16``,
+            ``float16``, ``float32`` or a name (``"bf16"``, ``"fp16"``, ``"float32"``, ...).
         quant_type: ``"nf4"`` (NormalFloat4, QLoRA's) or ``"fp4"``.
         double_quant: Quantize the block scales too (about 0.52 instead of 0.56 bytes per
             weight).

@@ -16,6 +16,7 @@ from helpers import fit, tiny_model
 from torch import nn
 
 from lightning_efficient.core.report import report_for
+from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.demos.tinygpt import Block
 from lightning_efficient.functional import (
     apply_activation_checkpointing,
@@ -796,3 +797,24 @@ def test_budget_callback_cost_does_not_grow_with_accumulation(tmp_path) -> None:
 class _RealForwards(_FakeForwards):
     def _seen(self, module: nn.Module, args: tuple) -> None:
         self.count += not any(isinstance(a, self._fake) for a in args)
+
+
+class _FreezeAllButFinalNorm(pl.Callback):
+    """A frozen backbone: only the final norm trains (the blocks' inputs need no gradient)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for name, p in pl_module.named_parameters():
+            p.requires_grad_(name.startswith("ln_f"))
+
+
+def test_frozen_backbone_said_to_free_nothing(tmp_path) -> None:
+    """Issue 49: "auto" on a model with one candidate group did not measure it; on a frozen
+    backbone checkpointing frees 0 B, and that is said once, with the figure."""
+    cb = ActivationCheckpointing()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer, _, _ = fit(tmp_path, [_FreezeAllButFinalNorm(), cb], max_steps=2)
+    said = [str(w.message) for w in seen if issubclass(w.category, NoEffectWarning)]
+    assert len(said) == 1 and "frees 0 B of" in said[0], said
+    entry = report_for(trainer)["ActivationCheckpointing"]
+    assert entry.figures["activations_saved_bytes"] == 0 and "frees 0 B" in entry.change

@@ -80,3 +80,19 @@ def test_loader_changes_keep_the_given_loader() -> None:
         assert change.undone  # nothing to undo: the given loader was not changed
         assert [b.tolist() for b in change.value] == [b.tolist() for b in loader]
     assert loader.num_workers == 0 and type(loader.sampler).__name__ == "SequentialSampler"
+
+
+@pytest.mark.parametrize(
+    ("name", "argument"),
+    [
+        ("apply_activation_checkpointing", "module"),
+        ("apply_chunked_cross_entropy", "model"),
+        ("apply_float8", "model"),
+        ("apply_frozen_weights_4bit", "model"),
+        ("apply_training_without_cache", "model"),
+    ],
+)
+def test_apply_on_a_non_module_names_the_argument(name: str, argument: str) -> None:
+    """Issue 49: a raw AttributeError before; a TypeError naming the argument now."""
+    with pytest.raises(TypeError, match=rf"`{argument}` must be a torch.nn.Module; got 3 \(int\)"):
+        getattr(F, name)(3)

@@ -311,3 +311,35 @@ def test_plan_takes_the_4bit_rung_and_passes_over_one_that_saves_nothing() -> No
     assert plan.chosen is ladder[2] and "class_path: FrozenWeights4bit" in plan.to_yaml()
     after = lora.state_dict()  # the estimates left the model as given
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_fewer_recomputed_blocks_is_not_saves_nothing() -> None:
+    """Issue 49: a rung that extends "checkpoint the fewest blocks" and reaches the budget with
+    fewer recomputed blocks (8-bit states: one block instead of two) saves time even where its
+    peak is higher: never labelled "saves nothing"."""
+    from lightning_efficient.planning.ladder import ADAMW8BIT, checkpoint_fewest
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=4, n_embd=64, n_head=2, seq_len=64, dropout=0.0, vocab_size=2048)
+    x = torch.randint(0, 2048, (8, 64), generator=torch.Generator().manual_seed(0))
+    first = Part("ActivationCheckpointing", {"policy": "blocks.0"})
+
+    def need(*parts: Part) -> int:
+        result = plan_stack(
+            model, (x, x), "1TiB", device="cpu", ladder=[Rung("r", "32-true", parts)]
+        )
+        return result.tried[0][1].required_bytes
+
+    one_plain, one_8bit = need(first), need(ADAMW8BIT, first)
+    budget = (one_plain + one_8bit) // 2  # one block is enough with 8-bit states only
+    fewest = checkpoint_fewest(budget)
+    plain = Rung("fewest", "32-true", (fewest,))
+    eight = Rung("8-bit + fewest", "32-true", (ADAMW8BIT, fewest))
+    result = plan_stack(model, (x, x), budget, device="cpu", ladder=[plain, eight], try_all=True)
+    (_, est_plain, _), (_, est_8bit, problem) = result.tried
+    assert (
+        est_plain.figures["checkpointed_blocks"] == 2
+        and est_8bit.figures["checkpointed_blocks"] == 1
+    )
+    assert est_8bit.required_bytes >= est_plain.required_bytes  # the case: a higher peak
+    assert problem == "", problem

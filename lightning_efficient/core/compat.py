@@ -334,3 +334,26 @@ def _quantized_weights_sharded(trainer: Any, techniques: Sequence[Any]) -> str |
         "Use strategy='ddp' or a single device (4-bit frozen weights are what lets a model fit "
         "one GPU), or remove the callback."
     )
+
+
+@rule
+def _quantized_weights_averaged(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """Lightning's ``WeightAveraging`` (EMA, SWA) keeps a copy of every parameter, frozen ones
+    included, and averages it from the model's: a frozen weight stored in 4 bits is a packed uint8
+    tensor of another size (a raw size mismatch at the first update)."""
+    from lightning.pytorch import callbacks
+
+    averaging = getattr(callbacks, "WeightAveraging", None)  # Lightning >= 2.5
+    quantized = [t for t in techniques if getattr(t, "quantizes_frozen_weights", False)]
+    found = [
+        cb for cb in getattr(trainer, "callbacks", []) if averaging and isinstance(cb, averaging)
+    ]
+    if not quantized or not found:
+        return None
+    return (
+        f"{_names(quantized)} with {type(found[0]).__name__}: weight averaging keeps a "
+        "full-precision copy of every parameter, the frozen ones too, and averages it from the "
+        "model's, whose frozen weights are packed 4-bit tensors of another size (and the copy "
+        "would hold the whole base in full precision, the memory 4 bits saves). Average the "
+        "adapters after the fit, or remove one of the two."
+    )

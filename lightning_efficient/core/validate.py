@@ -19,6 +19,7 @@ __all__ = [
     "check_int",
     "check_float",
     "check_bool",
+    "check_module",
     "check_output_path",
     "same_file",
     "parse_bytes",
@@ -115,6 +116,16 @@ def check_float(
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False; got {_given(value)}.")
+    return value
+
+
+def check_module(name: str, value: Any) -> Any:
+    """Return ``value`` if it is a ``torch.nn.Module``; else raise a ``TypeError`` naming
+    ``name`` (what an ``apply_*`` changes in place)."""
+    from torch import nn
+
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"`{name}` must be a torch.nn.Module; got {_given(value)}.")
     return value
 
 

@@ -125,9 +125,9 @@ def estimate_measure(
         except Exception as err:
             if not rung.callbacks and rung.strategy is None:  # the fit's own step: not memory
                 raise estimate_failure(err) from None
-            if isinstance(err, (EstimateError, ValueError)):  # what the rung adds cannot serve
-                return False, math.inf, err
-            raise
+            # what the rung adds cannot be estimated (or cannot serve): the rung is passed over
+            # as "cannot estimate" with the reason, never the whole decision lost
+            return False, math.inf, err
         return est.fits(budget_bytes), float(est.required_bytes), est
 
     return measure

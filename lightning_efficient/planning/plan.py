@@ -289,12 +289,16 @@ def plan_stack(
 
 
 def _saves_nothing(rung: Rung, earlier: Sequence[Rung], outcomes: dict[int, Any]) -> str:
-    """The table's verdict for a rung that needs no less than an earlier rung it extends
-    (:func:`extended_by`: what it adds saves nothing; the search passes it over), else ""."""
+    """The table's verdict for a rung that needs no less than an earlier rung it extends and
+    recomputes no fewer checkpointed blocks (:func:`extended_by`: what it adds saves nothing;
+    the search passes it over), else "". A rung that reaches the budget with fewer recomputed
+    blocks saves time, whatever its peak."""
     own = outcomes[id(rung)][0]
+    blocks = own.figures.get("checkpointed_blocks", 0)
     for base in extended_by(rung, earlier):
         est = outcomes.get(id(base), (None,))[0]
-        if est is not None and own.required_bytes >= est.required_bytes:
+        fewer = blocks < (est.figures.get("checkpointed_blocks", 0) if est is not None else 0)
+        if est is not None and own.required_bytes >= est.required_bytes and not fewer:
             return f"saves nothing over {base.name}"
     return ""
 

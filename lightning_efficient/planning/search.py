@@ -187,6 +187,15 @@ def _weights_alone(estimates: Any, budget_bytes: int) -> str:
     )
 
 
+def _cannot(estimate: Any) -> str:
+    """The verdict on a rung whose estimate raised (its error stands for the estimate), else ""
+    (a ``ValueError``: what the rung adds cannot serve this budget, read as "does not fit")."""
+    if not isinstance(estimate, BaseException) or isinstance(estimate, ValueError):
+        return ""
+    lines = str(estimate).strip().splitlines()
+    return f"cannot estimate: {lines[0] if lines else type(estimate).__name__}"
+
+
 def decide(
     rungs: Sequence[Rung],
     measure: Measure,
@@ -303,7 +312,7 @@ def decide(
                 ok, used, est = estimate(rung, sizes[-1])
                 fit = "fits" if ok else "does not fit"
                 size = format_bytes(int(used)) if math.isfinite(used) else "not estimated"
-                nothing = saves_nothing(rung, applicable, [sizes[-1]])
+                nothing = _cannot(est) or saves_nothing(rung, applicable, [sizes[-1]])
                 tried.append((rung.name, nothing or f"{fit} micro-batch {sizes[-1]} ({size})"))
                 if ok and not nothing:
                     return [Option(rung, sizes[-1], used, est)]
@@ -311,7 +320,8 @@ def decide(
         for rung in usable:
             guess = predicted(rung)
             if guess == 0:
-                tried.append((rung.name, "does not fit at micro-batch 1"))
+                why = _cannot(estimate(rung, sizes[0])[2]) or "does not fit at micro-batch 1"
+                tried.append((rung.name, why))
                 continue
             nothing = saves_nothing(rung, applicable, sorted({sizes[0], probe}))
             if nothing:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change
+from lightning_efficient.core.validate import check_module
 from lightning_efficient.measure.memory.kv_cache import (
     cache_models,
     mark_cache_off,
@@ -40,6 +41,7 @@ def apply_training_without_cache(model: nn.Module) -> Change:
     Returns a ``Change`` (``value``: the names of the models) whose ``undo()`` removes the hooks;
     a module with no such model gets a change with nothing to undo.
     """
+    check_module("model", model)
     found = cache_models(model)
     if not found:
         return Change("no key/value cache built while training", value=[])

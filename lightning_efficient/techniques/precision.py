@@ -30,7 +30,7 @@ from torch import nn
 from lightning_efficient.core._internals import cpu_supports_bf16, lightning_precision_values
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import check_choice, missing_extra
+from lightning_efficient.core.validate import check_choice, check_module, missing_extra
 
 __all__ = [
     "best_precision",
@@ -188,6 +188,7 @@ def apply_float8(
     stay as they are. Parameters (and so state_dict keys and optimizer references) are kept, and
     shared with the original layers; the matmuls run in float8 with dynamic scaling
     (``recipe``)."""
+    check_module("model", model)
     check_choice("recipe", recipe, FP8_RECIPES)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -334,6 +334,7 @@ def estimate_memory(
                 model.train(was_training)
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
+    result.figures = dict(plan.figures)
     if target.cuda:  # what the caching allocator reserves for these allocations
         result.allocations = AllocationLog(tracker.requests(plan.offload))
         result.reserved_bytes = replay(result.allocations).reserved_peak

@@ -74,6 +74,8 @@ class MemoryEstimate:
         phase_peaks: The peak of each phase.
         host_bytes: Peak bytes kept in host memory by offloading techniques.
         notes: What the techniques changed.
+        figures: Numbers the techniques decided for these steps (``checkpointed_blocks``: the
+            blocks ``ActivationCheckpointing`` recomputes), from ``EstimatePlan.figures``.
         phase_by_category: Bytes live at each phase's peak per category (empty when unknown); the
             per-rank estimate (``measure.memory.per_rank``) divides each phase as a strategy does.
         backward_levels: Moments of backward by category, one for each amount of gradients
@@ -99,6 +101,7 @@ class MemoryEstimate:
     target: str = ""
     reserved_bytes: int = 0
     allocations: AllocationLog | None = field(default=None, repr=False, compare=False)
+    figures: dict[str, int] = field(default_factory=dict)
 
     @property
     def required_bytes(self) -> int:
@@ -217,6 +220,7 @@ class EstimatePlan:
         optimizer_in_backward: Step and free each gradient in a post-accumulate-grad hook.
         offload: Categories kept in host memory (counted as ``host_bytes``, not device bytes).
         notes: What the techniques changed (``plan.note(...)`` appends); shown with the estimate.
+        figures: Numbers the techniques decided (``checkpointed_blocks``), kept in the result.
         world_size: Ranks the state is divided over, and ``sharding`` how (the result is one
             rank's peak); a technique that runs nested estimates passes both on, and
             ``cuda_rounding`` (allocations rounded as the CUDA allocator does) and ``device``
@@ -231,6 +235,7 @@ class EstimatePlan:
     optimizer_in_backward: bool = False
     offload: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    figures: dict[str, int] = field(default_factory=dict)
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
     world_size: int = 1
     sharding: str | None = None

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.core.validate import check_bool, check_int
+from lightning_efficient.core.validate import check_bool, check_int, check_module
 from lightning_efficient.techniques._blocks import check_policy, select_modules
 from lightning_efficient.techniques.activation_checkpointing.recompute import (
     ATTR,
@@ -97,8 +97,7 @@ def apply_activation_checkpointing(
     Applying again replaces the previous settings (idempotent for the same arguments);
     ``remove_activation_checkpointing`` removes every block's.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"`module` must be a torch.nn.Module; got {type(module).__name__}.")
+    check_module("module", module)
     check_policy(policy, argument="policy")
     check_int("every_n", every_n, minimum=1)
     check_bool("selective", selective)

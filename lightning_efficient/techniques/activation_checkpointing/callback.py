@@ -116,6 +116,7 @@ class ActivationCheckpointing(Technique):
         change = self._apply(plan.model, offload=False)
         plan.on_exit(change.undo)
         plan.note(f"{self.name}: {change.what}")
+        plan.figures["checkpointed_blocks"] = len(change.value)
         if self.offload_activations:
             others = split_blocks(plan.model, self.blocks.policy, self.every_n, None)[1]
             plan.note(

@@ -324,14 +324,22 @@ def choose_blocks(
     return choice
 
 
+def _frozen(model: nn.Module, group: BlockGroup) -> bool:
+    """Every parameter of ``group``'s blocks is frozen (a frozen backbone): whether checkpointing
+    them frees anything depends on their inputs needing a gradient, so it is measured."""
+    params = [p for name in group.names for p in model.get_submodule(name).parameters()]
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
 def _measure(
     choice: BlockChoice, model: nn.Module, batch: Any, selective: bool, settings: dict[str, Any]
 ) -> None:
     """Rank the candidate groups (``"auto"``: take the best; nothing to rank with one) or
     measure the policy's blocks, into ``choice``."""
     auto = choice.policy == "auto"
-    if auto and len(candidate_groups(model, limit=2)) < 2:
-        return
+    groups = candidate_groups(model, limit=2)
+    if auto and len(groups) < 2 and not (groups and _frozen(model, groups[0])):
+        return  # nothing to rank; a frozen group is measured (it may free nothing: said so)
     try:
         ranking = rank_blocks(model, batch, choice.policy, selective=selective, **settings)
         best = ranking.best

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change, patch_attribute
-from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.core.validate import SettingsError, check_module
 from lightning_efficient.measure.memory.heads import find_output_head, hf_output_head
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.kernel import (
@@ -269,6 +269,7 @@ def apply_chunked_cross_entropy(
 
     Raises a ``SettingsError`` when the model's loss cannot be reproduced from chunks
     (:func:`loss_refusal`) and a ``ValueError`` when no output projection is found."""
+    check_module("model", model)
     if backend not in backends.BACKENDS:
         raise ValueError(f"`backend` must be one of {backends.BACKENDS}; got {backend!r}.")
     refusal = loss_refusal(model)

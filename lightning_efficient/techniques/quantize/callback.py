@@ -6,26 +6,21 @@ from typing import Any
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import check_bool, check_choice, check_int
+from lightning_efficient.core.validate import check_bool, check_choice
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
+from lightning_efficient.techniques.quantize.adapters import (
+    apply_frozen_base_loading,
+    trainable_state,
+)
 from lightning_efficient.techniques.quantize.weights import (
     QUANT_TYPES,
     apply_frozen_weights_4bit,
+    check_blocksize,
     compute_dtype_for,
+    patterns,
 )
 
 __all__ = ["FrozenWeights4bit"]
-
-
-def _patterns(name: str, value: Any, allow_none: bool) -> list[str] | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        allowed = "a list of module names or patterns" + (" or None" if allow_none else "")
-        raise TypeError(f"`{name}` must be {allowed}; got {value!r} ({type(value).__name__}).")
-    return list(value)
 
 
 class FrozenWeights4bit(Technique):
@@ -50,6 +45,12 @@ class FrozenWeights4bit(Technique):
             every frozen ``nn.Linear``); naming a layer whose weight is trainable is refused
             when fit starts.
         skip: Names or patterns of layers kept in full precision.
+        save_frozen: Checkpoints hold the frozen weights too (``True``: the whole model, as
+            without this callback). ``False``: the trainable state only (adapters, a head, the
+            buffers), the frozen weights listed with a fingerprint: a checkpoint the size of the
+            adapters. A resume with this callback reads the frozen weights from the module as
+            built (its pretrained files) and checks them against the fingerprints; without it,
+            build the module and load with ``strict=False``.
     """
 
     quantizes_frozen_weights = True
@@ -66,18 +67,15 @@ class FrozenWeights4bit(Technique):
         blocksize: int = 64,
         modules: list[str] | None = None,
         skip: list[str] | None = None,
+        save_frozen: bool = True,
     ) -> None:
         super().__init__()
         self.quant_type = check_choice("quant_type", quant_type, QUANT_TYPES)
         self.double_quant = check_bool("double_quant", double_quant)
-        check_int("blocksize", blocksize, minimum=64, maximum=4096)
-        if blocksize & (blocksize - 1):
-            raise ValueError(
-                f"`blocksize` must be a power of two from 64 to 4096; got {blocksize}."
-            )
-        self.blocksize = blocksize
-        self.modules = _patterns("modules", modules, allow_none=True)
-        self.skip = _patterns("skip", [] if skip is None else skip, allow_none=False)
+        self.blocksize = check_blocksize(blocksize)
+        self.modules = patterns("modules", modules, allow_none=True)
+        self.skip = patterns("skip", [] if skip is None else skip, allow_none=False)
+        self.save_frozen = check_bool("save_frozen", save_frozen)
         self._change: Change | None = None
 
     # -- the estimate -------------------------------------------------------------------------
@@ -91,6 +89,15 @@ class FrozenWeights4bit(Technique):
         plan.note(f"{self.name}: {change.what}")
 
     # -- hooks ----------------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # before Lightning restores a checkpoint: one that holds the trainable state only loads
+        self.record(trainer, apply_frozen_base_loading(pl_module))
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        if not self.save_frozen:
+            checkpoint["state_dict"] = trainable_state(pl_module, checkpoint["state_dict"])
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.record(trainer, apply_training_without_cache(pl_module))
         change = self._apply(pl_module, compute_dtype_for(trainer.precision))
@@ -101,7 +108,7 @@ class FrozenWeights4bit(Technique):
             self.no_effect(
                 f"{change.what}: {len(left)} linear layers left as they are ({'; '.join(reasons)})"
                 if left
-                else f"{change.what}: the module has no nn.Linear layer"
+                else f"{change.what}: the module has no nn.Linear or Conv1D layer"
             )
         else:
             self.note(self._line(change))

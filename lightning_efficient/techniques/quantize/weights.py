@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,14 +30,23 @@ from torch import nn
 
 from lightning_efficient.core._internals import FakeTensor
 from lightning_efficient.core.change import Change, patch_attribute
-from lightning_efficient.core.validate import SettingsError, missing_requirement
+from lightning_efficient.core.validate import (
+    SettingsError,
+    check_choice,
+    check_int,
+    check_module,
+    missing_requirement,
+)
+from lightning_efficient.measure.memory.heads import find_output_head
 
 __all__ = [
     "QUANT_TYPES",
     "Selection",
     "apply_frozen_weights_4bit",
     "compute_dtype_for",
+    "check_blocksize",
     "linear_weight_bytes",
+    "patterns",
     "select_frozen_linears",
     "frozen_linear_share",
     "worth_quantizing",
@@ -59,21 +70,116 @@ def _bitsandbytes() -> Any:
 @dataclass
 class Selection:
     """Which linear layers get 4-bit weights: ``chosen`` (names, in model order), ``left`` (name
-    -> why it stays as it is) and ``refused`` (names a user asked for that hold trainable
-    weights)."""
+    -> why it stays as it is), ``refused`` (names a user asked for that hold trainable
+    weights) and ``unmatched`` (``"modules"``/``"skip"`` -> the patterns that name no linear
+    layer)."""
 
     chosen: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
+    unmatched: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _vocabulary(model: nn.Module) -> int | None:
-    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return max(rows) if rows else None
+def _kept_in_fp32(model: nn.Module) -> set[str]:
+    """The module names a Hugging Face model keeps in full precision (``_keep_in_fp32_modules``
+    and ``_strict``, as transformers' own 4-bit loading does): its code reads their weight's dtype
+    (T5's feed-forward casts its input to ``wo.weight.dtype``: a packed weight makes it uint8)."""
+    names: set[str] = set()
+    for mod in model.modules():
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            value = getattr(mod, attr, None)
+            if isinstance(value, (list, tuple, set, frozenset)):
+                names.update(v for v in value if isinstance(v, str) and v)
+    return names
+
+
+def _conv1d_class() -> type | None:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections: a linear layer whose weight is stored
+    transposed, ``in x out``) when transformers is loaded (a model holding one has loaded it)."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def _linear_forward(mod: nn.Module, conv1d: type | None) -> Any:
+    """The plain forward of ``mod``'s kind of linear layer (``nn.Linear`` or HF ``Conv1D``),
+    ``None`` when it is neither."""
+    if isinstance(mod, nn.Linear):
+        return nn.Linear.forward
+    if conv1d is not None and isinstance(mod, conv1d):
+        return conv1d.forward
+    return None
+
+
+def _read_by_dora(model: nn.Module) -> set[int]:
+    """The base layers of PEFT DoRA adapters (``use_dora``): DoRA reads its base layer's weight
+    (the norm of the adapted weight), which a packed weight would make the wrong size."""
+    found = set()
+    for mod in model.modules():
+        dora = getattr(mod, "use_dora", None)
+        base = getattr(mod, "base_layer", None)
+        if isinstance(dora, dict) and any(dora.values()) and isinstance(base, nn.Module):
+            found.add(id(base))
+    return found
+
+
+def patterns(name: str, value: Any, allow_none: bool) -> list[str] | None:
+    """``value`` as a list of layer names or ``fnmatch`` patterns (a string is one pattern);
+    anything else raises a ``TypeError`` naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        allowed = "a list of module names or patterns" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {allowed}; got {value!r} ({type(value).__name__}).")
+    return list(value)
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+    return any(_match(name, p) for p in patterns)
+
+
+def _match(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")
+
+
+#: The dtypes the 4-bit layers can compute in, by the names a user writes.
+COMPUTE_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def check_blocksize(value: Any) -> int:
+    """``blocksize`` checked: an int, a power of two from 64 to 4096."""
+    check_int("blocksize", value, minimum=64, maximum=4096)
+    if value & (value - 1):
+        raise ValueError(f"`blocksize` must be a power of two from 64 to 4096; got {value}.")
+    return value
+
+
+def _compute_dtype(value: Any) -> torch.dtype | None:
+    """``compute_dtype`` checked: ``None``, a floating dtype bitsandbytes computes in, or its
+    name (``"bf16"``, ``"float16"``, ...)."""
+    if value is None or (
+        isinstance(value, torch.dtype) and value in (torch.bfloat16, torch.float16, torch.float32)
+    ):
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[value.lower().removeprefix("torch.")]
+    allowed = ", ".join(repr(k) for k in COMPUTE_DTYPES)
+    raise ValueError(
+        "`compute_dtype` must be None, torch.bfloat16, torch.float16, torch.float32 or one of "
+        f"{allowed}; got {value!r} ({type(value).__name__})."
+    )
 
 
 def select_frozen_linears(
@@ -82,9 +188,12 @@ def select_frozen_linears(
     modules: Sequence[str] | None = None,
     skip: Sequence[str] = (),
 ) -> Selection:
-    """The plain ``nn.Linear`` layers of ``model`` whose weight is frozen, owned by that layer
-    alone, and not the output head (a Linear as wide as the largest Embedding: the chunked loss
-    and most recipes keep it in full precision; name it in ``modules`` to include it).
+    """The plain ``nn.Linear`` layers of ``model`` (and Hugging Face ``Conv1D``, GPT-2's
+    transposed linear) whose weight is frozen, owned by that layer alone, not the output head (by
+    the package's one rule, ``measure.memory.heads``: the chunked loss and most recipes keep it in
+    full precision; name it in ``modules`` to include it), not a layer the model keeps in full
+    precision (a Hugging Face model's ``_keep_in_fp32_modules``, whose forward reads the weight's
+    dtype) and not the base of a PEFT DoRA adapter (which reads the base weight).
 
     Args:
         model: The module searched.
@@ -97,18 +206,36 @@ def select_frozen_linears(
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    vocab = _vocabulary(model)
+    found = find_output_head(model)
+    head = found.linear if found is not None else None
+    kept = _kept_in_fp32(model)
+    dora = _read_by_dora(model)
+    modules = patterns("modules", modules, allow_none=True)
+    skip = patterns("skip", skip, allow_none=False) or []
     out = Selection()
+    conv1d = _conv1d_class()
+    used: set[str] = set()
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
+        plain_forward = _linear_forward(mod, conv1d)
+        if plain_forward is None:
             continue
+        used.update(p for p in [*(modules or ()), *skip] if _match(name, p))
         named = modules is not None and _matches(name, modules)
         w = mod.weight
         if modules is not None and not named:
             continue
         if skip and _matches(name, skip):
             out.left[name] = "in `skip`"
-        elif type(mod).forward is not nn.Linear.forward:
+        elif any(f".{k}." in f".{name}." for k in kept):
+            out.left[name] = (
+                "kept in full precision by the model (`_keep_in_fp32_modules`: its forward "
+                "reads this weight's dtype)"
+            )
+        elif id(mod) in dora:
+            out.left[name] = (
+                "its PEFT DoRA adapter reads this weight (the norm of the adapted weight)"
+            )
+        elif type(mod).forward is not plain_forward:
             out.left[name] = f"{type(mod).__name__} has a forward of its own"
         elif hasattr(mod, _PREFIX + "absmax"):
             out.left[name] = "already in 4 bits"
@@ -121,10 +248,13 @@ def select_frozen_linears(
                 out.left[name] = "trainable"
         elif owners.get(id(w), 0) > 1:
             out.left[name] = "weight shared with another module (tied)"
-        elif vocab is not None and mod.out_features == vocab and not named:
+        elif mod is head and not named:
             out.left[name] = "output head (full precision; name it in `modules` to include it)"
         else:
             out.chosen.append(name)
+    for arg, given in (("modules", modules or ()), ("skip", skip)):
+        if [p for p in given if p not in used]:
+            out.unmatched[arg] = [p for p in given if p not in used]
     return out
 
 
@@ -170,8 +300,9 @@ def linear_weight_bytes(model: nn.Module, names: Sequence[str] | None = None) ->
     """Bytes held by the weights of ``model``'s Linear layers (``names``: only those), the 4-bit
     block scales included."""
     seen: dict[int, int] = {}
+    conv1d = _conv1d_class()
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and (names is None or name in names):
+        if _linear_forward(mod, conv1d) is not None and (names is None or name in names):
             tensors = [mod.weight, *(getattr(mod, _PREFIX + b, None) for b in _BUFFERS)]
             for t in tensors:
                 if t is not None:  # the code tables are one tensor shared by every layer
@@ -226,7 +357,7 @@ def _state_of(lin: nn.Linear, template: Any) -> Any:
 
 
 def _quantize_layer(
-    lin: nn.Linear,
+    lin: nn.Module,
     shared: dict[str, torch.Tensor],
     compute_dtype: torch.dtype | None,
     quant_type: str,
@@ -238,7 +369,11 @@ def _quantize_layer(
     original = w.data
     device = original.device
     host = original if device.type == "cpu" else original.to("cpu")  # the undo's copy
-    packed, template, tensors = _quantize(original, quant_type, double_quant, blocksize)
+
+    def as_linear(t: torch.Tensor) -> torch.Tensor:  # HF Conv1D stores ``in x out``
+        return t if isinstance(lin, nn.Linear) else t.t().contiguous()
+
+    packed, template, tensors = _quantize(as_linear(original), quant_type, double_quant, blocksize)
     names = []
     for b, t in tensors.items():
         if b in ("code", "code2"):  # constant tables: one tensor for every layer
@@ -262,12 +397,12 @@ def _quantize_layer(
     def loading(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         key = prefix + "weight"
         incoming = state_dict.get(key)
-        if incoming is None or tuple(incoming.shape) != tuple(template.shape):
+        if incoming is None or tuple(incoming.shape) != tuple(host.shape):
             return
         with torch.no_grad():
             host.copy_(incoming)
             new, _, fresh = _quantize(
-                host.to(lin.weight.device), quant_type, double_quant, blocksize
+                as_linear(host.to(lin.weight.device)), quant_type, double_quant, blocksize
             )
             for b, t in fresh.items():
                 if b not in ("code", "code2"):
@@ -301,13 +436,15 @@ def apply_frozen_weights_4bit(
     modules: Sequence[str] | None = None,
     skip: Sequence[str] = (),
 ) -> Change:
-    """Store the frozen weights of ``model``'s plain Linear layers in 4 bits (see the module
-    docstring); trainable weights, adapters, tied weights and the output head are left alone.
+    """Store the frozen weights of ``model``'s plain Linear (and HF ``Conv1D``) layers in 4 bits
+    (see the module docstring); trainable weights, adapters, tied weights, the output head and
+    the layers the model keeps in full precision are left alone.
 
     Args:
         model: The module changed in place (its class, parameters' identity and state_dict keys
             are kept).
-        compute_dtype: The dtype the layers compute in (``None``: the input's).
+        compute_dtype: The dtype the layers compute in (``None``: the input's): ``torch.bfloat16``,
+            ``float16``, ``float32`` or a name (``"bf16"``, ``"fp16"``, ``"float32"``, ...).
         quant_type: ``"nf4"`` (NormalFloat4, QLoRA's) or ``"fp4"``.
         double_quant: Quantize the block scales too (about 0.52 instead of 0.56 bytes per
             weight).
@@ -320,7 +457,25 @@ def apply_frozen_weights_4bit(
         A ``Change`` whose ``value`` is the :class:`Selection` and whose figures compare the
         linear weight bytes before and after; ``undo()`` restores the original weights exactly.
     """
+    check_module("model", model)
+    compute_dtype = _compute_dtype(compute_dtype)
+    check_choice("quant_type", quant_type, QUANT_TYPES)
+    check_blocksize(blocksize)
     selection = select_frozen_linears(model, modules=modules, skip=skip)
+    example = next((n for n, m in model.named_modules() if _linear_forward(m, _conv1d_class())), "")
+    names_look = f" (its linear layers are named like {example!r})" if example else ""
+    if "modules" in selection.unmatched:
+        raise SettingsError(
+            f"`modules` pattern(s) {selection.unmatched['modules']} match no nn.Linear or Conv1D "
+            f"layer of the module{names_look}: name the layers to store in 4 bits, or None for "
+            "every frozen one."
+        )
+    if "skip" in selection.unmatched:
+        warnings.warn(
+            f"`skip` pattern(s) {selection.unmatched['skip']} match no nn.Linear or Conv1D layer "
+            f"of the module{names_look}: they skip nothing.",
+            stacklevel=2,
+        )
     if selection.refused:
         names = ", ".join(f"`{n}`" for n in selection.refused)
         raise SettingsError(

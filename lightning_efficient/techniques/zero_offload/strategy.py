@@ -13,8 +13,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch.optim import Optimizer
 
 from lightning_efficient.core._internals import DeepSpeedStrategyHooks
-from lightning_efficient.core.change import Change
-from lightning_efficient.core.environ import launcher_environ, launcher_environ_change
+from lightning_efficient.core.environ import LauncherEnviron
 from lightning_efficient.core.validate import check_choice
 from lightning_efficient.techniques.zero_offload.config import (
     ESTIMATE_TRACKS,
@@ -108,9 +107,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         self._template: dict[str, Any] | None = None
         self._loaded_plain = False
         self._converted = ""
-        # as they were before fit's launch writes them (the same timing as FullyShardedStrategy)
-        self._env_before = launcher_environ()
-        self._environ = Change("launcher variables untouched")
+        self._launch_environ = LauncherEnviron()  # as before fit's launch writes them
 
     @property
     def gathers_parameters_per_call(self) -> bool:
@@ -159,7 +156,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
 
         ensure_extensions(["shm_comm"])  # DeepSpeed's process group loads it
         if self.world_size == 1:  # one process: the launch's variables go back at teardown
-            self._environ = launcher_environ_change(self._env_before)
+            self._launch_environ.record(self.lightning_module.trainer)
         if isinstance(self.accelerator, CPUAccelerator):
             DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check
         else:
@@ -175,7 +172,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
             release_engine(self.model)  # before the parent unwraps the module from the engine
             super().teardown()
         finally:
-            self._environ.undo()
+            self._launch_environ.undo()
 
     def setup(self, trainer: Any) -> None:
         if self.config is not None and self.lightning_module is not None:

@@ -256,9 +256,9 @@ def test_an_error_note_never_prints_a_whole_model(capsys) -> None:
     assert text == "TypeError: Sequential(...) argument after ** must be a mapping, not tuple"
     assert len(error_text(ValueError("x" * 1000))) == len("ValueError: ") + 300
     # and the commands' own error lines
-    from lightning_efficient.commands.options import fail
+    from lightning_efficient.commands.options import error_status
 
-    assert fail(str(info.value)) == 2
+    assert error_status(str(info.value)) == 2
     assert capsys.readouterr().err == (
         "error: Sequential(...) argument after ** must be a mapping, not tuple\n"
     )

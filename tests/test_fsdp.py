@@ -30,7 +30,8 @@ from helpers import (
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_efficient.core import compat
-from lightning_efficient.core.environ import launcher_environ_change
+from lightning_efficient.core.change import changes_for
+from lightning_efficient.core.environ import LauncherEnviron
 from lightning_efficient.core.technique import techniques_of
 from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.techniques import ActivationCheckpointing, OptimizerSwap
@@ -270,6 +271,7 @@ def test_a_one_process_fit_leaves_no_launcher_variables(tmp_path, monkeypatch) -
 
 class _RaiseAtStep(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.logged = list(changes_for(trainer))  # what the fit changed, so far
         if trainer.global_step == 1:
             raise RuntimeError("raised by the test")
 
@@ -281,12 +283,17 @@ def test_a_one_process_fit_that_raises_leaves_no_launcher_variables(tmp_path, mo
 
     for key in LAUNCHER_VARIABLES:
         monkeypatch.delenv(key, raising=False)
-    strategy = FullyShardedStrategy()
+    strategy, raises = FullyShardedStrategy(), _RaiseAtStep()
     with pytest.raises(RuntimeError, match="raised by the test"):
-        fit(tmp_path, [_RaiseAtStep()], strategy=strategy, max_steps=3)
+        fit(tmp_path, [raises], strategy=strategy, max_steps=3)
     assert {k: v for k, v in os.environ.items() if k in LAUNCHER_VARIABLES} == {}
+    change = strategy._launch_environ.change  # the launch's variables, in the trainer's change log
+    assert raises.logged == [change] and change.what.startswith("launcher variables set: ")
+    assert change.undone
     os.environ["LOCAL_RANK"] = "0"  # as a launch leaves it; the parent's teardown then fails
-    strategy._environ = launcher_environ_change({k: None for k in LAUNCHER_VARIABLES})
+    strategy._launch_environ = LauncherEnviron()
+    strategy._launch_environ.before = {k: None for k in LAUNCHER_VARIABLES}
+    strategy._launch_environ.record(None)
     monkeypatch.setattr(ModelParallelStrategy, "teardown", _fails)
     with pytest.raises(OSError):
         strategy.teardown()

@@ -264,6 +264,85 @@ def test_advice_rules_order_and_filter() -> None:
     assert advise(Findings()) == []
 
 
+#: Findings that, together, make every rule give its advice (the test below checks they do).
+EVERY_ADVICE = [
+    Findings(data_wait_fraction=0.4, bf16_speedup=2.0, peak_bytes=95, capacity_bytes=100),
+    Findings(
+        device_type="cuda",
+        data_wait_fraction=0.4,
+        tf32=False,
+        bf16_speedup=2.0,
+        optimizer="AdamW",
+        fused_optimizer=False,
+        optimizer_fraction=0.2,
+        mfu=0.05,
+        seconds_per_op=5e-6,
+        peak_bytes=40,
+        capacity_bytes=100,
+        micro_batch=4,
+        accumulate=2,
+        vocab_size=50257,
+        logits_flops_fraction=0.3,
+    ),
+    Findings(device_type="cuda", compile_scope="regional", mfu=0.05, seconds_per_op=5e-6),
+    Findings(
+        peak_bytes=95,
+        capacity_bytes=100,
+        by_category={"parameters": 5, "gradients": 5, "optimizer_state": 80, "activations": 10},
+    ),
+    Findings(checkpointed_share=1.0, forward_fraction=0.4, peak_bytes=30, capacity_bytes=100),
+]
+
+
+def test_every_advice_yaml_builds_its_class_through_the_cli(tmp_path, monkeypatch) -> None:
+    """The yaml each rule writes (techniques' init args as strings) parses and builds through
+    the CLI: a misspelt class or argument fails here, not in the user's run. Every place
+    ``advice.py`` writes yaml must be reached by ``EVERY_ADVICE``."""
+    import ast
+    import sys
+
+    from lightning_efficient.commands.options import build_cli
+    from lightning_efficient.measure.profiling import advice
+
+    writer, reached = advice._yaml, set()
+
+    def recording(stack: Any) -> str:
+        frame = sys._getframe(1)
+        frame = frame.f_back if frame.f_code.co_name == "_callback_yaml" else frame
+        reached.add(frame.f_lineno)
+        return writer(stack)
+
+    monkeypatch.setattr(advice, "_yaml", recording)
+    written = {a.yaml for f in EVERY_ADVICE for rule in advice.RULES for a in rule(f)}
+    tree = ast.parse(Path(advice.__file__).read_text())
+    sites = [
+        (node.lineno, node.end_lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in ("_yaml", "_callback_yaml")
+        and node.lineno > 180  # not the writers themselves
+    ]
+    missed = [a for a, b in sites if not any(a <= line <= b for line in reached)]
+    assert len(sites) >= 14 and not missed, f"advice.py lines no finding reaches: {missed}"
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "logger": False}}))
+    built = 0
+    for i, text in enumerate(sorted(written)):
+        config = yaml.safe_load(text)
+        if config is None:  # only comments (a model setting, a sampler)
+            continue
+        path = tmp_path / f"advice{i}.yaml"
+        path.write_text(text)
+        trainer = build_cli([str(base), str(path)]).trainer
+        names = {type(c).__name__ for c in trainer.callbacks}
+        for entry in config["trainer"].get("callbacks", []):  # built, its init args accepted
+            assert entry["class_path"].rpartition(".")[2] in names, entry
+        if "strategy" in config["trainer"]:
+            assert type(trainer.strategy).__name__ == "ZeROOffload"
+        built += 1
+    assert built >= 12
+
+
 # -- the GPU speed levers, on recorded H200 profiles (issue 29) ---------------------------------
 RECORDED_SPEED = json.loads(
     (ROOT / "benchmarks" / "recorded" / "h200_speed_2026-12-04.json").read_text()

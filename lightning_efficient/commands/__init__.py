@@ -21,7 +21,12 @@ from collections.abc import Callable, Sequence
 from lightning_efficient.commands import estimate, export_zero, plan, prepare, profile
 from lightning_efficient.commands.auto_fit import auto_fit_command, wants_auto
 from lightning_efficient.commands.cli import EfficientCLI, exit_with_error, quiet_known_noise
-from lightning_efficient.commands.options import OPTIONS, command_parser, config_workload, fail
+from lightning_efficient.commands.options import (
+    OPTIONS,
+    command_parser,
+    config_workload,
+    error_status,
+)
 from lightning_efficient.core.validate import SettingsError
 
 __all__ = [
@@ -30,7 +35,7 @@ __all__ = [
     "command_parser",
     "config_workload",
     "estimate_command",
-    "fail",
+    "error_status",
     "main",
     "profile_command",
 ]

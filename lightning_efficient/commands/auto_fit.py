@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# fail(message) ends the command with a short ``error: ...`` and exit code 2
-from lightning_efficient.commands.cli import exit_with_error as fail
+from lightning_efficient.commands.cli import exit_with_error
 from lightning_efficient.commands.options import build_cli
 from lightning_efficient.core.stack import Stack
 from lightning_efficient.techniques.batch_size.choice import batch_size_of
@@ -55,11 +54,11 @@ def _batch_size(model: Any, datamodule: Any, name: str) -> int:
     value = batch_size_of(datamodule, model, name)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    fail(
+    exit_with_error(
         f"fit --auto: no `{name}` on the model, the datamodule or their hparams; the micro-batch "
         "is set there (add a `batch_size` attribute that `train_dataloader()` uses)"
     )
-    raise AssertionError  # fail exits
+    raise AssertionError  # exit_with_error exits
 
 
 def _checkpoint_error(path: str | None) -> str:
@@ -91,14 +90,14 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             trial=not args.no_trial,
         )
     except (TypeError, ValueError) as err:
-        fail(
+        exit_with_error(
             str(err)
             .replace("`budget`", "--budget")
             .replace("`goal`", "--goal")
             .replace("`target_batch`", "--target-batch")
         )
     if _checkpoint_error(args.ckpt_path):
-        fail(_checkpoint_error(args.ckpt_path))
+        exit_with_error(_checkpoint_error(args.ckpt_path))
     first = build_cli((), rest)  # the command line given, less `fit --auto ...`
     trainer, model = first.trainer, first.model
     source = first.datamodule if first.datamodule is not None else model
@@ -109,7 +108,9 @@ def auto_fit_command(argv: Sequence[str]) -> int:
     world = trainer.world_size
     effective = args.target_batch or micro * trainer.accumulate_grad_batches * world
     if effective % world:
-        fail(f"fit --auto: the effective batch {effective} is not a multiple of {world} ranks")
+        exit_with_error(
+            f"fit --auto: the effective batch {effective} is not a multiple of {world} ranks"
+        )
     budget = (
         auto.budget_for(trainer) if args.budget is None else parse_bytes("--budget", args.budget)
     )
@@ -127,7 +128,7 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             trainer_fixed=False,
         )
     except (ValueError, EstimateError) as err:  # nothing fits, the data, the estimate
-        fail(f"fit --auto: {err}")
+        exit_with_error(f"fit --auto: {err}")
     print(f"AutoEfficient (fit --auto): {decision.summary()}")
     for note in decision.notes:
         print(f"AutoEfficient: {note}")

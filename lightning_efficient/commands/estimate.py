@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_efficient.commands.options import command_parser, config_workload, fail
+from lightning_efficient.commands.options import command_parser, config_workload, error_status
 from lightning_efficient.core.report import print_table
 from lightning_efficient.measure.memory.estimate import EstimateError, estimate_memory
 from lightning_efficient.measure.memory.per_rank import SHARDINGS, world_size_of
@@ -93,7 +93,7 @@ def estimate_command(argv: Sequence[str]) -> int:
             cuda_rounding=True if args.cuda_rounding else None,
         )
     except (EstimateError, ValueError, TypeError) as err:
-        return fail(str(err))
+        return error_status(str(err))
     optimizer = args.optimizer or "configured optimizer"
     title = f"{type(model).__name__}, batch {_batch_shape(batch)}, {precision}, {optimizer}"
     if world > 1 or sharding:

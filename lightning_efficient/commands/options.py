@@ -1,5 +1,5 @@
 """The options several commands take, declared once, and what the commands share: a short error
-(:func:`fail`), a LightningCLI built from a command line without running (:func:`build_cli`) and
+(:func:`error_status`), a LightningCLI built from a command line without running (:func:`build_cli`) and
 a config's model, batch and trainer built without fitting (:func:`config_workload`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.core.validate import without_module_trees
 from lightning_efficient.measure.memory.estimate import PRECISIONS
 
-__all__ = ["OPTIONS", "build_cli", "command_parser", "config_workload", "fail"]
+__all__ = ["OPTIONS", "build_cli", "command_parser", "config_workload", "error_status"]
 
 
 #: The options several commands take, declared once: name -> (flag, argparse keywords, what the
@@ -63,9 +63,10 @@ def command_parser(
     return p
 
 
-def fail(message: str) -> int:
-    """Print a short error for a command and return its exit code (2); a module's printed tree
-    in it (an error the user's model raised) reads ``Name(...)``."""
+def error_status(message: str) -> int:
+    """Print a short error for a command and return the exit status (2) for the command to
+    return (it does not exit: :func:`~lightning_efficient.commands.cli.exit_with_error` does); a
+    module's printed tree in it (an error the user's model raised) reads ``Name(...)``."""
     print(f"error: {without_module_trees(message)}", file=sys.stderr)
     return 2
 
@@ -86,13 +87,13 @@ def config_workload(configs: Sequence[str], rest: Sequence[str], batch_size: int
     """Build a config's model, datamodule and trainer (without fitting) and take one training
     batch. Returns ``(model, batch, trainer, precision)``, or an exit code after an error."""
     if batch_size is not None and batch_size < 1:
-        return fail(f"--batch-size must be an integer >= 1; got {batch_size}.")
+        return error_status(f"--batch-size must be an integer >= 1; got {batch_size}.")
     cli = build_cli(configs, rest)
     model, trainer = cli.model, cli.trainer
     data = cli.datamodule if cli.datamodule is not None else model  # a model's own loaders
     if batch_size is not None:
         if not hasattr(data, "batch_size"):
-            return fail(
+            return error_status(
                 f"--batch-size: the {'datamodule' if data is not model else 'model'} "
                 f"{type(data).__name__} has no `batch_size` attribute."
             )

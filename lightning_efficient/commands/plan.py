@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_efficient.commands.options import command_parser, config_workload, fail
+from lightning_efficient.commands.options import command_parser, config_workload, error_status
 from lightning_efficient.core.report import print_table
 from lightning_efficient.core.validate import check_int, format_bytes, parse_bytes
 from lightning_efficient.measure.memory.settings import estimate_settings
@@ -51,7 +51,7 @@ def plan_command(argv: Sequence[str]) -> int:
                 check_int(name, value, minimum=1)
         target = resolve_target(args.device)
     except (TypeError, ValueError) as err:
-        return fail(str(err).replace("`device`", "--device"))
+        return error_status(str(err).replace("`device`", "--device"))
     work = config_workload(args.config, rest, args.batch_size)
     if isinstance(work, int):
         return work
@@ -79,12 +79,12 @@ def plan_command(argv: Sequence[str]) -> int:
         confirm=not args.no_trial and is_local_gpu(args.device) and world_size == 1,
     )
     if result.not_estimable is not None:
-        return fail(
+        return error_status(
             f"the model cannot be estimated, so no stack can be planned: {result.not_estimable}"
         )
     print_table(result.table())
     if result.chosen is None:
-        return fail(
+        return error_status(
             f"no stack fits {format_bytes(budget)}: lower the batch size or sequence length, or "
             "use more devices."
         )

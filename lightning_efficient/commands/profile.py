@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_efficient.commands.options import build_cli, command_parser, fail
+from lightning_efficient.commands.options import build_cli, command_parser, error_status
 from lightning_efficient.core.validate import check_output_path, same_file
 from lightning_efficient.measure.profiling.profiler import StepProfiler
 
@@ -66,16 +66,16 @@ def _exists_message(path: str) -> str:
 def profile_command(argv: Sequence[str]) -> int:
     args, rest = _profile_parser().parse_known_args(list(argv))
     if args.steps < 2:
-        return fail(
+        return error_status(
             f"--steps must be an integer >= 2 (one warm-up step, one measured); got {args.steps}."
         )
     inputs = _files_read(args.config, rest)
     try:  # before the run: a bad path found after it loses the profile
         check_output_path("--json", args.json, inputs=inputs)
     except (TypeError, ValueError) as err:
-        return fail(str(err))
+        return error_status(str(err))
     if args.json and os.path.lexists(args.json) and not args.force:
-        return fail(_exists_message(args.json))
+        return error_status(_exists_message(args.json))
     forced = [
         f"--trainer.max_steps={args.steps}",
         "--trainer.limit_val_batches=0",
@@ -90,7 +90,7 @@ def profile_command(argv: Sequence[str]) -> int:
         profiler = StepProfiler(skip_steps=min(2, args.steps - 1), compare_plain=True)
         trainer.callbacks.append(profiler)
     elif profiler.skip_steps >= args.steps:
-        return fail(
+        return error_status(
             f"--steps {args.steps} leaves no step to measure after the config's StepProfiler "
             f"skip_steps={profiler.skip_steps}; give more steps."
         )
@@ -99,17 +99,17 @@ def profile_command(argv: Sequence[str]) -> int:
             for name in ("trace", "plot"):
                 check_output_path(name, getattr(profiler, name), inputs=inputs)
         except (TypeError, ValueError) as err:
-            return fail(f"StepProfiler: {err}")
+            return error_status(f"StepProfiler: {err}")
         for name in ("trace", "plot"):
             own = getattr(profiler, name)
             if args.json and own and same_file(own, args.json):
-                return fail(
+                return error_status(
                     f"--json {args.json!r} is the file the config's StepProfiler writes as "
                     f"`{name}`; the summary would replace it. Choose another file."
                 )
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if profiler.summary is None:
-        return fail(f"no training step was measured in {args.steps} steps.")
+        return error_status(f"no training step was measured in {args.steps} steps.")
     if args.json:
         import json
 

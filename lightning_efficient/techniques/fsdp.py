@@ -30,8 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_efficient.core import _internals
-from lightning_efficient.core.change import Change
-from lightning_efficient.core.environ import launcher_environ, launcher_environ_change
+from lightning_efficient.core.environ import LauncherEnviron
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import techniques_of
 from lightning_efficient.core.validate import check_bool, check_choice
@@ -194,16 +193,16 @@ class FullyShardedStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.sharded_blocks: list[str] = []
-        # as they were before the launch (which runs before any hook) writes them
-        self._environ_before = launcher_environ()
-        self._environ = Change("launcher variables untouched")
+        self._launch_environ = (
+            LauncherEnviron()
+        )  # as before the launch (which runs before any hook)
 
     def setup_environment(self) -> None:
         # one data-parallel dimension over every rank (the parent's default is nodes x devices)
         world = max(1, self.num_nodes * self.num_processes)
         _internals.set_model_parallel_sizes(self, data_parallel=world, tensor_parallel=1)
         if world == 1:  # one process: the launch's variables go back at teardown
-            self._environ = launcher_environ_change(self._environ_before)
+            self._launch_environ.record(self.lightning_module.trainer)
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
@@ -291,7 +290,7 @@ class FullyShardedStrategy(ModelParallelStrategy):
         try:
             super().teardown()
         finally:
-            self._environ.undo()
+            self._launch_environ.undo()
 
     def on_train_end(self) -> None:
         super().on_train_end()

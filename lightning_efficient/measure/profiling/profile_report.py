@@ -15,6 +15,7 @@ __all__ = [
     "report_line",
     "report_figures",
     "logger_metrics",
+    "nothing_measured",
     "profile_table",
     "profile_png",
 ]
@@ -154,3 +155,10 @@ def profile_png(s: dict[str, Any], path: str | Path) -> Path:
 
     phases = {p: s["phases"][p] for p in PHASES}
     return save_figure(phases_figure(phases, s["memory"]["by_category"]), path)
+
+
+def nothing_measured(skip_steps: int, trace_steps: int | None, steps: int) -> str:
+    """Why a fit of ``steps`` optimizer steps measured none: the warm-up (and the trace's
+    ``trace_steps``; ``None``: no trace) took them all."""
+    traced = f", trace_steps={trace_steps}" if trace_steps is not None else ""
+    return f"no step was measured (skip_steps={skip_steps}{traced}; the fit ran {steps} steps)."

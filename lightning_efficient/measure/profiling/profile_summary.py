@@ -24,11 +24,13 @@ from lightning_efficient.measure.speed.flops import (
     mfu,
     peak_flops,
 )
+from lightning_efficient.measure.speed.tokens import batch_counts
 
 __all__ = [
     "compile_state",
     "count_step_flops",
     "example_batch",
+    "first_batch_count",
     "memory_figures",
     "optimizer_of",
     "output_head",
@@ -159,6 +161,18 @@ def count_step_flops(trainer: Any, pl_module: Any, batch: Any) -> tuple[FlopCoun
             f"could not count FLOPs on fake tensors ({error}); MFU is unknown. "
             "Pass StepProfiler(flops_per_step=...) to set them."
         )
+
+
+def first_batch_count(
+    trainer: Any, pl_module: Any, batch: Any, flops: bool = True
+) -> tuple[FlopCount | None, int, str]:
+    """The first batch's count: its step's FLOPs (``flops=False``: not counted, given instead),
+    its samples, and why the FLOPs are unknown ("" when they are known or not counted)."""
+    samples = batch_counts(batch)[0]
+    if not flops:
+        return None, samples, ""
+    count, why_not = count_step_flops(trainer, pl_module, batch)
+    return count, samples, why_not
 
 
 def plain_peak(trainer: Any, pl_module: Any) -> tuple[int | None, str]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.change import Change, patch_attribute
+from lightning_efficient.core.report import print_table
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import (
     check_bool,
@@ -45,6 +46,7 @@ from lightning_efficient.measure.plots import check_plot_path
 from lightning_efficient.measure.profiling.profile_report import (
     PHASES,
     logger_metrics,
+    nothing_measured,
     phase_summary,
     profile_png,
     profile_table,
@@ -52,14 +54,13 @@ from lightning_efficient.measure.profiling.profile_report import (
     report_line,
 )
 from lightning_efficient.measure.profiling.profile_summary import (
-    count_step_flops,
+    first_batch_count,
     plain_peak,
     summarize,
 )
-from lightning_efficient.measure.profiling.step_phases import StepPhases
+from lightning_efficient.measure.profiling.step_phases import StepPhases, StepPostHooks
 from lightning_efficient.measure.profiling.trace_window import TraceWindow
 from lightning_efficient.measure.speed.fetch_watch import FetchWatch
-from lightning_efficient.measure.speed.tokens import batch_counts
 
 __all__ = ["PHASES", "StepProfiler", "profile_table", "profile_png", "phase_summary"]
 
@@ -134,28 +135,21 @@ class StepProfiler(Technique):
         self._watch: FetchWatch | None = None
         self._trace: TraceWindow | None = None
         self._trainer: Any = None
-        self._counted = False
         self._count: Any = None  # FlopCount of the first batch
-        self._count_samples = 0
-        self._hooked: set[int] = set()
-        self._hooked_list: tuple[int, ...] | None = None  # ids of the optimizers last hooked
+        self._count_samples: int | None = None  # its samples (None: not counted yet)
+        self._step_hooks = StepPostHooks(self._after_optimizer_step)
         self._plain: int | None = None
 
-    @property
-    def _first_measured(self) -> int:
-        return self.skip_steps + (self.trace_steps if self.trace else 0)
-
-    def _recording(self) -> bool:
-        return self._trace is not None and self._trace.recording
+    def _measures(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is measured: after the warm-up and the trace."""
+        tracing = self._trace is not None and self._trace.recording
+        return not tracing and step >= self.skip_steps + (self.trace_steps if self.trace else 0)
 
     def _on_fetch(self) -> None:
         trainer, phases = self._trainer, self._phases
         if trainer is None or phases is None or not trainer.training or trainer.sanity_checking:
             return
-        if phases.measuring:
-            phases.switch("data")
-        elif not self._recording() and trainer.global_step >= self._first_measured:
-            phases.begin(trainer.global_step, "data")
+        phases.enter("data", trainer.global_step, self._measures(trainer.global_step))
 
     # -- hooks ------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -173,7 +167,7 @@ class StepProfiler(Technique):
         self._watch = FetchWatch(trainer.profiler, self._on_fetch)
         self.record(trainer, patch_attribute(trainer, "profiler", self._watch))
         if self.trace:
-            self._trace = TraceWindow(self.trace, self.trace_steps)
+            self._trace = TraceWindow(self.trace, self.trace_steps, first=self.skip_steps)
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -181,17 +175,20 @@ class StepProfiler(Technique):
         phases = self._phases
         if phases is None:
             return
-        if not self._counted:  # the count is no part of any phase
-            phases.paused(lambda: self._count_once(trainer, pl_module, batch))
-        self._hook_optimizers(trainer)
+        if self._count_samples is None:  # once; the count is no part of any phase
+            flops = self.flops_per_step is None
+            count = phases.paused(lambda: first_batch_count(trainer, pl_module, batch, flops))
+            self._count, self._count_samples, why_not = count
+            if why_not:
+                self.note(why_not)
+        for change in self._step_hooks.new(trainer.optimizers):
+            self.record(trainer, change)
         step, trace = trainer.global_step, self._trace
-        if trace is not None and not trace.done and not trace.recording and step >= self.skip_steps:
+        if trace is not None and trace.starts_at(step):
             trace.start(trainer.strategy.root_device)
             self.record(trainer, Change("trace recording", self._stop_trace))
-        if not phases.measuring and not self._recording() and step >= self._first_measured:
-            phases.begin(step, "forward")  # the fetch was not seen (another fetcher)
+        phases.enter("forward", step, self._measures(step))  # begins here: the fetch was unseen
         if phases.measuring:
-            phases.switch("forward")
             phases.count(batch)
 
     def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -211,7 +208,7 @@ class StepProfiler(Technique):
     ) -> None:
         # no optimizer step this batch (accumulation) or no hook: the rest of the batch
         self._switch_from(("forward", "backward", "optimizer"), "rest")
-        if self._recording() and trainer.global_step >= self.skip_steps + self.trace_steps:
+        if self._trace is not None and self._trace.ends_at(trainer.global_step):
             self._stop_trace()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -225,8 +222,7 @@ class StepProfiler(Technique):
         phases = self._phases
         if phases is not None:
             phases.end(trainer.global_step)
-        if self._recording():
-            self._stop_trace()
+        self._stop_trace()
         if phases is None or phases.steps < 1:
             return
         # summarised here, before any on_fit_end shows the efficiency report (with this row)
@@ -235,7 +231,7 @@ class StepProfiler(Technique):
             pl_module,
             phases,
             count=self._count,
-            count_samples=self._count_samples,
+            count_samples=self._count_samples or 0,
             flops_per_step=self.flops_per_step,
             given_peak_flops=self.peak_flops,
             memory_budget=self.memory_budget,
@@ -249,58 +245,22 @@ class StepProfiler(Technique):
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         summary = self.summary
         if summary is None:
-            self.no_effect(
-                f"no step was measured (skip_steps={self.skip_steps}"
-                + (f", trace_steps={self.trace_steps}" if self.trace else "")
-                + f"; the fit ran {trainer.global_step} steps)."
-            )
+            traced = self.trace_steps if self.trace else None
+            self.no_effect(nothing_measured(self.skip_steps, traced, trainer.global_step))
         super().on_fit_end(trainer, pl_module)  # the efficiency report first, then the verdict
         if summary is not None and trainer.is_global_zero:
             if self.print_table:
-                from lightning_efficient.core.report import print_table
-
                 print_table(profile_table(summary))
             if self.plot:
                 profile_png(summary, self.plot)
 
     # -- helpers ----------------------------------------------------------------------------
     def _switch_from(self, current: str | tuple[str, ...] | None, phase: str) -> None:
-        """Switch to ``phase`` while measuring, when the running phase is ``current`` (one of
-        them; ``None``: any)."""
-        phases = self._phases
-        if phases is None or not phases.measuring:
-            return
-        if current is None or phases.phase in ((current,) if isinstance(current, str) else current):
-            phases.switch(phase)
-
-    def _count_once(self, trainer: Any, pl_module: Any, batch: Any) -> None:
-        self._counted = True
-        self._count_samples = batch_counts(batch)[0]
-        if self.flops_per_step is None:
-            self._count, why_not = count_step_flops(trainer, pl_module, batch)
-            if why_not:
-                self.note(why_not)
-
-    def _hook_optimizers(self, trainer: Any) -> None:
-        optimizers = trainer.optimizers
-        key = tuple(map(id, optimizers))
-        if key == self._hooked_list:  # the same optimizers as last step: nothing new to hook
-            return
-        self._hooked_list = key
-        for opt in optimizers:
-            opt = getattr(opt, "optimizer", opt)
-            if id(opt) not in self._hooked and hasattr(opt, "register_step_post_hook"):
-                self._hooked.add(id(opt))
-                handle = opt.register_step_post_hook(self._after_optimizer_step)
-                self.record(trainer, Change("optimizer step post-hook", handle.remove))
+        if self._phases is not None:
+            self._phases.switch_from(current, phase)
 
     def _stop_trace(self) -> None:
-        trainer, trace = self._trainer, self._trace
-        if trace is None or not trace.recording:
-            return
-        world = getattr(trainer, "world_size", 1) if trainer is not None else 1
-        rank = getattr(trainer, "global_rank", 0) if trainer is not None else 0
-        written, error = trace.stop(rank, world)
+        written, error = self._trace.stop(self._trainer) if self._trace else ("", None)
         if error is not None:  # every rank says its own (a note on rank zero would hide rank 1's)
             warnings.warn(f"StepProfiler: {error}", stacklevel=2)
         elif written:

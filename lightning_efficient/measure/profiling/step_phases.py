@@ -6,6 +6,8 @@ held (batches, samples, tokens).
   ``begin``/``end`` open and close the measured window; ``count(batch)`` adds a batch's samples and
   tokens (``measure.speed.tokens.BatchCounter``); ``phases()`` are the seconds per step of each
   phase.
+- ``StepPostHooks``: a hook after each optimizer's step (the end of the ``optimizer`` phase),
+  registered once per optimizer, each registration a ``Change``.
 
 Its cost per step is what ``StepProfiler`` costs (it is meant to stay on): a clock read (a CUDA
 event recorded on a GPU) per phase switch and an O(1) batch count; no device synchronisation
@@ -22,12 +24,13 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.measure.profiling.profile_report import phase_summary
 from lightning_efficient.measure.speed.fetch_watch import FetchWatch  # its home before
 from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.measure.speed.tokens import BatchCounter
 
-__all__ = ["FetchWatch", "StepPhases"]
+__all__ = ["FetchWatch", "StepPhases", "StepPostHooks"]
 
 
 class StepPhases:
@@ -54,10 +57,26 @@ class StepPhases:
             self.timer.start(phase)
         self.phase = phase
 
+    def switch_from(self, current: str | tuple[str, ...] | None, phase: str) -> None:
+        """Switch to ``phase`` while measuring, when the running phase is ``current`` (one of
+        them; ``None``: any)."""
+        if self.measuring and (
+            current is None or self.phase in ((current,) if isinstance(current, str) else current)
+        ):
+            self.switch(phase)
+
     def begin(self, step: int, phase: str) -> None:
         """Open the measured window at optimizer step ``step``, in ``phase``."""
         self.measuring, self.start_step = True, step
         self.switch(phase)
+
+    def enter(self, phase: str, step: int, measured: bool) -> None:
+        """Switch to ``phase`` while measuring; else open the window there at optimizer step
+        ``step`` when that step is ``measured``."""
+        if self.measuring:
+            self.switch(phase)
+        elif measured:
+            self.begin(step, phase)
 
     def end(self, step: int) -> None:
         """Close the measured window after optimizer step ``step``."""
@@ -108,3 +127,26 @@ class StepPhases:
     def seconds(self, phase: str) -> float:
         """Seconds spent in ``phase`` over the window (e.g. ``"validation"``)."""
         return float(self.timer.totals().get(phase, 0.0))
+
+
+class StepPostHooks:
+    """``hook`` as a step post-hook on each optimizer, once per optimizer."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        self._hooked: set[int] = set()
+        self._last: tuple[int, ...] | None = None  # ids of the optimizers last seen
+
+    def new(self, optimizers: Any) -> list[Change]:
+        """Hook the optimizers not hooked yet; their changes (the undo removes the hook)."""
+        key = tuple(map(id, optimizers))
+        if key == self._last:  # the same optimizers as last step: nothing new to hook
+            return []
+        self._last, changes = key, []
+        for opt in optimizers:
+            opt = getattr(opt, "optimizer", opt)  # a LightningOptimizer's own
+            if id(opt) not in self._hooked and hasattr(opt, "register_step_post_hook"):
+                self._hooked.add(id(opt))
+                handle = opt.register_step_post_hook(self.hook)
+                changes.append(Change("optimizer step post-hook", handle.remove))
+        return changes

@@ -15,16 +15,25 @@ __all__ = ["TraceWindow", "export_trace", "rank_trace_path"]
 class TraceWindow:
     """Records the steps between ``start`` and ``stop`` with ``torch.profiler`` (CPU, and CUDA on
     a GPU) and writes them as a Chrome trace (open it in ``chrome://tracing`` or Perfetto). One
-    window per fit: ``done`` once it was stopped."""
+    window per fit, from optimizer step ``first`` for ``steps`` steps: ``done`` once it was
+    stopped."""
 
-    def __init__(self, path: str, steps: int) -> None:
-        self.path, self.steps = path, steps
+    def __init__(self, path: str, steps: int, first: int = 0) -> None:
+        self.path, self.steps, self.first = path, steps, first
         self.done = False
         self._tracer: Any = None
 
     @property
     def recording(self) -> bool:
         return self._tracer is not None
+
+    def starts_at(self, step: int) -> bool:
+        """Whether the window opens at optimizer step ``step`` (not opened yet, and its turn)."""
+        return not self.done and not self.recording and step >= self.first
+
+    def ends_at(self, step: int) -> bool:
+        """Whether the window, recording, is over at optimizer step ``step``."""
+        return self.recording and step >= self.first + self.steps
 
     def start(self, device: torch.device) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -35,12 +44,14 @@ class TraceWindow:
         self._tracer = profile(activities=activities, record_shapes=False)
         self._tracer.start()
 
-    def stop(self, rank: int = 0, world: int = 1) -> tuple[str, str | None]:
-        """Stop recording and write this rank's trace: ``(what was written, None)``, or
-        ``("", why it was not written)``."""
+    def stop(self, trainer: Any = None) -> tuple[str, str | None]:
+        """Stop recording and write the trace of ``trainer``'s rank (one process without a
+        trainer): ``(what was written, None)``, or ``("", why it was not written)``."""
         tracer, self._tracer = self._tracer, None
         if tracer is None:
             return "", None
+        world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+        rank = getattr(trainer, "global_rank", 0) if trainer is not None else 0
         self.done = True
         tracer.stop()
         path = rank_trace_path(self.path, rank, world)

@@ -17,6 +17,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from lightning_efficient.core.validate import check_bool, check_choice
 
 __all__ = [
@@ -26,7 +28,19 @@ __all__ = [
     "host_buffers",
     "ESTIMATE_TRACKS",
     "SAVE_FORMATS",
+    "SHORT_NAMES",
+    "numbered_cpu_devices",
+    "report_text",
 ]
+
+#: The strategy registry's names for ``ZeROOffload``: (description, init arguments).
+SHORT_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "zero_offload": ("lightning-efficient ZeRO-2 with the optimizer offloaded to CPU", {}),
+    "zero_offload_stage_3": (
+        "lightning-efficient ZeRO-3 with optimizer and parameters offloaded to CPU",
+        {"stage": 3, "offload_parameters": True},
+    ),
+}
 
 #: How ``ZeROOffload`` writes checkpoints (see the class docstring).
 SAVE_FORMATS = ("auto", "plain", "zero")
@@ -302,3 +316,21 @@ def host_buffers(
         if accumulate_grad_batches > 1:
             out["accumulated gradients"] = param_bytes * n
     return out
+
+
+def report_text(
+    stage: int, offload_optimizer: str | None, offload_parameters: bool, converted: str
+) -> str:
+    """The efficiency report's line for a ZeRO run (``converted``: ``"AdamW -> DeepSpeedCPUAdam"``
+    or "")."""
+    text = f"ZeRO stage {stage}, optimizer state on {offload_optimizer or 'device'}"
+    text += ", parameters offloaded" if offload_parameters else ""
+    return text + (f" ({converted})" if converted else "")
+
+
+def numbered_cpu_devices(devices: list[torch.device] | None) -> list[torch.device] | None:
+    """``devices`` as DeepSpeed addresses them: by index, which CPU devices do not carry, so CPU
+    devices are numbered ``cpu:0``, ``cpu:1``, ...; other devices as they are."""
+    if devices is not None and all(d.type == "cpu" for d in devices):
+        return [torch.device("cpu", i) for i in range(len(devices))]
+    return devices

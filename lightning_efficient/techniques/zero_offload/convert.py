@@ -3,6 +3,7 @@
 - :func:`to_deepspeed_optimizer`: a torch Adam/AdamW/Adagrad to its DeepSpeed CPU counterpart,
   keeping every group's lr, betas, eps and weight decay.
 - :func:`rebind_schedulers`: points the LR schedulers at it.
+- :func:`convert_with_schedulers`: both, with the DeepSpeed CPU extension built first.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from torch.optim import Optimizer
 
 from lightning_efficient.core.validate import check_choice, missing_requirement
 from lightning_efficient.techniques.optimizers.schedulers import rebind_schedulers  # noqa: F401
+from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
 
 __all__ = [
+    "convert_with_schedulers",
     "to_deepspeed_optimizer",
     "rebind_schedulers",
     "import_deepspeed",
@@ -142,3 +145,19 @@ def _group_copy(group: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]
     if "betas" in out:
         out["betas"] = tuple(_float(b) for b in out["betas"])
     return out
+
+
+def convert_with_schedulers(
+    optimizer: Optimizer, scheduler_config: Any, offload: str | None
+) -> tuple[Optimizer, str]:
+    """``optimizer`` as its DeepSpeed CPU counterpart (its extension built first when offloading),
+    the LR schedulers of ``scheduler_config`` pointed at it; and what changed
+    (``"AdamW -> DeepSpeedCPUAdam"``, "" when nothing did)."""
+    if offload is not None and type(optimizer) in CPU_EXTENSIONS:
+        ensure_extensions([CPU_EXTENSIONS[type(optimizer)]])
+    new = to_deepspeed_optimizer(optimizer, offload)
+    if new is optimizer:
+        return new, ""
+    if scheduler_config is not None:
+        rebind_schedulers([scheduler_config.scheduler], optimizer, new)
+    return new, f"{type(optimizer).__name__} -> {type(new).__name__}"

@@ -29,6 +29,9 @@ from lightning_efficient.techniques.zero_offload.loading import (
 )
 
 __all__ = [
+    "load_plain_weights",
+    "optimizer_template",
+    "parameter_count",
     "zero_optimizer_state",
     "load_zero_optimizer_state",
     "full_state_dict",
@@ -282,3 +285,36 @@ def _strip_prefix(key: str) -> str:
         if key.startswith(prefix):
             return key[len(prefix) :]
     return key
+
+
+def optimizer_template(optimizer: Optimizer) -> dict[str, Any]:
+    """The module's optimizer before DeepSpeed's: its groups' settings and parameters, the layout
+    a plain checkpoint's optimizer state is written in and read from."""
+    groups = optimizer.state_dict()["param_groups"]
+    return {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+        "params": [list(g["params"]) for g in optimizer.param_groups],
+    }
+
+
+def parameter_count(module: nn.Module) -> int:
+    """The module's parameter count, stage 3's partitioned parameters at their full size."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+
+
+def load_plain_weights(
+    module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, restore: Any = None
+) -> None:
+    """A plain checkpoint's ``state_dict`` into a module under a ZeRO engine: the modules' state
+    (``restore(checkpoint, strict=)``: stage 3's, partitioned), then every trained parameter's
+    fp32 master copy."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    state = checkpoint["state_dict"]
+    if restore is not None:
+        restore(checkpoint, strict=strict)
+    else:
+        module.load_state_dict(state, strict=strict)
+    for name, p in module.named_parameters():
+        if name in state and p.requires_grad:
+            safe_set_full_fp32_param(p, state[name].float().flatten())

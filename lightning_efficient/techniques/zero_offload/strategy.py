@@ -9,26 +9,28 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy
 from torch.optim import Optimizer
 
 from lightning_efficient.core._internals import DeepSpeedStrategyHooks
-from lightning_efficient.core.change import Change
-from lightning_efficient.core.environ import launcher_environ, launcher_environ_change
+from lightning_efficient.core.environ import LauncherEnviron
+from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import check_choice
 from lightning_efficient.techniques.zero_offload.config import (
     ESTIMATE_TRACKS,
     SAVE_FORMATS,
+    SHORT_NAMES,
     host_buffers,
+    numbered_cpu_devices,
     offloaded_categories,
+    report_text,
     scale_buckets,
     zero_offload_config,
 )
 from lightning_efficient.techniques.zero_offload.convert import (
-    CPU_EXTENSIONS,
+    convert_with_schedulers,
     import_deepspeed,
-    rebind_schedulers,
-    to_deepspeed_optimizer,
 )
 from lightning_efficient.techniques.zero_offload.extensions import ensure_extensions
 from lightning_efficient.techniques.zero_offload.loading import (
@@ -38,13 +40,15 @@ from lightning_efficient.techniques.zero_offload.loading import (
 )
 from lightning_efficient.techniques.zero_offload.state import (
     full_state_dict,
+    load_plain_weights,
     load_zero_optimizer_state,
+    optimizer_template,
+    parameter_count,
     zero_optimizer_state,
 )
 
 __all__ = ["ZeROOffload"]
 
-# what Lightning and DeepSpeed export to os.environ when they start the process group
 _TRUST_HINT = "pass weights_only=False to trainer.fit (or validate/test/predict) with ckpt_path"
 
 
@@ -108,9 +112,7 @@ class ZeROOffload(DeepSpeedStrategyHooks):
         self._template: dict[str, Any] | None = None
         self._loaded_plain = False
         self._converted = ""
-        # as they were before fit's launch writes them (the same timing as FullyShardedStrategy)
-        self._env_before = launcher_environ()
-        self._environ = Change("launcher variables untouched")
+        self._launch_environ = LauncherEnviron()  # as before fit's launch writes them
 
     @property
     def gathers_parameters_per_call(self) -> bool:
@@ -126,20 +128,8 @@ class ZeROOffload(DeepSpeedStrategyHooks):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "zero_offload",
-            cls,
-            description="lightning-efficient ZeRO-2 with the optimizer offloaded to CPU",
-            override=True,
-        )
-        strategy_registry.register(
-            "zero_offload_stage_3",
-            cls,
-            description="lightning-efficient ZeRO-3 with optimizer and parameters offloaded to CPU",
-            stage=3,
-            offload_parameters=True,
-            override=True,
-        )
+        for name, (description, kwargs) in SHORT_NAMES.items():
+            strategy_registry.register(name, cls, description=description, override=True, **kwargs)
 
     # -- devices: DeepSpeed runs on a CPU too (gloo) ----------------------------------------------
     @property
@@ -148,57 +138,37 @@ class ZeROOffload(DeepSpeedStrategyHooks):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # DeepSpeed addresses processes by device index; CPU devices carry none, so number them
-        if devices is not None and all(d.type == "cpu" for d in devices):
-            devices = [torch.device("cpu", i) for i in range(len(devices))]
-        DeepSpeedStrategy.parallel_devices.fset(self, devices)
+        DeepSpeedStrategy.parallel_devices.fset(self, numbered_cpu_devices(devices))
 
     def setup_environment(self) -> None:
-        from lightning.pytorch.accelerators import CPUAccelerator
-        from lightning.pytorch.strategies import DDPStrategy
-
         ensure_extensions(["shm_comm"])  # DeepSpeed's process group loads it
         if self.world_size == 1:  # one process: the launch's variables go back at teardown
-            self._environ = launcher_environ_change(self._env_before)
+            self._launch_environ.record(self.lightning_module.trainer)
         if isinstance(self.accelerator, CPUAccelerator):
             DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check
         else:
             super().setup_environment()
 
     def teardown(self) -> None:
-        # Lightning calls a strategy's teardown after a fit, on an exception and on an interrupt
-        # (``core/environ.py``), so the strategy undoes its change here, even if releasing the
-        # engine raises. One process: the launcher and DeepSpeed exported the group's address,
-        # port and ranks to os.environ, where processes started later (a DDP launch, tests)
-        # would inherit a port this process still listens on.
+        # called on every path, a fit that raised too (``core/environ.py``): the launcher variables
+        # go back even if releasing the engine raises (a later process must not inherit the port)
         try:
             release_engine(self.model)  # before the parent unwraps the module from the engine
             super().teardown()
         finally:
-            self._environ.undo()
+            self._launch_environ.undo()
 
     def setup(self, trainer: Any) -> None:
         if self.config is not None and self.lightning_module is not None:
-            n = sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters())
-            self.config = scale_buckets(self.config, max(1, n))
+            self.config = scale_buckets(self.config, max(1, parameter_count(self.lightning_module)))
         super().setup(trainer)
 
     # -- optimizer: the module's torch optimizer -> its DeepSpeed CPU counterpart ------------------
     def convert_optimizer(self, optimizer: Optimizer, scheduler_config: Any) -> tuple[Any, Any]:
-        self._template = {
-            "param_groups": [
-                {k: v for k, v in g.items() if k != "params"}
-                for g in optimizer.state_dict()["param_groups"]
-            ],
-            "params": [list(g["params"]) for g in optimizer.param_groups],
-        }
-        if self.offload_optimizer is not None and type(optimizer) in CPU_EXTENSIONS:
-            ensure_extensions([CPU_EXTENSIONS[type(optimizer)]])
-        new = to_deepspeed_optimizer(optimizer, self.offload_optimizer)
-        if new is not optimizer:
-            if scheduler_config is not None:
-                rebind_schedulers([scheduler_config.scheduler], optimizer, new)
-            self._converted = f"{type(optimizer).__name__} -> {type(new).__name__}"
+        self._template = optimizer_template(optimizer)
+        new, self._converted = convert_with_schedulers(
+            optimizer, scheduler_config, self.offload_optimizer
+        )
         return new, scheduler_config
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -220,10 +190,8 @@ class ZeROOffload(DeepSpeedStrategyHooks):
     ) -> None:
         if not self._plain_format():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        checkpoint["zero_offload"] = {
-            "stage": self.stage,
-            "offload_optimizer": self.offload_optimizer,
-        }
+        saved = {"stage": self.stage, "offload_optimizer": self.offload_optimizer}
+        checkpoint["zero_offload"] = saved
         Strategy.save_checkpoint(self, checkpoint, self.broadcast(filepath), storage_options)
 
     def load_checkpoint(
@@ -251,17 +219,8 @@ class ZeROOffload(DeepSpeedStrategyHooks):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._loaded_plain:
             return super().load_model_state_dict(checkpoint, strict)
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        module = self.lightning_module
-        state = checkpoint["state_dict"]
-        if self.zero_stage_3:
-            self.restore_zero_state(checkpoint, strict=strict)
-        else:
-            module.load_state_dict(state, strict=strict)
-        for name, p in module.named_parameters():
-            if name in state and p.requires_grad:
-                safe_set_full_fp32_param(p, state[name].float().flatten())
+        restore = self.restore_zero_state if self.zero_stage_3 else None
+        load_plain_weights(self.lightning_module, checkpoint, strict, restore)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._loaded_plain or self._template is None:
@@ -273,22 +232,17 @@ class ZeROOffload(DeepSpeedStrategyHooks):
     # -- the efficiency report and the memory estimate ------------------------------------------
     def on_train_start(self) -> None:
         super().on_train_start()
-        from lightning_efficient.core.report import report_for
-
-        change = f"ZeRO stage {self.stage}, optimizer state on {self.offload_optimizer or 'device'}"
-        if self.offload_parameters:
-            change += ", parameters offloaded"
-        if self._converted:
-            change += f" ({self._converted})"
-        n = sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters())
-        report_for(self.lightning_module.trainer).add(
-            type(self).__name__, change, world_size=self.world_size, parameters=n
+        module, on = self.lightning_module, (self.offload_optimizer, self.offload_parameters)
+        text = report_text(self.stage, *on, self._converted)
+        report_for(module.trainer).add(
+            type(self).__name__,
+            text,
+            world_size=self.world_size,
+            parameters=parameter_count(module),
         )
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        from lightning_efficient.core.report import report_for
-
         trainer = self.lightning_module.trainer
         report_for(trainer).show(trainer)
 

@@ -10,10 +10,27 @@ from typing import Any
 
 import torch
 from torchao.optim import AdamW8bit, _AdamW
+from torchao.optim.subclass_8bit import OptimState8bit
 
 __all__ = ["StochasticRoundingAdamW", "StochasticRoundingAdamW8bit"]
 
 _RNG_KEY = "rounding_rng"
+_PACKED = "optim_state_8bit"
+
+
+def _pack(value: Any) -> Any:
+    """torchao's 8-bit state as plain tensors (a tensor subclass does not survive Lightning's
+    checkpoint loading: ``torch.load`` with a callable ``map_location`` refuses it)."""
+    if isinstance(value, OptimState8bit):
+        names, attributes = value.__tensor_flatten__()
+        return {_PACKED: {n: getattr(value, n) for n in names}, "attributes": list(attributes)}
+    return value
+
+
+def _unpack(value: Any) -> Any:
+    if isinstance(value, dict) and _PACKED in value:
+        return OptimState8bit.__tensor_unflatten__(value[_PACKED], value["attributes"])
+    return value
 
 
 class _OwnRoundingRng:
@@ -61,12 +78,20 @@ class _OwnRoundingRng:
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()  # type: ignore[misc]
+        state["state"] = {
+            i: {k: _pack(v) for k, v in per_param.items()}
+            for i, per_param in state["state"].items()
+        }
         state[_RNG_KEY] = {k: v.clone() for k, v in self.rounding_rng.items()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         rng = state_dict.pop(_RNG_KEY, None)
+        state_dict["state"] = {
+            i: {k: _unpack(v) for k, v in per_param.items()}
+            for i, per_param in state_dict.get("state", {}).items()
+        }
         super().load_state_dict(state_dict)  # type: ignore[misc]
         for group in self.param_groups:  # a state written by another optimizer has a float lr
             if not isinstance(group["lr"], torch.Tensor):

@@ -26,7 +26,14 @@ from torch.optim import Optimizer
 
 from lightning_efficient.measure.memory.optimizer_models import optimizer_class
 
-__all__ = ["BF16_NAMES", "compensation_options", "swap_class", "check_low_precision_weights"]
+__all__ = [
+    "BF16_NAMES",
+    "GATE",
+    "compensation_options",
+    "swap_class",
+    "check_low_precision_weights",
+    "gate_summary",
+]
 
 #: name -> the weight dtypes its compensation works on
 BF16_NAMES: dict[str, tuple[torch.dtype, ...]] = {
@@ -34,6 +41,24 @@ BF16_NAMES: dict[str, tuple[torch.dtype, ...]] = {
     "adamw_sr": (torch.bfloat16,),
     "adamw8bit_sr": (torch.bfloat16,),
 }
+
+#: The quality gate (``benchmarks/bf16_weights.py``, results/bf16_weights.json; a test keeps
+#: these equal to the results): the worst held-out loss against fp32 masters over its learning
+#: rates, for plain bf16 AdamW and each compensated form.
+GATE: dict[str, float] = {
+    "adamw": 0.0,
+    "adamw_kahan": 0.0,
+    "adamw_sr": 0.0,
+    "adamw8bit_sr": 0.0,
+}
+
+
+def gate_summary(name: str) -> str:
+    """The gate's figure for ``name`` in words, for a decision's cost."""
+    return (
+        f"{name} held-out loss {GATE[name]:+.2%} of fp32 masters in the quality gate "
+        f"(plain bf16 AdamW {GATE['adamw']:+.2%}; benchmarks/bf16_weights.py)"
+    )
 
 
 def swap_class(name: str) -> type[Optimizer]:

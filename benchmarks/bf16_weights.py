@@ -55,7 +55,7 @@ FORMS: dict[str, tuple[torch.dtype, str]] = {
     "bf16-true + adamw_sr": (torch.bfloat16, "adamw_sr"),
     "bf16-true + adamw8bit_sr": (torch.bfloat16, "adamw8bit_sr"),
 }
-MODEL = dict(n_layer=2, n_embd=128, n_head=4, seq_len=64, dropout=0.0)
+MODEL = dict(n_layer=2, n_embd=64, n_head=4, seq_len=32, dropout=0.0)
 TARGET = DeviceTarget("cuda", (9, 0), (2, 11), name="H100")
 LLAMA_1B = dict(  # the Llama-3.2-1B shape
     vocab_size=128256,
@@ -142,7 +142,7 @@ def finetune(
 
 
 def quality(pre_steps: int, steps: int, lrs: tuple[float, ...]) -> list[dict[str, Any]]:
-    train = _batches("train", 64, 16, seed=0)
+    train = _batches("train", 64, 8, seed=0)
     val = _batches("val", 8, 32, seed=0)
     start = pretrain(pre_steps, train)
     rows = []
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    pre, steps = (100, 60) if args.quick else (200, 300)
+    pre, steps = (60, 30) if args.quick else (200, 200)
     print("quality ...", file=sys.stderr)
     quality_rows = quality(pre, steps, (1e-4, 2e-5))
     print("memory ...", file=sys.stderr)

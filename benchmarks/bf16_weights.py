@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="result stem")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(1)  # 2 threads on 2 shared, loaded cores ran 50x slower
     pre, steps = (60, 30) if args.quick else (200, 200)
     print("quality ...", file=sys.stderr)
     quality_rows = quality(pre, steps, (1e-4, 2e-5))

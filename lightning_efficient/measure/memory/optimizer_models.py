@@ -130,7 +130,38 @@ _QMAP_SIZE = 256  # a quantisation map: 256 fp32 code values
 _MODEL_OPTIONS = ("min_8bit_size", "optim_bits", "max_unorm")
 
 
-class EightBitStateModel(Optimizer):
+def _run_closure(closure: Callable[[], Any] | None) -> Any:
+    """An optimizer step's closure (forward and backward) with gradients on; ``None`` without."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class _PerParameterModel(Optimizer):
+    """An estimate-only optimizer that steps parameter by parameter: ``_init_state(p, group)`` the
+    first time ``p`` has a gradient, then ``_update(group, p)``."""
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = _run_closure(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self._init_state(p, group)
+                self._update(group, p)
+        return loss
+
+
+class EightBitStateModel(_PerParameterModel):
     """Estimate-only stand-in for bitsandbytes' optimizers (``Optimizer2State`` /
     ``Optimizer1State``) that runs on fake tensors: it allocates exactly the state bitsandbytes
     allocates and the temporaries its CPU step allocates, and never reads a tensor's value.
@@ -192,7 +223,7 @@ class EightBitStateModel(Optimizer):
                 for k in ("dynamic", "udynamic")
             }
 
-    def _init_state(self, p: torch.Tensor) -> None:
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
         state["step"] = 0
         eight = self.optim_bits == 8 and p.numel() >= self.min_8bit_size and id(p) not in self._keep
@@ -211,21 +242,6 @@ class EightBitStateModel(Optimizer):
                 state[f"absmax{i}"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
         if self.max_unorm > 0.0:
             state["unorm_vec"] = torch.zeros((1,), device=p.device)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.state[p]:
-                    self._init_state(p)
-                self._update(group, p)
-        return loss
 
     def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """The allocations of bitsandbytes' CPU kernels (backends/cpu/ops.py), in their order."""
@@ -278,10 +294,7 @@ class AdafactorStateModel(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         counts = self.__dict__.setdefault("_counts", {})
         for group in self.param_groups:
             params, grads, rows, cols, variances, steps = adafactor_init_group(self, group)
@@ -323,7 +336,7 @@ _TORCHAO_PREFIX = "torchao.optim"
 _TORCHAO_MIN_QUANTISED = 4096  # torchao quantises states of tensors with at least this many values
 
 
-class CompiledAdamStateModel(Optimizer):
+class CompiledAdamStateModel(_PerParameterModel):
     """Estimate-only stand-in for torchao's AdamW family (``_AdamW`` and ``AdamW8bit``, with
     ``bf16_stochastic_round`` or not), whose step is a ``torch.compile``d function that neither
     fake tensors nor a dispatch mode can enter. It allocates exactly torchao's state: ``step`` (one
@@ -356,26 +369,14 @@ class CompiledAdamStateModel(Optimizer):
             ]
         return torch.zeros_like(p, memory_format=torch.contiguous_format)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    keys = ["exp_avg", "exp_avg_sq"] + (
-                        ["max_exp_avg_sq"] * bool(group.get("amsgrad"))
-                    )
-                    for key in keys:
-                        state[key] = self._buffer(p)
-                state["step"] += 1
-        return loss
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in ["exp_avg", "exp_avg_sq"] + ["max_exp_avg_sq"] * bool(group.get("amsgrad")):
+            state[key] = self._buffer(p)
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        self.state[p]["step"] += 1  # weights and states are updated in place
 
 
 def steps_compiled(optimizer: Any) -> bool:

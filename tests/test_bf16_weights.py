@@ -173,3 +173,18 @@ def test_gate_figures_are_the_benchmarks() -> None:
     # the gate can fail: plain bf16 AdamW is measurably worse, the compensated forms within 1%
     assert GATE["adamw"] > 0.003 and all(abs(GATE[k]) < 0.01 for k in GATE if k != "adamw")
     assert "+0.02%" in gate_summary("adamw8bit_sr") and "+0.48%" in gate_summary("adamw8bit_sr")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_auto_efficient_says_bf16_weights_need_the_trainers_precision(caplog, precision) -> None:
+    """A callback cannot change a built Trainer's precision: on full-weight training by a trainer
+    not built with bf16-true, AutoEfficient says the bf16-weights stacks need it."""
+    import logging
+
+    from lightning_efficient.planning import AutoEfficient
+    from lightning_efficient.planning.fit import BF16_WEIGHTS_NEED_YAML
+
+    with caplog.at_level(logging.INFO):
+        fit(None, [AutoEfficient(budget="1TiB", trial=False)], precision=precision, max_steps=1)
+    said = BF16_WEIGHTS_NEED_YAML in caplog.text
+    assert said == (precision == "32-true")

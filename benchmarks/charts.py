@@ -262,6 +262,34 @@ def optimizers() -> Any:
     return fig
 
 
+def bf16_weights() -> Any:
+    data = _load("bf16_weights")
+    fig, axes = _figure(8.0, 3.6, ncols=2)
+    ax = axes[0][0]
+    forms = list(dict.fromkeys(r["form"] for r in data["quality"]))
+    lrs = sorted({r["lr"] for r in data["quality"]}, reverse=True)
+    height = 0.8 / len(lrs)
+    for j, lr in enumerate(lrs):
+        values = [100 * row["loss_vs_reference"] for row in data["quality"] if row["lr"] == lr]
+        ys = [i + j * height for i in range(len(forms))]
+        ax.barh(ys, values, height=height, color=("#4c72b0", "#dd8452")[j % 2], label=f"lr {lr:g}")
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(forms))], forms)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="#c44e52", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("held-out loss vs fp32 masters, % (measured; dashed: the 1% goal)")
+    ax.legend(fontsize=6)
+    ax.set_title("The quality gate: fine-tuning a pretrained TinyGPT", fontsize=8)
+    mem = data["memory"]
+    _bars(
+        axes[0][1],
+        [r["form"] for r in mem],
+        [r["bytes_per_parameter"] for r in mem],
+        "weights + gradients + states, bytes per parameter (measured)",
+    )
+    _footer(fig, f"measured on a {CPU}", "bf16_weights.json")
+    return fig
+
+
 def chunked_loss() -> Any:
     data = _load("chunked_loss")
     fig, axes = _figure(8.0, 3.2, ncols=2)
@@ -674,6 +702,7 @@ CHARTS = [
     ),
     Chart("activation_checkpointing_memory", ("docs/activation_checkpointing.md",), checkpointing),
     Chart("optimizers_memory", ("docs/optimizers.md",), optimizers),
+    Chart("bf16_weights_gate", ("docs/optimizers.md",), bf16_weights),
     Chart("chunked_loss_memory", ("docs/chunked_loss.md",), chunked_loss),
     Chart("planner_rungs", ("docs/planner.md",), planner),
     Chart("precision_memory", ("docs/precision.md",), precision),

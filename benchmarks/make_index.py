@@ -96,11 +96,31 @@ def _optimizers() -> tuple[str, str]:
     data = load("optimizers")
     r = row(data["memory_and_time"], optimizer="adamw8bit")
     conv = row(data["convergence"], run="adamw8bit")
+    saves, costs = _bf16_weights()
     return (
         f"adamw8bit: optimizer state {pct(r['optimizer_state_ratio'])}, peak "
-        f"{pct(r['peak_ratio'])} (TinyGPT 4x128, CPU)",
+        f"{pct(r['peak_ratio'])} (TinyGPT 4x128, CPU); {saves}",
         f"step time {pct(r['step_time_ratio'])} on a CPU; validation loss "
-        f"{pct(conv['val_loss_ratio'])} vs AdamW after {conv['steps']} steps",
+        f"{pct(conv['val_loss_ratio'])} vs AdamW after {conv['steps']} steps; {costs}",
+    )
+
+
+def _bf16_weights() -> tuple[str, str]:
+    """OptimizerSwap's bf16-weights names (benchmarks/results/bf16_weights.json)."""
+    data = load("bf16_weights")
+    mem = {r["form"]: r for r in data["memory"]}
+    keys = ("adamw_kahan", "adamw_sr", "adamw8bit_sr", "nearest rounding")
+    worst = {
+        k: max(r["loss_vs_reference"] for r in data["quality"] if k in r["form"]) for k in keys
+    }
+    ref = next(iter(mem.values()))["bytes_per_parameter"]
+    sr8 = next(r for f, r in mem.items() if "adamw8bit_sr" in f)["bytes_per_parameter"]
+    return (
+        f"bf16 weights + adamw8bit_sr: {sr8:.1f} B/parameter (weights, gradients, states) vs "
+        f"{ref:.1f} with fp32 masters (TinyGPT, CPU)",
+        f"bf16 weights, held-out loss vs fp32 masters at most {worst['adamw_kahan']:+.2%} (Kahan), "
+        f"{worst['adamw_sr']:+.2%} (SR), {worst['adamw8bit_sr']:+.2%} (SR 8-bit); plain bf16 "
+        f"AdamW {worst['nearest rounding']:+.2%} (bf16_weights.json)",
     )
 
 

@@ -22,6 +22,7 @@ BASE = {"torch", "lightning", "deepspeed", "bitsandbytes", "torchmetrics", "json
 EXTRAS = {
     "hf": {"transformers"},
     "fp8": {"torchao"},
+    "bf16": {"torch-optimi", "torchao"},
     "plot": {"matplotlib"},
     "notebooks": {"nbformat", "nbclient", "ipykernel", "matplotlib"},
 }

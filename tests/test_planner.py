@@ -257,8 +257,18 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
 
     full, lora = _llama(lora=False), _llama(lora=True)
     assert frozen_linear_share(full) == 0.0 and 0.5 < frozen_linear_share(lora) < 1.0
-    assert ladder_options(full) == {"chunked_loss": False, "frozen_4bit": False, "eight_bit": True}
-    assert ladder_options(lora) == {"chunked_loss": False, "frozen_4bit": True, "eight_bit": False}
+    assert ladder_options(full) == {
+        "chunked_loss": False,
+        "frozen_4bit": False,
+        "eight_bit": True,
+        "bf16_weights": True,
+    }
+    assert ladder_options(lora) == {
+        "chunked_loss": False,
+        "frozen_4bit": True,
+        "eight_bit": False,
+        "bf16_weights": False,
+    }
     plain = default_ladder(2**30, **ladder_options(full))
     assert not any(FROZEN_4BIT in r.callbacks for r in plain)
     assert any(p.class_path == "OptimizerSwap" for r in plain for p in r.callbacks)
@@ -343,3 +353,32 @@ def test_fewer_recomputed_blocks_is_not_saves_nothing() -> None:
     )
     assert est_8bit.required_bytes >= est_plain.required_bytes  # the case: a higher peak
     assert problem == "", problem
+
+
+def test_bf16_weights_rung_on_full_weight_training_only() -> None:
+    """Full-weight training of a tiny Llama: the bf16-true rungs (stochastic rounding, then with
+    8-bit states) come after the 8-bit rungs and before the optimizer in backward and ZeRO
+    offload, and name the quality gate's figure; a budget under the 8-bit + checkpointing rung's
+    estimate picks one of them. A LoRA model never gets them (its frozen weights are not
+    updated), nor a trainer fixed at 32-true (a callback cannot change the precision)."""
+    from lightning_efficient.planning.ladder import ladder_options
+
+    full, lora = _llama(lora=False), _llama(lora=True)
+    names = [r.name for r in default_ladder(2**30, **ladder_options(full))]
+    sr = names.index("bf16-true + adamw_sr + checkpoint all blocks")
+    assert names[sr + 1] == "bf16-true + adamw8bit_sr + checkpoint all blocks"
+    assert names.index("bf16-mixed + adamw8bit + checkpoint all blocks") < sr
+    assert sr < min(i for i, n in enumerate(names) if "in backward" in n or "ZeRO" in n)
+    rung = default_ladder(2**30, **ladder_options(full))[sr]
+    assert rung.precision == "bf16-true" and "quality gate" in rung.cost
+    assert not any("bf16-true" in r.name for r in default_ladder(2**30, **ladder_options(lora)))
+    fixed = default_ladder(2**30, bf16=False, **ladder_options(full))
+    assert not any(r.precision == "bf16-true" for r in fixed)
+    # the planner takes it at a budget just under the 8-bit + checkpointing rung's estimate
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    kw = dict(loss_fn=_hf_loss, optimizer="adamw", device="cpu")
+    ladder = default_ladder(2**40, **ladder_options(full))
+    eight = ladder[names.index("bf16-mixed + adamw8bit + checkpoint all blocks")]
+    peak = plan_stack(full, (ids,), "1TiB", ladder=[eight], **kw).tried[0][1].peak_bytes
+    plan = plan_stack(full, (ids,), peak - 1, ladder=[eight, *ladder[sr : sr + 2]], **kw)
+    assert plan.chosen is not None and plan.chosen.name.startswith("bf16-true + adamw")

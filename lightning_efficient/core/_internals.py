@@ -22,6 +22,7 @@ from torch import nn
 
 __all__ = [
     "TESTED",
+    "dispatch_modes_off",
     "FakeTensor",
     "FakeTensorMode",
     "InternalsError",
@@ -94,10 +95,16 @@ def _moved(package: str, name: str) -> InternalsError:
 try:
     from torch._subclasses import fake_tensor as _fake_tensor
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 except ImportError as err:  # pragma: no cover - depends on the torch release
     raise _moved("torch", "torch._subclasses.fake_tensor / torch.utils._pytree") from err
+
+
+def dispatch_modes_off() -> Any:
+    """A context in which no ``TorchDispatchMode`` is active (``torch.compile`` refuses to run
+    under one): the storage tracker steps a compiled optimizer inside it."""
+    return _disable_current_modes()
 
 
 def fake_tensor_errors() -> tuple[type[BaseException], ...]:

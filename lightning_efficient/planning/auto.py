@@ -18,7 +18,7 @@ from lightning_efficient.core.validate import (
 )
 from lightning_efficient.planning import fit as on_fit
 from lightning_efficient.planning.decision import GOALS, Decision
-from lightning_efficient.planning.ladder import trains_without_cache
+from lightning_efficient.planning.ladder import trains_full_weights, trains_without_cache
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 
@@ -207,6 +207,8 @@ class AutoEfficient(Technique):
             self.warn(warning)
         if str(trainer.precision) == "32-true":
             self.note(on_fit.BF16_NEEDS_YAML)
+        if str(trainer.precision) != "bf16-true" and trains_full_weights(pl_module):
+            self.note(on_fit.BF16_WEIGHTS_NEED_YAML)
         return decision
 
     def preset(self, decision: Decision) -> AutoEfficient:

@@ -362,6 +362,13 @@ BF16_NEEDS_YAML = (
     "(`trainer.precision: bf16-mixed`, or `lightning-efficient fit --auto`)"
 )
 
+#: What AutoEfficient says on full-weight training by a trainer not built with bf16-true.
+BF16_WEIGHTS_NEED_YAML = (
+    "the ladder's bf16-weights stacks (adamw_sr, adamw8bit_sr) need a trainer built with "
+    "bf16-true, which a callback cannot change (`trainer.precision: bf16-true`, or "
+    "`lightning-efficient fit --auto`)"
+)
+
 
 def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:
     """Put ``callbacks`` into ``trainer.callbacks`` right after ``after``: Lightning calls the

@@ -21,12 +21,14 @@ from lightning_efficient.techniques.activation_checkpointing import ActivationCh
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy, worth_chunking
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
 from lightning_efficient.techniques.optimizers import OptimizerSwap, eight_bit_saves_nothing
+from lightning_efficient.techniques.optimizers.bf16 import gate_summary
 from lightning_efficient.techniques.quantize import FrozenWeights4bit, worth_quantizing
 from lightning_efficient.techniques.zero_offload import ZeROOffload
 
 __all__ = [
     "ADAMW8BIT",
     "ADAM8BIT",
+    "BF16_WEIGHT_RUNGS",
     "ADAMW8BIT_IN_BACKWARD",
     "CHECKPOINT_ALL",
     "CHUNKED_LOSS",
@@ -46,6 +48,7 @@ __all__ = [
     "offloadable",
     "optimizer_swap",
     "technique_class",
+    "trains_full_weights",
     "trains_without_cache",
     "without_configured",
 ]
@@ -146,6 +149,8 @@ ZERO3_OFFLOAD = Part(
 FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
 FSDP_FULL = Part("FullyShardedStrategy")
 CHUNKED_LOSS = Part("ChunkedCrossEntropy")
+#: The bf16-weights rungs' optimizers, most bytes first (8, then about 6 bytes a parameter).
+BF16_WEIGHT_RUNGS = ("adamw_sr", "adamw8bit_sr")
 FROZEN_4BIT = Part("FrozenWeights4bit")
 
 
@@ -201,12 +206,23 @@ def ladder_options(model: Any) -> dict[str, bool]:
     (wide logits: ``worth_chunking``), ``frozen_4bit`` (frozen linear weights dominate:
     ``worth_quantizing``) and ``eight_bit`` (not every trainable tensor is under bitsandbytes'
     ``min_8bit_size``: ``eight_bit_saves_nothing``)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
     return {
         "chunked_loss": worth_chunking(model),
         "frozen_4bit": worth_quantizing(model),
         "eight_bit": not eight_bit_saves_nothing(trainable),
+        "bf16_weights": trains_full_weights(model),
     }
+
+
+def trains_full_weights(model: Any) -> bool:
+    """Whether ``model`` trains (nearly) all its weights: at least 90% of its parameters are
+    trainable, so weights, gradients and optimizer states are what the bf16-weights rungs
+    shrink. Adapters-only training (LoRA) is not: its frozen weights are never updated."""
+    sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    total = sum(n for n, _ in sizes)
+    return total > 0 and sum(n for n, t in sizes if t) >= 0.9 * total
 
 
 def default_ladder(
@@ -222,6 +238,7 @@ def default_ladder(
     optimizer: Any = "adamw",
     frozen_4bit: bool = False,
     eight_bit: bool = True,
+    bf16_weights: bool = False,
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
     and strategy) the config already has; the first rung, "as configured", estimates them.
@@ -266,6 +283,16 @@ def default_ladder(
     host. On several ranks, one rung (with every block checkpointed) under the configured DDP
     only: 4-bit weights cannot be sharded. Trainable weights are never quantized (the technique
     picks frozen layers only). Never offered on full-weight training (no frozen weights).
+
+    ``bf16_weights``: full-weight training (:func:`trains_full_weights`), where weights,
+    gradients and AdamW states (16 bytes a parameter; 10 with 8-bit states) dominate. Then, on one
+    device, for the AdamW family and where bf16 is allowed (``bf16``, or the trainer's precision
+    is ``bf16-true`` already), two ``bf16-true`` rungs come after the 8-bit rungs and before the
+    optimizer in backward and ZeRO offload: :data:`BF16_WEIGHT_RUNGS` (bf16 weights and
+    gradients with stochastic rounding, 8 and about 6 bytes a parameter, with every block
+    checkpointed); their cost names the quality gate's figure. A callback cannot change a
+    built Trainer's precision: AutoEfficient reports them as needing ``trainer.precision:
+    bf16-true`` (``fit --auto`` builds it). Never offered on adapters-only training.
     """
     check_int("world_size", world_size, minimum=1)
     family = optimizer if _optimizer_type(optimizer) is not None else "adamw"
@@ -303,6 +330,9 @@ def default_ladder(
             rungs.append(_checkpoint_rungs(name, low, fewest, loss, swap, eight)[1])
         if frozen_4bit:
             rungs += _4bit_rungs(name, low, fewest, loss, swap, eight)
+    if bf16_weights and world_size == 1 and eight == "adamw8bit":
+        if bf16 or precision == "bf16-true":
+            rungs += _bf16_weight_rungs(loss)
     if accumulate_grad_batches == 1 and world_size == 1 and eight:
         rungs.append(
             Rung(
@@ -355,6 +385,21 @@ def _checkpoint_rungs(
             (*loss, *swap, CHECKPOINT_ALL),
             cost="recompute every block's forward (~+30% step time)",
         ),
+    ]
+
+
+def _bf16_weight_rungs(loss: tuple[Part, ...]) -> list[Rung]:
+    """bf16 weights with stochastic rounding (``adamw_sr``, then ``adamw8bit_sr``), every block
+    checkpointed; the cost names the quality gate's held-out loss against fp32 masters."""
+    name = "bf16-true + chunked loss" if loss else "bf16-true"
+    return [
+        Rung(
+            f"{name} + {swap} + checkpoint all blocks",
+            "bf16-true",
+            (*loss, optimizer_swap(swap), CHECKPOINT_ALL),
+            cost=f"bf16 weights: {gate_summary(swap)}; recompute every block's forward",
+        )
+        for swap in BF16_WEIGHT_RUNGS
     ]
 
 

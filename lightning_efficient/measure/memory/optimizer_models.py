@@ -23,11 +23,12 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_efficient.core._internals import FakeTensor, adafactor_init_group, tree_flatten
-from lightning_efficient.core.validate import import_object, missing_requirement
+from lightning_efficient.core.validate import import_object, missing_extra, missing_requirement
 
 __all__ = [
     "OPTIMIZER_NAMES",
     "AdafactorStateModel",
+    "CompiledAdamStateModel",
     "EightBitStateModel",
     "estimate_factory",
     "optimizer_class",
@@ -35,6 +36,7 @@ __all__ = [
     "optimizer_state_tensors",
     "running_estimate_factory",
     "state_model",
+    "steps_compiled",
 ]
 
 #: Short names -> class paths; bitsandbytes ones are imported lazily.
@@ -49,8 +51,13 @@ OPTIMIZER_NAMES: dict[str, str] = {
     "lion8bit": "bitsandbytes.optim.Lion8bit",
     "adafactor": "torch.optim.Adafactor",
     "adamw_fused": "torch.optim.AdamW",
+    # bf16 weights with compensated updates (OptimizerSwap sets the compensation on)
+    "adamw_kahan": "optimi.AdamW",
+    "adamw_sr": "torchao.optim._AdamW",
+    "adamw8bit_sr": "torchao.optim.AdamW8bit",
 }
 _BNB_PREFIX = "bitsandbytes."
+
 DEFAULT_MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep 32-bit states
 
 
@@ -78,12 +85,26 @@ def optimizer_class(name: Any, *, argument: str = "name") -> type[Optimizer]:
             import bitsandbytes.optim  # noqa: F401
         except ImportError as err:
             raise missing_requirement("bitsandbytes", f"The optimizer {name!r}") from err
+    if path.startswith(("optimi.", "torchao.")):
+        _import_bf16_extra(path, name)
     cls = import_object(argument, path)
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
         raise TypeError(
             f"`{argument}`: {path!r} is not a torch.optim.Optimizer subclass; got {cls!r}."
         )
     return cls
+
+
+def _import_bf16_extra(path: str, name: str) -> None:
+    """The bf16-weight optimizers' packages (the ``bf16`` extra), or the pip command."""
+    package = "torch-optimi" if path.startswith("optimi.") else "torchao"
+    try:
+        if package == "torch-optimi":
+            import optimi  # noqa: F401
+        else:
+            import torchao.optim  # noqa: F401
+    except ImportError as err:
+        raise missing_extra(package, "bf16", f"The optimizer {name!r}") from err
 
 
 # -- bitsandbytes' state layout ----------------------------------------------------------------
@@ -109,7 +130,38 @@ _QMAP_SIZE = 256  # a quantisation map: 256 fp32 code values
 _MODEL_OPTIONS = ("min_8bit_size", "optim_bits", "max_unorm")
 
 
-class EightBitStateModel(Optimizer):
+def _run_closure(closure: Callable[[], Any] | None) -> Any:
+    """An optimizer step's closure (forward and backward) with gradients on; ``None`` without."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class _PerParameterModel(Optimizer):
+    """An estimate-only optimizer that steps parameter by parameter: ``_init_state(p, group)`` the
+    first time ``p`` has a gradient, then ``_update(group, p)``."""
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = _run_closure(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self._init_state(p, group)
+                self._update(group, p)
+        return loss
+
+
+class EightBitStateModel(_PerParameterModel):
     """Estimate-only stand-in for bitsandbytes' optimizers (``Optimizer2State`` /
     ``Optimizer1State``) that runs on fake tensors: it allocates exactly the state bitsandbytes
     allocates and the temporaries its CPU step allocates, and never reads a tensor's value.
@@ -171,7 +223,7 @@ class EightBitStateModel(Optimizer):
                 for k in ("dynamic", "udynamic")
             }
 
-    def _init_state(self, p: torch.Tensor) -> None:
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
         state["step"] = 0
         eight = self.optim_bits == 8 and p.numel() >= self.min_8bit_size and id(p) not in self._keep
@@ -190,21 +242,6 @@ class EightBitStateModel(Optimizer):
                 state[f"absmax{i}"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
         if self.max_unorm > 0.0:
             state["unorm_vec"] = torch.zeros((1,), device=p.device)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.state[p]:
-                    self._init_state(p)
-                self._update(group, p)
-        return loss
 
     def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """The allocations of bitsandbytes' CPU kernels (backends/cpu/ops.py), in their order."""
@@ -257,10 +294,7 @@ class AdafactorStateModel(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         counts = self.__dict__.setdefault("_counts", {})
         for group in self.param_groups:
             params, grads, rows, cols, variances, steps = adafactor_init_group(self, group)
@@ -298,6 +332,67 @@ class AdafactorStateModel(torch.optim.Adafactor):
         return loss
 
 
+_TORCHAO_PREFIX = "torchao.optim"
+_TORCHAO_MIN_QUANTISED = 4096  # torchao quantises states of tensors with at least this many values
+
+
+class CompiledAdamStateModel(_PerParameterModel):
+    """Estimate-only stand-in for torchao's AdamW family (``_AdamW`` and ``AdamW8bit``, with
+    ``bf16_stochastic_round`` or not), whose step is a ``torch.compile``d function that neither
+    fake tensors nor a dispatch mode can enter. It allocates exactly torchao's state: ``step`` (one
+    fp32), ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``): for a tensor
+    of at least 4,096 values divisible by ``block_size``, uint8 codes of its shape, one fp32
+    scale per ``block_size`` values and a quantisation map of 256 fp32 values each; otherwise a
+    tensor of its shape and dtype (bf16 for bf16 weights). The compiled step updates weights and
+    states in place in fused kernels: modelled with no temporaries. Not for training.
+
+    Args:
+        params: Parameters or param groups (group options are kept, not used).
+        block_size: torchao's (``256`` for ``AdamW8bit``, ``inf`` for ``_AdamW``: never
+            quantised).
+    """
+
+    def __init__(self, params: Iterable[Any], *, block_size: float, **defaults: Any) -> None:
+        super().__init__(
+            params,
+            {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **defaults},
+        )
+        self.block_size = block_size
+
+    def _buffer(self, p: torch.Tensor) -> Any:
+        n = p.numel()
+        if n >= _TORCHAO_MIN_QUANTISED and n % self.block_size == 0:
+            return [
+                torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format),
+                torch.zeros((n // int(self.block_size),), dtype=torch.float32, device=p.device),
+                torch.zeros((_QMAP_SIZE,), dtype=torch.float32, device=p.device),
+            ]
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in ["exp_avg", "exp_avg_sq"] + ["max_exp_avg_sq"] * bool(group.get("amsgrad")):
+            state[key] = self._buffer(p)
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        self.state[p]["step"] += 1  # weights and states are updated in place
+
+
+def steps_compiled(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or its class) steps through ``torch.compile`` (torchao's AdamW
+    family), which a dispatch mode cannot enter: the tracker steps it with its modes off."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return any(c.__module__.startswith(_TORCHAO_PREFIX) for c in cls.__mro__)
+
+
+def _torchao_block_size(cls: type, options: dict[str, Any]) -> float:
+    if "block_size" in options:
+        return options["block_size"]
+    param = inspect.signature(cls.__init__).parameters.get("block_size")
+    return param.default if param is not None else float("inf")
+
+
 # -- which optimizer runs in an estimate -----------------------------------------------------------
 def _bnb_layout(cls: type) -> str | None:
     if not cls.__module__.startswith(_BNB_PREFIX):
@@ -307,7 +402,11 @@ def _bnb_layout(cls: type) -> str | None:
 
 def needs_state_model(cls: type) -> bool:
     """True when ``cls`` reads tensor values in its step and so has an estimate-only model."""
-    return _bnb_layout(cls) is not None or issubclass(cls, torch.optim.Adafactor)
+    return (
+        _bnb_layout(cls) is not None
+        or issubclass(cls, torch.optim.Adafactor)
+        or steps_compiled(cls)
+    )
 
 
 def state_model(
@@ -325,6 +424,15 @@ def state_model(
         return EightBitStateModel(param_groups, layout, keep_32bit=keep_32bit, **ctor)
     if issubclass(cls, torch.optim.Adafactor):
         return AdafactorStateModel(param_groups, **options)
+    if steps_compiled(cls):
+        block_size = _torchao_block_size(cls, options)
+        return CompiledAdamStateModel(
+            param_groups,
+            block_size=block_size,
+            **{
+                k: v for k, v in options.items() if k not in ("block_size", "bf16_stochastic_round")
+            },
+        )
     return None
 
 
@@ -378,7 +486,17 @@ def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
     if wrapped is not None and wrapped is not optimizer and hasattr(wrapped, "state"):
         return optimizer_state_tensors(wrapped)
     leaves = tree_flatten(list(optimizer.state.values()))[0]
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
+    return [t for leaf in leaves if isinstance(leaf, torch.Tensor) for t in _inner_tensors(leaf)]
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor subclass's data (torchao's 8-bit states: codes,
+    scales, quantisation map), through ``__tensor_flatten__``; a plain tensor itself."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None or type(tensor) is torch.Tensor or isinstance(tensor, FakeTensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [t for n in names for t in _inner_tensors(getattr(tensor, n))]
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:

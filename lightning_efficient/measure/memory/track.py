@@ -33,10 +33,14 @@ from torch import nn
 from lightning_efficient.core._internals import (
     FakeTensor,
     TorchDispatchMode,
+    dispatch_modes_off,
     tree_flatten,
     tree_map,
 )
-from lightning_efficient.measure.memory.optimizer_models import optimizer_state_tensors
+from lightning_efficient.measure.memory.optimizer_models import (
+    optimizer_state_tensors,
+    steps_compiled,
+)
 from lightning_efficient.measure.memory.types import (
     CATEGORIES,
     EstimatePlan,
@@ -415,7 +419,11 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
                     del loss
                 tracker.phase = "optimizer"
                 if optimizer is not None:
-                    optimizer.step()
+                    if steps_compiled(optimizer):  # torch.compile refuses a dispatch mode;
+                        with dispatch_modes_off():  # its new state is registered just below
+                            optimizer.step()
+                    else:
+                        optimizer.step()
                     tracker.label(optimizer_state_tensors(optimizer), "optimizer_state")
                     if not lightning:
                         optimizer.zero_grad(set_to_none=True)

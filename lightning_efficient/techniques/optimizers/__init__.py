@@ -1,5 +1,5 @@
-"""Memory-lean optimizers for an unmodified LightningModule: 8-bit, paged, Adafactor, fused, and
-optimizer-in-backward.
+"""Memory-lean optimizers for an unmodified LightningModule: 8-bit, paged, Adafactor, fused,
+optimizer-in-backward, and compensated updates for bf16 weights (:mod:`.bf16`).
 
 Pure functions (no Lightning needed; ``apply_optimizer_swap`` and ``apply_optimizer_in_backward``
 are in :mod:`lightning_efficient.functional`):
@@ -23,6 +23,7 @@ from lightning_efficient.measure.memory.optimizer_models import (
     EightBitStateModel,
     optimizer_state_bytes,
 )
+from lightning_efficient.techniques.optimizers.bf16 import BF16_NAMES
 from lightning_efficient.techniques.optimizers.build import (
     EIGHT_BIT_NAMES,
     NAMES,
@@ -46,6 +47,7 @@ from lightning_efficient.techniques.optimizers.swap import OptimizerSwap
 __all__ = [
     "NAMES",
     "EIGHT_BIT_NAMES",
+    "BF16_NAMES",
     "optimizer_class",
     "accepted_options",
     "build_optimizer",

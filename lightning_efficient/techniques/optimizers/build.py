@@ -51,6 +51,7 @@ from lightning_efficient.measure.memory.optimizer_models import (
     optimizer_class,
     state_model,
 )
+from lightning_efficient.techniques.optimizers.bf16 import compensation_options, swap_class
 from lightning_efficient.techniques.optimizers.in_backward import attach_optimizer_in_backward
 
 __all__ = [
@@ -85,6 +86,9 @@ NAMES: dict[str, str] = {
         "lion8bit",
         "adafactor",
         "adamw_fused",
+        "adamw_kahan",
+        "adamw_sr",
+        "adamw8bit_sr",
     )
 }
 #: Names whose states are 8-bit (and so take ``min_8bit_size`` and the embedding override).
@@ -205,7 +209,7 @@ def merge_overrides(
     if both:
         raise ValueError(f"`overrides`: {both} given both in `overrides` and as keyword arguments.")
     merged = {**(overrides or {}), **kwargs}
-    check_overrides(name, optimizer_class(name), merged)
+    check_overrides(name, swap_class(name), merged)
     return merged
 
 
@@ -291,11 +295,15 @@ def carry_param_groups(
 
 # -- building --------------------------------------------------------------------------------
 def _ctor_options(
-    name: str, cls: type[Optimizer], overrides: dict[str, Any], on_cuda: bool
+    name: str,
+    cls: type[Optimizer],
+    overrides: dict[str, Any],
+    on_cuda: bool,
+    groups: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """Constructor arguments that are not group keys: bitsandbytes' 8-bit options, and for
-    ``adamw_fused`` ``fused`` on CUDA, ``foreach`` elsewhere."""
-    ctor: dict[str, Any] = {}
+    """Constructor arguments that are not group keys: bitsandbytes' 8-bit options, for
+    ``adamw_fused`` ``fused`` on CUDA, ``foreach`` elsewhere, and the bf16 names' compensation."""
+    ctor: dict[str, Any] = compensation_options(name, groups)
     if name in EIGHT_BIT_NAMES:
         ctor["min_8bit_size"] = overrides.get("min_8bit_size", DEFAULT_MIN_8BIT_SIZE)
     for key in _ctor_only(cls) & set(overrides):
@@ -314,13 +322,13 @@ def _build(
     overrides: dict[str, Any] | None = None,
 ) -> tuple[Optimizer, set[str]]:
     overrides = dict(overrides or {})
-    cls = optimizer_class(name)
+    cls = swap_class(name)
     check_overrides(name, cls, overrides)
     groups, dropped = carry_param_groups(
         param_groups, name, cls, source=source, overrides=overrides
     )
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
-    optimizer = cls(groups, **_ctor_options(name, cls, overrides, on_cuda))
+    optimizer = cls(groups, **_ctor_options(name, cls, overrides, on_cuda, groups))
     keep = list(keep_32bit)
     if keep and name in EIGHT_BIT_NAMES:
         _keep_32bit_states(optimizer, keep)
@@ -425,7 +433,7 @@ def replace_optimizer(
     keep = list(keep_32bit)
     if not in_backward:
         return _build(name, old.param_groups, source=old, keep_32bit=keep, overrides=overrides)
-    cls = optimizer_class(name)
+    cls = swap_class(name)
     groups, dropped = carry_param_groups(
         old.param_groups, name, cls, source=old, overrides=overrides
     )
@@ -446,7 +454,7 @@ def estimate_optimizer(
     values (bitsandbytes, Adafactor), otherwise the real optimizer."""
     from lightning_efficient.core._internals import FakeTensor
 
-    cls = optimizer_class(name)
+    cls = swap_class(name)
     # the state model takes bitsandbytes' 8-bit options as constructor arguments
     model_ctor = _ctor_only(cls) | (set(_CTOR_ONLY) | {"max_unorm", "skip_zeros"})
 

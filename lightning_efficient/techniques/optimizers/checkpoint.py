@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 from lightning_efficient.techniques.optimizers.in_backward import InBackwardOptimizer
@@ -51,8 +52,9 @@ def portable_state(original: Optimizer, swapped: Optimizer) -> dict[str, Any] | 
     portable = original.state_dict()
     for g_orig, g_new in zip(portable["param_groups"], swapped.param_groups):
         for key in _LR_KEYS:
-            if key in g_new:
-                g_orig[key] = g_new[key]
+            if key in g_new:  # torchao keeps its lr as a tensor
+                value = g_new[key]
+                g_orig[key] = float(value) if isinstance(value, torch.Tensor) else value
     portable["state"] = {}
     return portable
 

@@ -13,6 +13,7 @@ from lightning_efficient.measure.memory.optimizer_models import (
     optimizer_class,
     optimizer_state_bytes,
 )
+from lightning_efficient.techniques.optimizers.bf16 import check_low_precision_weights
 from lightning_efficient.techniques.optimizers.build import (
     apply_optimizer_swap,
     estimate_optimizer,
@@ -38,8 +39,12 @@ class OptimizerSwap(Technique):
     Args:
         name: ``"adamw8bit"``, ``"adam8bit"``, ``"paged_adamw8bit"``, ``"paged_adamw32bit"``,
             ``"lion8bit"`` (bitsandbytes), ``"adafactor"`` (``torch.optim.Adafactor``),
-            ``"adamw_fused"`` (fused AdamW on CUDA, foreach AdamW on CPU), or the class path of
-            any ``torch.optim.Optimizer``.
+            ``"adamw_fused"`` (fused AdamW on CUDA, foreach AdamW on CPU), the bf16-weight names
+            ``"adamw_kahan"`` (Kahan-compensated AdamW, torch-optimi), ``"adamw_sr"`` and
+            ``"adamw8bit_sr"`` (AdamW / 8-bit AdamW with stochastic rounding, torchao) for
+            ``Trainer(precision="bf16-true")`` (refused on 32-bit weights; see
+            :mod:`~lightning_efficient.techniques.optimizers.bf16`), or the class path of any
+            ``torch.optim.Optimizer``.
         overrides: Constructor arguments of the new optimizer that replace the carried values in
             every group (e.g. ``{"lr": 1e-2}``, ``{"min_8bit_size": 16384}``). From yaml, give them
             here; from Python they may also be passed as keyword arguments. Values the optimizer
@@ -117,6 +122,8 @@ class OptimizerSwap(Technique):
         if not old:
             self.no_effect("the module configured no optimizer; nothing to swap.")
             return
+        params = [p for opt in old for g in opt.param_groups for p in g["params"]]
+        mixed = check_low_precision_weights(self.optimizer_name, params)  # refuses 32-bit ones
         keep = kept_32bit_parameters(pl_module, self.optimizer_name, self.embeddings_32bit)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         new, dropped = [], set()
@@ -143,7 +150,7 @@ class OptimizerSwap(Technique):
         if no_effect is not None:
             self.no_effect(no_effect)
         self._prepare_restore()
-        for message in notes:
+        for message in notes + ([mixed] if mixed else []):
             self.note(message)
         self.report(trainer, self._change(), optimizers=len(new))
 

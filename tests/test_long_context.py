@@ -101,15 +101,16 @@ def _assert_same(got: tuple, want: tuple) -> None:
 # -- tiled position-wise layers -----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "plain"])
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["tiled", "tiled+boundaries"])
-def test_tiled_mlp_loss_and_gradients_equal_the_untiled(kind: str, checkpointed: bool) -> None:
+def test_tile_sequence_loss_and_gradients_equal_the_untiled(kind: str, checkpointed: bool) -> None:
     model = _model(kind)
     ids = torch.randint(0, VOCAB, (2, 70))
     plain = _loss_and_grads(model, ids)
     tiling = apply_tiling(model, "auto", 16)
     calls = []
-    first = dict(model.named_modules())[tiling.value[0]]
+    mlps = [n for n in tiling.value if n.endswith(("mlp", "ff"))]
+    first = dict(model.named_modules())[mlps[0]]
     linear = next(
-        m for m in first.modules() if isinstance(m, (nn.Linear,)) or "Conv1D" in str(type(m))
+        m for m in first.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
     )
     handle = linear.register_forward_hook(lambda *a: calls.append(1))
     ckpt = apply_activation_checkpointing(model, offload_boundaries=True) if checkpointed else None
@@ -120,7 +121,8 @@ def test_tiled_mlp_loss_and_gradients_equal_the_untiled(kind: str, checkpointed:
         if ckpt is not None:
             ckpt.undo()
         tiling.undo()
-    assert len(tiling.value) == 2  # one MLP per block
+    assert len(mlps) == 2  # one MLP per block, and its norms
+    assert len(tiling.value) == (4 if kind == "plain" else 6)
     # 70 tokens in tiles of 16: 5 tiles in the forward and 5 in backward (+5 in the recompute)
     assert len(calls) == (15 if checkpointed else 10)
     _assert_same(got, plain)
@@ -162,8 +164,8 @@ def test_tiling_frees_the_wide_intermediates() -> None:
 def test_bad_tile_values() -> None:
     assert check_tile(False) is None and check_tile(True) == "auto" and check_tile(8) == 8
     for bad in (0, -3, "many", 2.5):
-        with pytest.raises(ValueError, match="tiled_mlp"):
-            ActivationCheckpointing(tiled_mlp=bad)
+        with pytest.raises(ValueError, match="tile_sequence"):
+            ActivationCheckpointing(tile_sequence=bad)
     with pytest.raises(TypeError, match="offload_boundaries"):
         ActivationCheckpointing(offload_boundaries="yes")
 
@@ -201,9 +203,9 @@ def test_fit_with_boundaries_equals_the_plain_fit(tmp_path) -> None:
     for name, value in params_of(plain).items():
         assert torch.equal(params_of(model)[name], value), name
     assert all("forward" not in vars(m) for m in model.modules())  # undone after the fit
-    cb = ActivationCheckpointing("Block", offload_boundaries=True, tiled_mlp=8)
+    cb = ActivationCheckpointing("Block", offload_boundaries=True, tile_sequence=8)
     _, model, got = fit(tmp_path / "c", [cb], max_steps=4)
-    assert cb.tiled == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert cb.tiled == [f"blocks.{i}.{n}" for i in (0, 1) for n in ("ln1", "ln2", "mlp")]
     assert got.losses == pytest.approx(losses.losses, rel=1e-6)
     for name, value in params_of(plain).items():
         torch.testing.assert_close(params_of(model)[name], value, rtol=0, atol=1e-5, msg=name)
@@ -221,7 +223,7 @@ def test_estimate_within_two_percent_of_the_measured_peak(boundaries, tile, prec
     batch = (x[:, :-1], x[:, 1:])
 
     def callbacks() -> list:
-        return [ActivationCheckpointing("Block", offload_boundaries=boundaries, tiled_mlp=tile)]
+        return [ActivationCheckpointing("Block", offload_boundaries=boundaries, tile_sequence=tile)]
 
     est = estimate_memory(model, batch, callbacks=callbacks(), precision=precision, device="cpu")
     real = measure_step(copy.deepcopy(model), batch, callbacks=callbacks(), precision=precision)
@@ -235,7 +237,7 @@ def test_estimate_for_cuda_counts_pinned_host_bytes() -> None:
     power of two; they are not on the device (nor in the allocator's replay)."""
     model = tiny_model(seq_len=96, n_layer=2, n_embd=48)
     x = torch.randint(0, 64, (1, 97))
-    cb = ActivationCheckpointing("Block", offload_boundaries=True, tiled_mlp=True)
+    cb = ActivationCheckpointing("Block", offload_boundaries=True, tile_sequence=True)
     est = estimate_memory(model, (x[:, :-1], x[:, 1:]), callbacks=[cb], device="cuda:h100")
     assert est.host_bytes == 2 * 32768  # 96 x 48 fp32 = 18,432 bytes -> 32 KiB each
     plain = estimate_memory(

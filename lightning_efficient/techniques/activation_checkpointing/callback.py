@@ -53,9 +53,9 @@ class ActivationCheckpointing(Technique):
             between the forward and the recompute; on CUDA pinned, copied on a side stream and
             prefetched one block ahead (overlap expected, not measured). Same maths; the
             estimate counts them as host bytes.
-        tiled_mlp: Run each selected block's MLP / feed-forward layer in tiles along the
-            sequence, in the forward and the recompute, so its wide intermediates exist for one
-            tile at a time: ``True`` (tiles of the layer's input width in tokens; shorter
+        tile_sequence: Run each selected block's position-wise layers (MLP / feed-forward,
+            layer / RMS norms) in tiles along the sequence, in the forward and the recompute, so
+            their wide intermediates exist for one tile at a time: ``True`` (tiles of the layer's input width in tokens; shorter
             sequences run untiled), a number of tokens, or ``False``. Same maths (gradients
             summed over tiles).
 
@@ -76,7 +76,7 @@ class ActivationCheckpointing(Technique):
         offload_activations: bool = False,
         budget: int | str | None = None,
         offload_boundaries: bool = False,
-        tiled_mlp: bool | int = False,
+        tile_sequence: bool | int = False,
     ) -> None:
         super().__init__()
         check_policy(policy, argument="policy")
@@ -87,8 +87,8 @@ class ActivationCheckpointing(Technique):
         parse_bytes("budget", budget, allow_none=True)
         self.budget = budget
         self.offload_boundaries = check_bool("offload_boundaries", offload_boundaries)
-        check_tile(tiled_mlp)
-        self.tiled_mlp = tiled_mlp
+        check_tile(tile_sequence)
+        self.tile_sequence = tile_sequence
         self.wrapped: list[str] = []
         self.blocks = BlockChoice(self.policy)  # the decision (and what it measured)
         self._pending = False
@@ -104,7 +104,7 @@ class ActivationCheckpointing(Technique):
 
     @property
     def tiled(self) -> list[str]:
-        """The layers run in tiles (``tiled_mlp``)."""
+        """The layers run in tiles (``tile_sequence``)."""
         return list(self._tiling.value) if self._tiling is not None else []
 
     @property
@@ -197,7 +197,7 @@ class ActivationCheckpointing(Technique):
         )
 
     def _tile(self, model: nn.Module) -> Change | None:
-        tile = check_tile(self.tiled_mlp)
+        tile = check_tile(self.tile_sequence)
         return None if tile is None else apply_tiling(model, self.policy, tile)
 
     def checkpoint_state(self) -> dict[str, int]:

@@ -1,10 +1,10 @@
-"""Tiled position-wise layers: a block's MLP run in tiles along the sequence.
+"""Tiled position-wise layers: a block's MLP and norms run in tiles along the sequence.
 
-A position-wise layer (a transformer block's MLP: each token's output depends on that token's
-input only) is run tile by tile along the sequence axis (dim -2), in the forward without
+A position-wise layer (a transformer block's MLP or norm: each token's output depends on that
+token's input only) is run tile by tile along the sequence axis (dim -2), in the forward without
 keeping anything but its input, and again tile by tile in backward, so its wide intermediates
-(Llama-3-8B: 14,336 wide, 3.5x the hidden size) exist for one tile at a time, never for the whole
-sequence. The gradients are the untiled ones (the input's are the same rows; a parameter's are
+(Llama-3-8B: the MLP's 14,336-wide ones, 3.5x the hidden size; an RMSNorm's fp32 upcasts under
+bf16 autocast, 2x) exist for one tile at a time, never for the whole sequence. The gradients are the untiled ones (the input's are the same rows; a parameter's are
 the sum of the tiles'). Chosen by the sequence length: a call with at most ``tile`` tokens runs
 untiled. The tile (``"auto"``) is the layer's input width in tokens (a tile's intermediate is
 then the size of one of its weight matrices), as ALST's TiledMLP does (arXiv 2506.13996).
@@ -12,7 +12,8 @@ then the size of one of its weight matrices), as ALST's TiledMLP does (arXiv 250
 The layer's instance ``forward`` is shadowed in place (no module replaced or renamed, so
 ``state_dict`` keys never change); ``remove_tiling`` puts it back. Which layers: the children of
 the blocks ``techniques._blocks.select_modules`` finds whose attribute or class name says MLP or
-feed-forward (``mlp``, ``feed_forward``, ``ffn``, ``LlamaMLP``, ``GPT2MLP``, ...).
+feed-forward (``mlp``, ``feed_forward``, ``ffn``, ``LlamaMLP``, ``GPT2MLP``, ...), and their
+``LayerNorm`` / ``RMSNorm`` layers (``LlamaRMSNorm``, ...; never batch or group norms).
 """
 
 from __future__ import annotations
@@ -39,17 +40,19 @@ __all__ = [
 
 TILE_ATTR = "_le_tiled"  # the layer's tile setting; forward is shadowed while present
 _WORDS = ("mlp", "ffn", "feedforward", "feed_forward")
+_NORMS = ("rmsnorm", "layernorm")  # per token; not batch / group norms
 
 
 def _positionwise(name: str, layer: nn.Module) -> bool:
     words = (name.lower(), type(layer).__name__.lower())
-    named = name == "ff" or any(w in n for w in _WORDS for n in words)
-    return named and any(True for _ in layer.parameters())
+    mlp = name == "ff" or any(w in n for w in _WORDS for n in words)
+    norm = isinstance(layer, (nn.LayerNorm, nn.RMSNorm)) or words[1].endswith(_NORMS)
+    return (mlp or norm) and any(True for _ in layer.parameters())
 
 
 def positionwise_layers(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The MLP / feed-forward children of ``blocks`` (by attribute or class name), with their
-    qualified names."""
+    """The position-wise children of ``blocks``: MLP / feed-forward layers (by attribute or
+    class name) and layer / RMS norms, with their qualified names."""
     return [
         (f"{name}.{child_name}" if name else child_name, child)
         for name, block in blocks
@@ -58,7 +61,7 @@ def positionwise_layers(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, 
     ]
 
 
-def check_tile(value: Any, argument: str = "tiled_mlp") -> int | str | None:
+def check_tile(value: Any, argument: str = "tile_sequence") -> int | str | None:
     """``False``/``None``: off; ``True``/``"auto"``: tiles of the layer's input width in tokens;
     an int >= 1: tiles of that many tokens. Returns the tile (``None``: off)."""
     if value is None or value is False:
@@ -74,8 +77,9 @@ def check_tile(value: Any, argument: str = "tiled_mlp") -> int | str | None:
 
 
 def apply_tiling(module: nn.Module, policy: Any = "auto", tile: int | str = "auto") -> Change:
-    """Run the MLP / feed-forward layer of each block ``policy`` selects (as activation
-    checkpointing selects blocks) in tiles of ``tile`` tokens along the sequence, in place;
+    """Run the position-wise layers (MLP / feed-forward, norms) of each block ``policy``
+    selects (as activation checkpointing selects blocks) in tiles of ``tile`` tokens along the
+    sequence, in place;
     returns the ``Change`` (``value``: the tiled layers' names; ``undo()`` puts them back)."""
     tile = check_tile(tile, "tile")
     before = tiled_layers(module)
@@ -84,11 +88,12 @@ def apply_tiling(module: nn.Module, policy: Any = "auto", tile: int | str = "aut
         _tile_layer(layer, tile)
     names = [n for n, _ in layers]
     size = "its input width" if tile == "auto" else f"{tile}"
+    kinds = ", ".join(dict.fromkeys(type(m).__name__ for _, m in layers))
     what = (
-        f"{len(names)} position-wise layers ({type(layers[0][1]).__name__}) run in tiles of "
-        f"{size} tokens along longer sequences"
+        f"{len(names)} position-wise layers ({kinds}) run in tiles of {size} tokens along "
+        "longer sequences"
         if names
-        else "no position-wise (MLP / feed-forward) layer found in the blocks: nothing tiled"
+        else "no position-wise layer (MLP / feed-forward, norm) found in the blocks: nothing tiled"
     )
     return Change(
         what,

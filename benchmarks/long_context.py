@@ -5,7 +5,7 @@ estimator for a CUDA target, with today's stack and with the long-context option
    32/8, vocabulary 128,256) on ``meta`` with PEFT LoRA r=16 on every linear layer of the
    blocks, micro-batch 1, bf16-mixed, AdamW on the adapters, FrozenWeights4bit +
    ActivationCheckpointing + ChunkedCrossEntropy; the new stack adds
-   ``offload_boundaries=True, tile_sequence=True`` to ActivationCheckpointing. For 16, 24, 48
+   ``offload_boundaries=True, tile_sequence=16384`` to ActivationCheckpointing. For 16, 24, 48
    and 80 GiB: the longest sequence (in steps of ``--step`` tokens) whose estimated steps fit,
    the allocator's replay under that cap deciding (``MemoryEstimate.fits``). The search: two
    probes give peak(tokens) as a line, then from each budget's prediction one step up and
@@ -53,11 +53,15 @@ from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa:
 GIB = 2**30
 BUDGETS_GIB = (16, 24, 48, 80)
 GOAL = {"budget_gib": 24, "tokens": 100_000}
+#: Tokens per tile in the search: ``True`` would tile at the hidden width (4,096 tokens) and keep
+#: a little less, but at 400k tokens that is 100 tiles per layer and call, and each estimate runs
+#: every tile on fake tensors: 16,384 keeps the search within minutes on 2 CPU cores.
+TILE = 16_384
 #: The blocks by class name: "auto" would rank candidate groups with extra estimates each time.
 BLOCKS = "LlamaDecoderLayer"
 STACKS: dict[str, dict[str, Any]] = {
     "today": {},
-    "long context": {"offload_boundaries": True, "tile_sequence": True},
+    "long context": {"offload_boundaries": True, "tile_sequence": TILE},
 }
 #: The two lengths whose estimates draw each stack's line (peak against tokens).
 PROBES = {"today": (16_384, 32_768), "long context": (65_536, 131_072)}
@@ -151,13 +155,15 @@ class Search:
         return n
 
 
-def search(name: str, step: int, probes: tuple[int, int]) -> list[dict[str, Any]]:
+def search(
+    name: str, step: int, probes: tuple[int, int], budgets: tuple[int, ...] = BUDGETS_GIB
+) -> list[dict[str, Any]]:
     s = Search(name, step)
     (a, b) = probes
     ea, eb = s.at(a), s.at(b)
     slope = (eb.required_bytes - ea.required_bytes) / (b - a)
     rows = []
-    for gib in BUDGETS_GIB:
+    for gib in budgets:
         budget = gib * GIB
         guess = int(a + (budget - ea.required_bytes) / slope)
         tokens = s.longest(budget, guess)
@@ -244,11 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--partial", help="the JSON file of --stack's rows")
     ap.add_argument(
+        "--budgets", type=int, nargs="*", default=list(BUDGETS_GIB), help="with --stack: GiB"
+    )
+    ap.add_argument("--probes", type=int, nargs=2, help="with --stack: the two probe lengths")
+    ap.add_argument(
         "--from-partials", nargs="*", default=[], help="take the rows from these files (parallel)"
     )
     args = ap.parse_args(argv)
     if args.stack:  # one stack's search, in a process of its own (the two run side by side)
-        rows = search(args.stack, args.step, PROBES[args.stack])
+        probes = tuple(args.probes) if args.probes else PROBES[args.stack]
+        rows = search(args.stack, args.step, probes, tuple(args.budgets))
         Path(args.partial).write_text(json.dumps(rows))
         return 0
     timing = step_times()
@@ -272,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             "Llama-3-8B shape, PEFT LoRA r=16 on every linear layer, micro-batch 1, bf16-mixed, "
             "AdamW on the adapters, FrozenWeights4bit + ActivationCheckpointing + "
             "ChunkedCrossEntropy; `long context` adds `offload_boundaries=True, "
-            f"tile_sequence=True`. Searched by the estimator for {TARGET.label} in steps of "
+            f"tile_sequence={TILE}`. Searched by the estimator for {TARGET.label} in steps of "
             f"{args.step:,} tokens: estimates, not measured on a GPU.",
             "",
             "| Stack | Budget GiB | Longest tokens | Peak GiB | Reserved GiB | Host GiB |",
@@ -302,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             "goal": GOAL,
             "anchors": ANCHORS,
             "step_tokens": args.step,
+            "tile_tokens": TILE,
             "cpu_step_time": timing,
             "target": TARGET.label,
             "environment": environment(),

@@ -100,7 +100,15 @@ ANCHORS = [
 ]
 
 
-def stack(options: dict[str, Any]) -> list[Any]:
+def tile_for(tokens: int) -> int:
+    """The search's tile: ``TILE`` tokens, or an eighth of a longer sequence (rounded up to
+    4,096): at most 8 tiles per call, so an estimate's cost does not grow with the length."""
+    return max(TILE, -(-tokens // 8 // 4096) * 4096)
+
+
+def stack(options: dict[str, Any], tokens: int) -> list[Any]:
+    if options.get("tile_sequence") == TILE:
+        options = {**options, "tile_sequence": tile_for(tokens)}
     return [
         FrozenWeights4bit(),
         ActivationCheckpointing(BLOCKS, **options),
@@ -127,7 +135,7 @@ class Search:
                 loss_fn=hf_loss,
                 optimizer="adamw",
                 precision="bf16-mixed",
-                callbacks=stack(STACKS[self.name]),
+                callbacks=stack(STACKS[self.name], tokens),
                 device=TARGET,
             )
             self.seconds.append(time.perf_counter() - t0)
@@ -184,6 +192,52 @@ def search(
     rows[0]["estimates"] = len(s.estimates)
     rows[0]["seconds_per_estimate"] = round(statistics.median(s.seconds), 1)
     return rows
+
+
+def grid_point(s: Search, tokens: int) -> dict[str, Any]:
+    """One estimated length: whether it fits each budget (for a coarse search beside ``search``,
+    where one estimate of a long sequence takes many minutes on 2 busy CPU cores)."""
+    est = s.at(tokens)
+    return {
+        "stack": s.name,
+        "tokens": tokens,
+        "tile_tokens": tile_for(tokens),
+        "fits": {str(g): est.fits(g * GIB) for g in BUDGETS_GIB},
+        "peak_bytes": est.peak_bytes,
+        "reserved_bytes": est.reserved_bytes,
+        "host_bytes": est.host_bytes,
+        "by_category": dict(est.by_category),
+        "seconds": round(s.seconds[-1], 1),
+    }
+
+
+def from_grid(points: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows for the budgets ``rows`` lacks, from grid points: the longest estimated length that
+    fits, and ``resolution_tokens``: how far the shortest longer one that does not fit lies."""
+    have = {(r["stack"], r["budget_gib"]) for r in rows}
+    out = []
+    for name in dict.fromkeys(p["stack"] for p in points):
+        mine = sorted((p for p in points if p["stack"] == name), key=lambda p: p["tokens"])
+        for gib in BUDGETS_GIB:
+            if (name, gib) in have:
+                continue
+            fit = [p for p in mine if p["fits"][str(gib)]]
+            if not fit:
+                continue
+            best = fit[-1]
+            over = [p["tokens"] for p in mine if p["tokens"] > best["tokens"]]
+            out.append(
+                {
+                    "stack": name,
+                    "budget_gib": gib,
+                    "longest_tokens": best["tokens"],
+                    "resolution_tokens": (over[0] - best["tokens"]) if over else None,
+                    "tile_tokens": best["tile_tokens"],
+                    **{k: best[k] for k in ("peak_bytes", "reserved_bytes", "host_bytes")},
+                    "by_category": best["by_category"],
+                }
+            )
+    return out
 
 
 # -- the step's extra time on this CPU -------------------------------------------------------------
@@ -253,10 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         "--budgets", type=int, nargs="*", default=list(BUDGETS_GIB), help="with --stack: GiB"
     )
     ap.add_argument("--probes", type=int, nargs=2, help="with --stack: the two probe lengths")
+    ap.add_argument("--at", type=int, nargs="*", help="with --stack: estimate these lengths only")
     ap.add_argument(
         "--from-partials", nargs="*", default=[], help="take the rows from these files (parallel)"
     )
     args = ap.parse_args(argv)
+    if args.stack and args.at:  # single estimates (a coarse grid), each in a process of its own
+        s = Search(args.stack, args.step)
+        Path(args.partial).write_text(json.dumps([grid_point(s, n) for n in args.at]))
+        return 0
     if args.stack:  # one stack's search, in a process of its own (the two run side by side)
         probes = tuple(args.probes) if args.probes else PROBES[args.stack]
         rows = search(args.stack, args.step, probes, tuple(args.budgets))
@@ -265,13 +324,22 @@ def main(argv: list[str] | None = None) -> int:
     timing = step_times()
     print(table(["Variant", "s / step", "x checkpointing"], [list(r.values()) for r in timing]))
     rows: list[dict[str, Any]] = []
+    points: list[dict[str, Any]] = []
     for path in args.from_partials:
-        rows += json.loads(Path(path).read_text())
+        for item in json.loads(Path(path).read_text()):
+            (points if "fits" in item else rows).append(item)
+    rows += from_grid(points, rows)
+    rows.sort(key=lambda r: (list(STACKS).index(r["stack"]), r["budget_gib"]))
+    for r in rows:
+        r.setdefault("resolution_tokens", args.step)
+        if STACKS[r["stack"]].get("tile_sequence"):
+            r.setdefault("tile_tokens", tile_for(r["longest_tokens"]))
     if not args.quick and not rows:
         for name in STACKS:
             rows += search(name, args.step, PROBES[name])
     lines = [
         f"| {r['stack']} | {r['budget_gib']} | **{r['longest_tokens']:,}** | "
+        f"{r['resolution_tokens'] or 0:,} | {r.get('tile_tokens') or 0:,} | "
         f"{r['peak_bytes'] / GIB:.2f} | {r['reserved_bytes'] / GIB:.2f} | "
         f"{r['host_bytes'] / GIB:.2f} |"
         for r in rows
@@ -286,8 +354,11 @@ def main(argv: list[str] | None = None) -> int:
             f"tile_sequence={TILE}`. Searched by the estimator for {TARGET.label} in steps of "
             f"{args.step:,} tokens: estimates, not measured on a GPU.",
             "",
-            "| Stack | Budget GiB | Longest tokens | Peak GiB | Reserved GiB | Host GiB |",
-            "|---|---:|---:|---:|---:|---:|",
+            "Resolution: the next length estimated (it did not fit). Tile: tokens per tile.",
+            "",
+            "| Stack | Budget GiB | Longest tokens | Resolution | Tile | Peak GiB | Reserved GiB "
+            "| Host GiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
             *lines,
             "",
             "Published figures of others (theirs, not measured here):",

@@ -27,6 +27,8 @@ __all__ = [
     "SELECTIVE_SAVE_OPS",
     "ATTR",
     "HOST",
+    "ShadowedForward",
+    "unshadow",
     "wrap_block",
     "unwrap_block",
 ]
@@ -106,9 +108,10 @@ def _selective_context() -> tuple[Any, Any]:
 
 
 # -- the in-place wrapper -------------------------------------------------------------------------
-class _CheckpointedForward:
-    """Shadows ``module.forward``; deep-copies and pickles with its module (a plain function
-    closure would keep pointing at the original module after ``copy.deepcopy``)."""
+class ShadowedForward:
+    """Shadows ``module.forward`` in place (an instance attribute); deep-copies and pickles with
+    its module (a plain function closure would keep pointing at the original module after
+    ``copy.deepcopy``). ``_forward`` runs the forward that was there before."""
 
     def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
         self.module = module
@@ -118,6 +121,21 @@ class _CheckpointedForward:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def unshadow(module: nn.Module, cls: type[ShadowedForward], attr: str) -> None:
+    """Put back the forward a ``cls`` wrapper of ``module`` shadows, and drop its ``attr``."""
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, cls) and wrapper.module is module:
+        if wrapper.inner is not None:
+            object.__setattr__(module, "forward", wrapper.inner)
+        else:
+            del module.__dict__["forward"]
+    module.__dict__.pop(attr, None)
+
+
+class _CheckpointedForward(ShadowedForward):
+    """The checkpointing wrapper of one block."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.module.__dict__.get(ATTR)
@@ -177,10 +195,4 @@ def wrap_block(block: nn.Module, mode: str, chain: BoundaryChain | None = None) 
 
 
 def unwrap_block(block: nn.Module) -> None:
-    wrapper = block.__dict__.get("forward")
-    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
-        if wrapper.inner is not None:
-            object.__setattr__(block, "forward", wrapper.inner)
-        else:
-            del block.__dict__["forward"]
-    block.__dict__.pop(ATTR, None)
+    unshadow(block, _CheckpointedForward, ATTR)

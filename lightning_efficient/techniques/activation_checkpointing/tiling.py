@@ -28,6 +28,10 @@ from torch import nn
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.techniques._blocks import select_modules
+from lightning_efficient.techniques.activation_checkpointing.recompute import (
+    ShadowedForward,
+    unshadow,
+)
 
 __all__ = [
     "apply_tiling",
@@ -123,31 +127,23 @@ def tiled_layers(module: nn.Module) -> dict[str, int | str]:
     return {n: m.__dict__[TILE_ATTR] for n, m in module.named_modules() if TILE_ATTR in m.__dict__}
 
 
-class _TiledForward:
+class _TiledForward(ShadowedForward):
     """Shadows ``layer.forward``: a call with one tensor of more than ``tile`` tokens runs
     through ``_Tiles``; any other call runs the layer as it was."""
 
-    def __init__(self, layer: nn.Module, inner: Callable[..., Any] | None) -> None:
-        self.layer, self.inner = layer, inner
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.layer).forward(self.layer, *args, **kwargs)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        setting = self.layer.__dict__.get(TILE_ATTR)
+        setting = self.module.__dict__.get(TILE_ATTR)
         x = args[0] if len(args) == 1 and not kwargs else None
         if setting is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return self.run(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         tile = x.shape[-1] if setting == "auto" else int(setting)
         if x.shape[-2] <= tile:
-            return self.run(x)
-        params = [p for p in self.layer.parameters() if p.requires_grad]
+            return self._forward(x)
+        params = [p for p in self.module.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():
-                return _run_tiles(self.run, x, tile)
-        return _Tiles.apply(self.run, tile, x, *params)
+                return _run_tiles(self._forward, x, tile)
+        return _Tiles.apply(self._forward, tile, x, *params)
 
 
 def _spans(n: int, tile: int) -> Iterator[tuple[int, int]]:
@@ -160,8 +156,9 @@ def _run_tiles(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, til
     for start, size in _spans(x.shape[-2], tile):
         y = run(x.narrow(-2, start, size).contiguous())
         if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-2] + (size,):
+            owner = getattr(getattr(run, "__self__", None), "module", None)
             raise TypeError(
-                f"tiled layer {type(run).__name__}: a tile's output must be one tensor of the "
+                f"tiled layer {type(owner).__name__}: a tile's output must be one tensor of the "
                 f"tile's tokens; got {type(y).__name__}. Leave this layer untiled."
             )
         if out is None:
@@ -242,10 +239,4 @@ def _tile_layer(layer: nn.Module, tile: int | str) -> None:
 
 
 def _untile_layer(layer: nn.Module) -> None:
-    wrapper = layer.__dict__.get("forward")
-    if isinstance(wrapper, _TiledForward) and wrapper.layer is layer:
-        if wrapper.inner is not None:
-            object.__setattr__(layer, "forward", wrapper.inner)
-        else:
-            del layer.__dict__["forward"]
-    layer.__dict__.pop(TILE_ATTR, None)
+    unshadow(layer, _TiledForward, TILE_ATTR)

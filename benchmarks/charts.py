@@ -659,7 +659,8 @@ def long_context() -> Any:
     labels, values, colours, hatches = [], [], [], []
     for gib in sorted({r["budget_gib"] for r in rows}):
         for r in (r for r in rows if r["budget_gib"] == gib):
-            labels.append(f"{gib} GiB · {r['stack']} (estimated)")
+            bound = ", at least" if r.get("lower_bound") else ""
+            labels.append(f"{gib} GiB · {r['stack']} (estimated{bound})")
             values.append(r["longest_tokens"] / 1000)
             colours.append("#4c72b0" if r["stack"] != "today" else "#8c8c8c")
             hatches.append("")
@@ -672,11 +673,13 @@ def long_context() -> Any:
     ax = axes[0][0]
     _bars(ax, labels, values, "longest sequence, thousands of tokens", "{:,.0f}k", colours=colours)
     for patch, hatch in zip(ax.patches, hatches):
-        patch.set_hatch(hatch)
+        if hatch:
+            patch.set_hatch(hatch)
+            patch.set_edgecolor("white")
     goal = data["goal"]
     ax.axvline(goal["tokens"] / 1000, color="#c44e52", linestyle="--", linewidth=0.8)
     ax.set_title(
-        f"QLoRA on a Llama-3-8B shape, micro-batch 1: goal {goal['tokens']:,} tokens in "
+        f"QLoRA, Llama-3-8B shape, batch 1: goal {goal['tokens']:,} tokens in "
         f"{goal['budget_gib']} GiB (dashed)",
         fontsize=8,
     )

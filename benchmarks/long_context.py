@@ -13,7 +13,8 @@ estimator for a CUDA target, with today's stack and with the long-context option
    target on a CPU with fake tensors: nothing of the model is allocated, no GPU is used.
 2. The anchors' published figures beside them (theirs, not measured here).
 3. The step's extra time on this CPU: a tiny Llama (4 layers, hidden 64, sequence 1024) trained
-   with checkpointing alone and with each option, side by side in one process, interleaved.
+   with checkpointing alone and with each option, side by side in one process, interleaved (CPU
+   seconds of the process on one thread: the 2 cores are shared).
 
 Run:  python benchmarks/long_context.py     (about 15-30 minutes on 2 busy cores)
       python benchmarks/long_context.py --quick   (the time part only, a minute)
@@ -194,6 +195,12 @@ def search(
     return rows
 
 
+def _resolution(row: dict[str, Any]) -> str:
+    if row.get("lower_bound"):
+        return "lower bound"
+    return f"{row['resolution_tokens']:,}"
+
+
 def grid_point(s: Search, tokens: int) -> dict[str, Any]:
     """One estimated length: whether it fits each budget (for a coarse search beside ``search``,
     where one estimate of a long sequence takes many minutes on 2 busy CPU cores)."""
@@ -213,7 +220,8 @@ def grid_point(s: Search, tokens: int) -> dict[str, Any]:
 
 def from_grid(points: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows for the budgets ``rows`` lacks, from grid points: the longest estimated length that
-    fits, and ``resolution_tokens``: how far the shortest longer one that does not fit lies."""
+    fits, and ``resolution_tokens``: how far the shortest longer one that does not fit lies
+    (none: ``lower_bound``)."""
     have = {(r["stack"], r["budget_gib"]) for r in rows}
     out = []
     for name in dict.fromkeys(p["stack"] for p in points):
@@ -221,17 +229,20 @@ def from_grid(points: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[
         for gib in BUDGETS_GIB:
             if (name, gib) in have:
                 continue
-            fit = [p for p in mine if p["fits"][str(gib)]]
+            fit = [p for p in mine if p["fits"][str(gib)] is True]
             if not fit:
                 continue
-            best = fit[-1]
-            over = [p["tokens"] for p in mine if p["tokens"] > best["tokens"]]
+            best = fit[-1]  # a verdict None: not known (a point taken from a search's log)
+            longer = [p for p in mine if p["tokens"] > best["tokens"]]
+            known = bool(longer) and longer[0]["fits"][str(gib)] is False
+            over = [longer[0]["tokens"]] if known else []
             out.append(
                 {
                     "stack": name,
                     "budget_gib": gib,
                     "longest_tokens": best["tokens"],
                     "resolution_tokens": (over[0] - best["tokens"]) if over else None,
+                    "lower_bound": not over,  # no longer length was estimated
                     "tile_tokens": best["tile_tokens"],
                     **{k: best[k] for k in ("peak_bytes", "reserved_bytes", "host_bytes")},
                     "by_category": best["by_category"],
@@ -242,8 +253,9 @@ def from_grid(points: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[
 
 # -- the step's extra time on this CPU -------------------------------------------------------------
 def step_times(repeats: int = 5) -> list[dict[str, Any]]:
-    """Seconds per training step of a tiny Llama (sequence 1024) with checkpointing alone and
-    with each option, interleaved so the machine's load hits each alike; median of ``repeats``."""
+    """CPU seconds per training step of a tiny Llama (sequence 1024, one thread) with
+    checkpointing alone and with each option, interleaved; median of ``repeats``. CPU time of
+    this process, not wall time: the cores are shared with other work."""
     import transformers
 
     from lightning_efficient.techniques.activation_checkpointing import (
@@ -252,6 +264,8 @@ def step_times(repeats: int = 5) -> list[dict[str, Any]]:
     from lightning_efficient.techniques.activation_checkpointing.tiling import apply_tiling
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     config = transformers.LlamaConfig(
         vocab_size=512,
         hidden_size=64,
@@ -276,13 +290,14 @@ def step_times(repeats: int = 5) -> list[dict[str, Any]]:
                 model, offload_boundaries=opts.get("offload_boundaries", False)
             )
             tiling = apply_tiling(model, "auto", opts["tile"]) if "tile" in opts else None
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             model(input_ids=ids, labels=ids).loss.backward()
-            times[label].append(time.perf_counter() - t0)
+            times[label].append(time.process_time() - t0)
             model.zero_grad(set_to_none=True)
             if tiling is not None:
                 tiling.undo()
             ckpt.undo()
+    torch.set_num_threads(threads)
     base = statistics.median(times["checkpointing"][1:])
     return [
         {
@@ -307,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budgets", type=int, nargs="*", default=list(BUDGETS_GIB), help="with --stack: GiB"
     )
     ap.add_argument("--probes", type=int, nargs=2, help="with --stack: the two probe lengths")
+    ap.add_argument("--timing", help="the step times from `--quick --partial FILE`")
     ap.add_argument("--at", type=int, nargs="*", help="with --stack: estimate these lengths only")
     ap.add_argument(
         "--from-partials", nargs="*", default=[], help="take the rows from these files (parallel)"
@@ -321,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = search(args.stack, args.step, probes, tuple(args.budgets))
         Path(args.partial).write_text(json.dumps(rows))
         return 0
-    timing = step_times()
+    if args.quick and args.partial:  # the time part alone, for a later --timing
+        Path(args.partial).write_text(json.dumps(step_times()))
+        return 0
+    timing = json.loads(Path(args.timing).read_text()) if args.timing else step_times()
     print(table(["Variant", "s / step", "x checkpointing"], [list(r.values()) for r in timing]))
     rows: list[dict[str, Any]] = []
     points: list[dict[str, Any]] = []
@@ -332,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (list(STACKS).index(r["stack"]), r["budget_gib"]))
     for r in rows:
         r.setdefault("resolution_tokens", args.step)
+        r.setdefault("lower_bound", False)
         if STACKS[r["stack"]].get("tile_sequence"):
             r.setdefault("tile_tokens", tile_for(r["longest_tokens"]))
     if not args.quick and not rows:
@@ -339,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += search(name, args.step, PROBES[name])
     lines = [
         f"| {r['stack']} | {r['budget_gib']} | **{r['longest_tokens']:,}** | "
-        f"{r['resolution_tokens'] or 0:,} | {r.get('tile_tokens') or 0:,} | "
+        f"{_resolution(r)} | {r.get('tile_tokens') or '-'} | "
         f"{r['peak_bytes'] / GIB:.2f} | {r['reserved_bytes'] / GIB:.2f} | "
         f"{r['host_bytes'] / GIB:.2f} |"
         for r in rows
@@ -351,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
             "Llama-3-8B shape, PEFT LoRA r=16 on every linear layer, micro-batch 1, bf16-mixed, "
             "AdamW on the adapters, FrozenWeights4bit + ActivationCheckpointing + "
             "ChunkedCrossEntropy; `long context` adds `offload_boundaries=True, "
-            f"tile_sequence={TILE}`. Searched by the estimator for {TARGET.label} in steps of "
-            f"{args.step:,} tokens: estimates, not measured on a GPU.",
+            f"tile_sequence={TILE}` (or an eighth of longer sequences). Searched by the estimator "
+            f"for {TARGET.label} in steps of {args.step:,} tokens, or on a grid of lengths (one "
+            "estimate each, in processes side by side: the resolution column says how far the "
+            "next length that did not fit lies): estimates, not measured on a GPU.",
             "",
-            "Resolution: the next length estimated (it did not fit). Tile: tokens per tile.",
+            "Resolution: how far the next length estimated lies (it did not fit); a lower bound "
+            "where no longer length was found not to fit. Tile: tokens per tile.",
             "",
             "| Stack | Budget GiB | Longest tokens | Resolution | Tile | Peak GiB | Reserved GiB "
             "| Host GiB |",
@@ -368,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                 [[a["who"], a["budget_gib"], f"{a['tokens']:,}", a["source"]] for a in ANCHORS],
             ),
             "",
-            "The step's time on this CPU (tiny Llama, 4 layers, hidden 64, sequence 1024; "
-            "forward + backward, median of 5, interleaved):",
+            "The step's CPU time on this CPU (tiny Llama, 4 layers, hidden 64, sequence 1024; "
+            "forward + backward on one thread, median of 5, interleaved):",
             "",
             table(["Variant", "s / step", "x checkpointing"], [list(r.values()) for r in timing]),
             "",

@@ -3,9 +3,11 @@
 A Llama shape smaller than ``benchmarks/finetune.py``'s Llama-3-8B estimate (on CUDA: the
 Llama-3.2-1B block shape, hidden 2048, intermediate 8192, GQA 32/8 heads, vocabulary 128,256,
 at 8 of its 16 layers; bf16 weights, default config) with PEFT LoRA r=16 on every linear layer
-of the blocks, sequence 2048, micro-batch 1, bf16-mixed, AdamW on the adapters. Two rows, each a
-real Lightning run in a fresh process: LoRA alone, and LoRA + ``FrozenWeights4bit`` +
-``ActivationCheckpointing`` + ``ChunkedCrossEntropy``. Each row records the real peak (the
+of the blocks, sequence 2048, micro-batch 1, bf16-mixed, AdamW on the adapters. Three rows, each
+a real Lightning run in a fresh process: LoRA alone, LoRA + ``FrozenWeights4bit`` +
+``ActivationCheckpointing`` + ``ChunkedCrossEntropy``, and that stack with the checkpointed
+blocks' inputs in host memory and tiled MLPs and norms at a long sequence (``long_seq``, 16,384
+tokens; issue 53: its estimate against the real peak, and its host copies on the side stream). Each row records the real peak (the
 package's ``PeakMemory``: ``torch.cuda.max_memory_allocated``), the package's estimate of the
 same stack for this device (``estimate_memory``, fake tensors; on CUDA computed in a thread of
 the part's process while the runs train in their own, on the CPU after them) and their ratio, and tokens/s over the steps after the
@@ -52,14 +54,30 @@ from _results import fmt_bytes
 __all__ = ["ALLOCATOR", "STACKS", "part_finetune"]
 
 FOUR_BIT = {"class_path": "FrozenWeights4bit", "init_args": {}}
+#: Checkpointing with the long-context options (issue 53, docs/long_context.md).
+AC_LONG = {
+    "class_path": "ActivationCheckpointing",
+    "init_args": {"offload_boundaries": True, "tile_sequence": True},
+}
+#: The long-sequence row: the stack with boundaries in host memory and tiled layers, at the
+#: profile's ``long_seq`` tokens (the other rows: ``seq``).
+LONG = "QLoRA stack + boundaries in host memory + tiled layers, long sequence"
 #: The rows: (stack, the package's techniques).
 STACKS: list[tuple[str, list[dict[str, Any]]]] = [
     ("LoRA", []),
     ("LoRA + 4-bit frozen weights + checkpointing + chunked loss", [FOUR_BIT, AC, CHUNKED]),
+    (LONG, [FOUR_BIT, AC_LONG, CHUNKED]),
 ]
-#: The allocator row's setting (the last stack again, where time is left): the environment of
+#: The index in ``STACKS`` of the QLoRA stack, which the allocator row runs again.
+QLORA = 1
+#: The allocator row's setting (the QLoRA stack again, where time is left): the environment of
 #: its processes.
 ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def row_dims(name: str, dims: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
+    """The model and sequence of row ``name``: the long row runs ``long_seq`` tokens."""
+    return {**dims, "seq": f["long_seq"]} if name == LONG else dims
 
 
 def _missing_peft() -> str | None:
@@ -121,7 +139,7 @@ def part_finetune(ctx: Ctx, rec: Recorder) -> None:
     try:
         for name, techniques in STACKS:
             last_wall = _run_row(ctx, rec, pool, name, techniques, dims, last_wall)
-        name, techniques = STACKS[-1]
+        name, techniques = STACKS[QLORA]
         _run_row(ctx, rec, spare, name, techniques, dims, last_wall, allocator=True)
     finally:
         pool.close()
@@ -144,7 +162,8 @@ def _estimate_all(
     for name, techniques in STACKS:
         t0 = time.time()
         try:
-            est = estimate("llama_lora", dims, f["batch"], f["precision"], techniques, rounding)
+            shape = row_dims(name, dims, f)
+            est = estimate("llama_lora", shape, f["batch"], f["precision"], techniques, rounding)
             out[name] = {
                 "estimate_bytes": est.peak_bytes,
                 "estimate_reserved_bytes": est.reserved_bytes or None,
@@ -181,7 +200,7 @@ def _run_row(
         return last_wall
     spec = {
         "model": "llama_lora",
-        "dims": dims,
+        "dims": row_dims(name, dims, f),
         "batch": f["batch"],
         "steps": f["steps"],
         "precision": f["precision"],
@@ -199,6 +218,7 @@ def _run_row(
         expandable_segments=res.get("expandable_segments"),  # CUDA: its segments
         precision=res.get("precision", f["precision"]),
         batch=f["batch"],
+        seq=row_dims(name, dims, f)["seq"],
         status=run_status(res),
         measured_bytes=res.get("peak_bytes"),
         reserved_bytes=res.get("reserved_bytes"),
@@ -214,7 +234,7 @@ def _finish_allocator(rec: Recorder) -> str:
     each, and expandable segments' reserved over the default's (figure
     ``expandable_reserved_ratio``); the headline's clause."""
     rows = rec.data["rows"]
-    default = next((r for r in rows if r["stack"] == STACKS[-1][0] and "allocator" not in r), {})
+    default = next((r for r in rows if r["stack"] == STACKS[QLORA][0] and "allocator" not in r), {})
     spare = next((r for r in rows if "allocator" in r), {})
     for r in (default, spare):
         if r.get("reserved_bytes") and r.get("measured_bytes"):

@@ -679,6 +679,48 @@ def finetune() -> Any:
     return fig
 
 
+def long_context() -> Any:
+    """The longest sequence per budget: today's stack, the long-context stack (both estimated for
+    a CUDA target) and the anchors' published figures (theirs, hatched)."""
+    data = _load("long_context")
+    rows, anchors = data["longest"], data["anchors"]
+    labels, values, colours, hatches = [], [], [], []
+    for gib in sorted({r["budget_gib"] for r in rows}):
+        for r in (r for r in rows if r["budget_gib"] == gib):
+            bound = ", at least" if r.get("lower_bound") else ""
+            labels.append(f"{gib} GiB · {r['stack']} (estimated{bound})")
+            values.append(r["longest_tokens"] / 1000)
+            colours.append("#4c72b0" if r["stack"] != "today" else "#8c8c8c")
+            hatches.append("")
+        for a in (a for a in anchors if a["budget_gib"] == gib):
+            labels.append(f"{gib} GB · {a['who']} (published, theirs)")
+            values.append(a["tokens"] / 1000)
+            colours.append("#dd8452")
+            hatches.append("//")
+    fig, axes = _figure(7.5, 0.28 * len(labels) + 1.2)
+    ax = axes[0][0]
+    _bars(ax, labels, values, "longest sequence, thousands of tokens", "{:,.0f}k", colours=colours)
+    for patch, hatch in zip(ax.patches, hatches):
+        if hatch:
+            patch.set_hatch(hatch)
+            patch.set_edgecolor("white")
+    goal = data["goal"]
+    ax.axvline(goal["tokens"] / 1000, color="#c44e52", linestyle="--", linewidth=0.8)
+    ax.set_title(
+        f"QLoRA, Llama-3-8B shape, batch 1: goal {goal['tokens']:,} tokens in "
+        f"{goal['budget_gib']} GiB (dashed)",
+        fontsize=8,
+    )
+    ax.tick_params(axis="y", labelsize=6.5)
+    _footer(
+        fig,
+        f"ours estimated on a CPU with fake tensors for {data['target']}, not measured on a GPU; "
+        "orange: published by others, not measured here",
+        "long_context.json",
+    )
+    return fig
+
+
 @dataclass(frozen=True)
 class Chart:
     """One picture: its file under ``docs/img``, the page(s) that link it, how it is drawn."""
@@ -719,6 +761,7 @@ CHARTS = [
     Chart("early_stopping_runs", ("docs/early_stopping.md",), early_stopping),
     Chart("packing_fill_speed", ("docs/packing.md",), packing),
     Chart("finetune_memory", ("docs/finetuning.md", "docs/quantize.md"), finetune),
+    Chart("long_context_tokens", ("docs/long_context.md",), long_context),
 ]
 
 

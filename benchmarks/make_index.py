@@ -241,6 +241,19 @@ def _buckets() -> str:
     )
 
 
+def _long_context() -> str:
+    data = load("long_context")
+    rows = {(r["stack"], r["budget_gib"]): r["longest_tokens"] for r in data["longest"]}
+    gib = data["goal"]["budget_gib"]
+    today, new = rows[("today", gib)], rows[("long context", gib)]
+    return (
+        f"`ActivationCheckpointing(offload_boundaries=True, tile_sequence=True)`: QLoRA on a "
+        f"Llama-3-8B shape fits {new:,} tokens in {gib} GiB (today's stack {today:,}), "
+        "estimated for a CUDA target ([long_context.md](long_context.md), "
+        "`benchmarks/results/long_context.json`)"
+    )
+
+
 def _stall() -> tuple[str, str]:
     plain = load("data_pipeline")["throughput"][0]
     return (
@@ -434,6 +447,8 @@ def render() -> str:
     lines += [
         "",
         f"Also in `docs/dataloading.md`: {_buckets()} (`benchmarks/results/data_pipeline.json`).",
+        "",
+        f"Long context: {_long_context()}.",
         "",
         "## Tutorials",
         "",

@@ -177,6 +177,26 @@ CASES.append(
         id="ActivationCheckpointing",
     )
 )
+# long context (issue 53): boundaries in host memory, MLPs in tiles of 8 of the 32 tokens
+CASES.append(
+    Case(
+        ActivationCheckpointing,
+        init_args={"policy": "Block", "offload_boundaries": True, "tile_sequence": 8},
+        bad_args=[
+            ({"tile_sequence": 0}, "tile_sequence"),
+            ({"tile_sequence": "wide"}, "tile_sequence"),
+            ({"offload_boundaries": "yes"}, "offload_boundaries"),
+        ],
+        fuzz={
+            "tile_sequence": st.integers(max_value=0)
+            | st.floats()
+            | st.text(max_size=4).filter(lambda s: s != "auto"),
+            "offload_boundaries": st.integers() | st.text(max_size=4),
+        },
+        same_maths=True,
+        id="ActivationCheckpointing-long-context",
+    )
+)
 
 # -- data pipeline (techniques/dataloading/) -----------------------------------------------------
 from lightning_efficient.techniques.dataloading import (  # noqa: E402

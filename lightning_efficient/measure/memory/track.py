@@ -56,7 +56,7 @@ from lightning_efficient.measure.step import (
     silenced_logging,
 )
 
-__all__ = ["StorageTracker", "run_steps", "measure_step"]
+__all__ = ["StorageTracker", "run_steps", "measure_step", "keep_on_host"]
 
 # a label only moves up this order (a parameter saved for backward stays a parameter)
 _RANK = {
@@ -68,12 +68,13 @@ _RANK = {
 
 
 class _Storage:
-    __slots__ = ("nbytes", "requested", "category", "__weakref__")
+    __slots__ = ("nbytes", "requested", "category", "host", "__weakref__")
 
     def __init__(self, nbytes: int, category: str, requested: int | None = None) -> None:
         self.nbytes = nbytes  # as counted (rounded like the CUDA allocator when asked)
         self.requested = nbytes if requested is None else requested  # as asked for
         self.category = category
+        self.host = False  # a copy in host memory (``keep_on_host``): counted as host bytes
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -101,6 +102,14 @@ def _listen_to_resizes(tracker: StorageTracker) -> None:
         _ORIGINAL_RESIZE.append(torch.UntypedStorage.resize_)
         torch.UntypedStorage.resize_ = _reporting_resize  # type: ignore[method-assign]
     _RESIZE_LISTENERS.append(tracker)
+
+
+def keep_on_host(t: torch.Tensor) -> None:
+    """``t`` stands for a copy in host memory (a tensor moved off the device, modelled on the CPU
+    by a copy): every active tracker counts its storage as host bytes, not device bytes. On a
+    CUDA target it is counted as the pinned host allocator holds it (a power of two)."""
+    for tracker in _RESIZE_LISTENERS:
+        tracker.to_host(t)
 
 
 def _stop_listening(tracker: StorageTracker) -> None:
@@ -212,6 +221,14 @@ class StorageTracker(TorchDispatchMode):
         self._held[key] = rec
         self._events.append((rec, 1, self.phase))
 
+    def to_host(self, t: torch.Tensor) -> None:
+        """Count the storage of ``t`` in host memory from its allocation on (``keep_on_host``)."""
+        rec = self._storage(t, "activations")
+        if rec is not None:
+            rec.host = True
+            if self.rounding is not None:  # pinned memory: CUDA's host allocator, powers of two
+                rec.nbytes = 1 << max(rec.requested - 1, 0).bit_length()
+
     def track(self, tensors: Any, category: str = "temporaries") -> None:
         """Register the storages of ``tensors`` (any nesting) not seen yet, and label them."""
         self.label(tensors, category)
@@ -269,7 +286,7 @@ class StorageTracker(TorchDispatchMode):
         return [
             (rec, sign, rec.requested)
             for rec, sign, _ in self._events
-            if rec is not None and not offload.get(rec.category, False)
+            if rec is not None and not rec.host and not offload.get(rec.category, False)
         ]
 
     def summary(self, offload: dict[str, bool] | None = None) -> MemoryEstimate:
@@ -291,7 +308,7 @@ class StorageTracker(TorchDispatchMode):
                     phase_by_category[phase] = dict(current)
                 continue
             n = sign * rec.nbytes
-            if offload.get(rec.category, False):
+            if rec.host or offload.get(rec.category, False):
                 host += n
                 host_peak = max(host_peak, host)
                 continue

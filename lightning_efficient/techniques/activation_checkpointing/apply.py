@@ -17,8 +17,10 @@ from torch import nn
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_bool, check_int, check_module
 from lightning_efficient.techniques._blocks import check_policy, select_modules
+from lightning_efficient.techniques.activation_checkpointing.offload import BoundaryChain
 from lightning_efficient.techniques.activation_checkpointing.recompute import (
     ATTR,
+    HOST,
     unwrap_block,
     wrap_block,
 )
@@ -33,8 +35,13 @@ __all__ = [
 
 
 def checkpointed_blocks(module: nn.Module) -> dict[str, str]:
-    """The wrapped blocks of ``module``: name -> ``"full"``, ``"selective"`` or ``"offload"``."""
-    return {n: m.__dict__[ATTR]["mode"] for n, m in module.named_modules() if ATTR in m.__dict__}
+    """The wrapped blocks of ``module``: name -> ``"full"``, ``"selective"`` or ``"offload"``
+    (``"+host"`` appended when the block's saved inputs are kept in host memory)."""
+    return {n: _mode(m.__dict__[ATTR]) for n, m in module.named_modules() if ATTR in m.__dict__}
+
+
+def _mode(state: dict[str, Any]) -> str:
+    return state["mode"] + (HOST if state.get("host") is not None else "")
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:
@@ -43,7 +50,7 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
     names = []
     for name, m in module.named_modules():
         if ATTR in m.__dict__:
-            if m.__dict__[ATTR]["mode"] != "offload":
+            if m.__dict__[ATTR]["mode"] != "offload":  # offloading only: not checkpointed
                 names.append(name)
             unwrap_block(m)
     return names
@@ -53,8 +60,9 @@ def restore_blocks(module: nn.Module, state: dict[str, str]) -> None:
     """Put back the wrapping ``checkpointed_blocks(module)`` returned as ``state``."""
     remove_activation_checkpointing(module)
     mods = dict(module.named_modules())
+    chain = BoundaryChain()
     for name, mode in state.items():
-        wrap_block(mods[name], mode)
+        wrap_block(mods[name], mode, chain)
 
 
 def split_blocks(
@@ -77,6 +85,7 @@ def apply_activation_checkpointing(
     every_n: int = 1,
     selective: bool = False,
     offload_activations: bool = False,
+    offload_boundaries: bool = False,
     num_blocks: int | None = None,
 ) -> Change:
     """Checkpoint blocks of ``module`` in place; returns the ``Change``: its ``value`` is the
@@ -92,6 +101,10 @@ def apply_activation_checkpointing(
         selective: Keep matmul and attention outputs and recompute only the cheap ops.
         offload_activations: Keep the saved activations of the selected blocks that are *not*
             checkpointed in pinned host memory (CUDA tensors only; CPU tensors stay).
+        offload_boundaries: Keep the inputs the checkpointed blocks save for their recompute
+            in host memory between the forward and the recompute (pinned, copied on a side
+            stream and prefetched one block ahead on CUDA; elsewhere a copy, counted as host
+            bytes by the memory estimate).
         num_blocks: Checkpoint only the first ``num_blocks`` of them (used by the budget mode).
 
     Applying again replaces the previous settings (idempotent for the same arguments);
@@ -102,13 +115,15 @@ def apply_activation_checkpointing(
     check_int("every_n", every_n, minimum=1)
     check_bool("selective", selective)
     check_bool("offload_activations", offload_activations)
+    check_bool("offload_boundaries", offload_boundaries)
     check_int("num_blocks", num_blocks, minimum=0, allow_none=True)
     chosen, others = split_blocks(module, policy, every_n, num_blocks)
     before = checkpointed_blocks(module)
     remove_activation_checkpointing(module)
     mode = "selective" if selective else "full"
+    chain = BoundaryChain()
     for _, block in chosen:
-        wrap_block(block, mode)
+        wrap_block(block, mode + (HOST if offload_boundaries else ""), chain)
     if offload_activations:
         for _, block in others:
             wrap_block(block, "offload")
@@ -124,6 +139,8 @@ def apply_activation_checkpointing(
         what += f" ({type(chosen[0][1]).__name__}: {span(names)})"
     if offload_activations and others:
         what += f"; saved activations of {len(others)} other blocks offloaded to host"
+    if offload_boundaries and names:
+        what += "; their saved inputs kept in host memory"
     return Change(
         what,
         functools.partial(restore_blocks, module, before),

@@ -25,6 +25,7 @@ from lightning_efficient.techniques.activation_checkpointing.choose import (
     choose_blocks,
 )
 from lightning_efficient.techniques.activation_checkpointing.savings import BlockRanking
+from lightning_efficient.techniques.activation_checkpointing.tiling import apply_tiling, check_tile
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -47,6 +48,16 @@ class ActivationCheckpointing(Technique):
         budget: A peak-memory budget (bytes or a string like ``"12GiB"``). When set, the memory
             estimate picks the fewest blocks to checkpoint (every ``every_n``-th, from the first)
             that bring the estimated peak under it; fit fails if even all of them cannot.
+        offload_boundaries: Keep the inputs the checkpointed blocks save for their recompute
+            (one hidden state per block: what sets the peak at long sequences) in host memory
+            between the forward and the recompute; on CUDA pinned, copied on a side stream and
+            prefetched one block ahead (overlap expected, not measured). Same maths; the
+            estimate counts them as host bytes.
+        tile_sequence: Run each selected block's position-wise layers (MLP / feed-forward,
+            layer / RMS norms) in tiles along the sequence, in the forward and the recompute, so
+            their wide intermediates exist for one tile at a time: ``True`` (tiles of the layer's input width in tokens; shorter
+            sequences run untiled), a number of tokens, or ``False``. Same maths (gradients
+            summed over tiles).
 
     The blocks are wrapped in place when fit starts (``on_fit_start``, so layers built in
     ``configure_model`` are seen; under DDP the inner module's blocks are wrapped); with
@@ -64,6 +75,8 @@ class ActivationCheckpointing(Technique):
         selective: bool = False,
         offload_activations: bool = False,
         budget: int | str | None = None,
+        offload_boundaries: bool = False,
+        tile_sequence: bool | int = False,
     ) -> None:
         super().__init__()
         check_policy(policy, argument="policy")
@@ -73,17 +86,26 @@ class ActivationCheckpointing(Technique):
         self.offload_activations = check_bool("offload_activations", offload_activations)
         parse_bytes("budget", budget, allow_none=True)
         self.budget = budget
+        self.offload_boundaries = check_bool("offload_boundaries", offload_boundaries)
+        check_tile(tile_sequence)
+        self.tile_sequence = tile_sequence
         self.wrapped: list[str] = []
         self.blocks = BlockChoice(self.policy)  # the decision (and what it measured)
         self._pending = False
         self._check = False
         self._change = Change("no block checkpointed")
         self._selected = 0  # the blocks the policy selects (of which ``wrapped`` are checkpointed)
+        self._tiling: Change | None = None
 
     @property
     def choice(self) -> BudgetChoice | None:
         """What the budget search found (``None`` without a budget)."""
         return self.blocks.budget
+
+    @property
+    def tiled(self) -> list[str]:
+        """The layers run in tiles (``tile_sequence``)."""
+        return list(self._tiling.value) if self._tiling is not None else []
 
     @property
     def ranking(self) -> BlockRanking | None:
@@ -110,6 +132,9 @@ class ActivationCheckpointing(Technique):
         ``choose_blocks`` on the plan's model and batch (nested estimates), as at a fit's first
         batch."""
         plan.on_exit(apply_training_without_cache(plan.model).undo)  # no key/value cache (issue 39)
+        if tiling := self._tile(plan.model):
+            plan.on_exit(tiling.undo)
+            plan.note(f"{self.name}: {tiling.what}")
         settings = {k: getattr(plan, k) for k in PLAN_SETTINGS}
         self._choose(plan.model, plan.batch, settings, rank=False)
         # offload is not run on fake tensors (no streams, no pinned memory): counted on device
@@ -128,6 +153,9 @@ class ActivationCheckpointing(Technique):
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.record(trainer, apply_training_without_cache(pl_module))
+        self._tiling = self._tile(pl_module)
+        if self._tiling is not None:
+            self.record(trainer, self._tiling)
         own = [n for n, m in pl_module.named_modules() if _checkpoints_itself(m)]
         if own:
             self.warn(_OWN.format(span=span(own)))
@@ -165,8 +193,13 @@ class ActivationCheckpointing(Technique):
             every_n=self.every_n,
             selective=self.selective,
             offload_activations=self.offload_activations and offload,
+            offload_boundaries=self.offload_boundaries,
             num_blocks=self.blocks.num_blocks,
         )
+
+    def _tile(self, model: nn.Module) -> Change | None:
+        tile = check_tile(self.tile_sequence)
+        return None if tile is None else apply_tiling(model, self.policy, tile)
 
     def checkpoint_state(self) -> dict[str, int]:
         """For the profiler's advice: blocks checkpointed, of the blocks the policy selects."""
@@ -183,8 +216,11 @@ class ActivationCheckpointing(Technique):
             self.no_effect(message)
         for message in said.notes:
             self.note(message)
-        self.report(trainer, said.what, **{**change.figures, **said.figures})
-        self.note(said.what)
+        what, figures = said.what, {**change.figures, **said.figures}
+        if self._tiling is not None:
+            what, figures = f"{what}; {self._tiling.what}", {**figures, **self._tiling.figures}
+        self.report(trainer, what, **figures)
+        self.note(what)
         device = getattr(getattr(trainer, "strategy", None), "root_device", None)
         if self.offload_activations and getattr(device, "type", None) != "cuda":
             self.note(

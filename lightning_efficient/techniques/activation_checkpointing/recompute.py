@@ -16,11 +16,22 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_efficient.techniques.activation_checkpointing.offload import (
+    BoundaryChain,
     pack_to_host,
     unpack_from_host,
 )
 
-__all__ = ["OnceStats", "shallow_copy", "SELECTIVE_SAVE_OPS", "ATTR", "wrap_block", "unwrap_block"]
+__all__ = [
+    "OnceStats",
+    "shallow_copy",
+    "SELECTIVE_SAVE_OPS",
+    "ATTR",
+    "HOST",
+    "ShadowedForward",
+    "unshadow",
+    "wrap_block",
+    "unwrap_block",
+]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
@@ -97,9 +108,10 @@ def _selective_context() -> tuple[Any, Any]:
 
 
 # -- the in-place wrapper -------------------------------------------------------------------------
-class _CheckpointedForward:
-    """Shadows ``module.forward``; deep-copies and pickles with its module (a plain function
-    closure would keep pointing at the original module after ``copy.deepcopy``)."""
+class ShadowedForward:
+    """Shadows ``module.forward`` in place (an instance attribute); deep-copies and pickles with
+    its module (a plain function closure would keep pointing at the original module after
+    ``copy.deepcopy``). ``_forward`` runs the forward that was there before."""
 
     def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
         self.module = module
@@ -110,12 +122,27 @@ class _CheckpointedForward:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
+
+def unshadow(module: nn.Module, cls: type[ShadowedForward], attr: str) -> None:
+    """Put back the forward a ``cls`` wrapper of ``module`` shadows, and drop its ``attr``."""
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, cls) and wrapper.module is module:
+        if wrapper.inner is not None:
+            object.__setattr__(module, "forward", wrapper.inner)
+        else:
+            del module.__dict__["forward"]
+    module.__dict__.pop(attr, None)
+
+
+class _CheckpointedForward(ShadowedForward):
+    """The checkpointing wrapper of one block."""
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.module.__dict__.get(ATTR)
         if state is None or state["wrapper"] is not self:
             # removed (or replaced) while another wrapper (e.g. a compiled forward) held on to us
             return self._forward(*args, **kwargs)
-        mode = state["mode"]
+        mode, chain = state["mode"], state.get("host")
         if mode == "offload":
             with torch.autograd.graph.saved_tensors_hooks(pack_to_host, unpack_from_host):
                 return self._forward(*args, **kwargs)
@@ -128,6 +155,12 @@ class _CheckpointedForward:
         # recompute
         args = tuple(shallow_copy(a) for a in args)
         kwargs = {k: shallow_copy(v) for k, v in kwargs.items()}
+        if chain is not None:  # only the inputs checkpoint keeps are saved outside its own hooks
+            with torch.autograd.graph.saved_tensors_hooks(chain.pack, chain.unpack):
+                return self._checkpoint(args, kwargs, extra)
+        return self._checkpoint(args, kwargs, extra)
+
+    def _checkpoint(self, args: tuple, kwargs: dict, extra: dict) -> Any:
         return checkpoint(
             OnceStats(self._forward, self.module),
             *args,
@@ -138,10 +171,19 @@ class _CheckpointedForward:
         )
 
 
-def wrap_block(block: nn.Module, mode: str) -> None:
+#: A mode's suffix for blocks whose saved inputs are kept in host memory (``"full+host"``).
+HOST = "+host"
+
+
+def wrap_block(block: nn.Module, mode: str, chain: BoundaryChain | None = None) -> None:
+    """Wrap ``block`` in ``mode`` (``"full"``, ``"selective"``, ``"offload"``; ``"+host"``
+    appended: its saved inputs in host memory through ``chain``, a new one if not given)."""
+    host = None
+    if mode.endswith(HOST):
+        mode, host = mode[: -len(HOST)], chain or BoundaryChain()
     state = block.__dict__.get(ATTR)
     if state is not None:
-        state["mode"] = mode
+        state["mode"], state["host"] = mode, host
         return
     inner = block.__dict__.get("forward")
     if isinstance(inner, _CheckpointedForward) and inner.module is block:
@@ -149,14 +191,8 @@ def wrap_block(block: nn.Module, mode: str) -> None:
     else:
         wrapper = _CheckpointedForward(block, inner)
         object.__setattr__(block, "forward", wrapper)
-    object.__setattr__(block, ATTR, {"mode": mode, "wrapper": wrapper})
+    object.__setattr__(block, ATTR, {"mode": mode, "wrapper": wrapper, "host": host})
 
 
 def unwrap_block(block: nn.Module) -> None:
-    wrapper = block.__dict__.get("forward")
-    if isinstance(wrapper, _CheckpointedForward) and wrapper.module is block:
-        if wrapper.inner is not None:
-            object.__setattr__(block, "forward", wrapper.inner)
-        else:
-            del block.__dict__["forward"]
-    block.__dict__.pop(ATTR, None)
+    unshadow(block, _CheckpointedForward, ATTR)

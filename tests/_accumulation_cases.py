@@ -64,34 +64,17 @@ class HFModule(pl.LightningModule):
         return DataLoader(self.samples, batch_size=self.batch_size, shuffle=False)
 
 
-class ShiftLM(nn.Module):
-    """A language model of one's own: embedding, a causal mixer, the output head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.mix, self.head = (
-            nn.Embedding(VOCAB, 32),
-            nn.Linear(32, 32),
-            nn.Linear(32, VOCAB),
-        )
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(input_ids)
-        x = torch.tanh(self.mix(x + F.pad(x, (0, 0, 1, 0))[:, :-1]))  # sees the previous token
-        return self.head(x)
-
-
 class PlainModule(HFModule):
     """Its own shift and ``F.cross_entropy(ignore_index=-100)`` (``per_sample``: the mean over
     samples of each sample's token mean; ``smoothing``: label smoothing)."""
 
     def __init__(self, per_sample: bool = False, smoothing: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(model=ShiftLM(), **kwargs)
+        super().__init__(model=tiny_llama(), **kwargs)
         self.per_sample, self.smoothing = per_sample, smoothing
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["input_ids"])[:, :-1]
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = logits[:, :-1]
         labels = batch["labels"][:, 1:]
         if not self.per_sample:
             return F.cross_entropy(
@@ -108,12 +91,7 @@ def collate(samples: list[dict]) -> dict:
 
 def whole_window_update(module: HFModule, samples: list[dict], clip: float | None = None) -> dict:
     """The update of one SGD step (lr 1) on ``samples`` taken together (a copy of the module)."""
-    ref = copy.deepcopy(module)
-    ref.zero_grad()
-    ref.training_step(collate(samples), 0).backward()
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-    return {n: -p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return whole_batch_update(module, collate(samples), clip)
 
 
 def update_error(before: dict, module: nn.Module, expected: dict) -> float:
@@ -137,3 +115,33 @@ def fit_once(module: HFModule, callbacks: list, **trainer_kwargs: Any) -> pl.Tra
     trainer = pl.Trainer(callbacks=callbacks, **kwargs)
     trainer.fit(module)
     return trainer
+
+
+class Batches(pl.Callback):
+    """Keeps (a copy of) every batch the fit trained on, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append({k: v.clone() for k, v in batch.items()})
+
+
+def concat(batches: list[dict]) -> dict:
+    width = max(b["input_ids"].shape[1] for b in batches)
+    pads = {"labels": -100, "attention_mask": 0}
+    out = {}
+    for k in batches[0]:
+        parts = [F.pad(b[k], (0, width - b[k].shape[1]), value=pads.get(k, 0)) for b in batches]
+        out[k] = torch.cat(parts)
+    return out
+
+
+def whole_batch_update(module: nn.Module, batch: dict, clip: float | None = None) -> dict:
+    """The update of one SGD step (lr 1) on ``batch`` (a copy of the module)."""
+    ref = copy.deepcopy(module)
+    ref.zero_grad()
+    ref.training_step(batch, 0).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    return {n: -p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}

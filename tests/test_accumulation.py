@@ -215,6 +215,29 @@ def test_sequence_packing_rows_of_unequal_tokens():
     assert errors[1] <= EXACT < 0.01 < errors[0]
 
 
+@pytest.mark.ddp_case("accumulation")
+def test_ddp_two_ranks_of_unequal_tokens(ddp_case):
+    """2 processes, micro-batch 4 x accumulation 2 each (rank r: samples r, r+2, ...): the update
+    equals one process's step on all 16 samples; the logged window loss is their token mean."""
+    import json
+
+    module = HFModule(samples=padded_samples())
+    expected = whole_window_update(module, module.samples)
+    before = snapshot(module)
+    errors = {}
+    for name in ("plain", "exact"):
+        after = torch.load(ddp_case / f"{name}.pt")
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                p.copy_(after[n])
+        errors[name] = update_error(before, module, expected)
+    assert errors["exact"] <= EXACT < 0.1 < errors["plain"]
+    record = json.loads((ddp_case / "exact.json").read_text())
+    whole = float(HFModule(samples=padded_samples()).training_step(_stack(module.samples), 0))
+    assert record["loss"] == pytest.approx(whole, rel=1e-5)
+    assert record["weighting"] == "shifted tokens"
+
+
 # -- refusals and the warning ---------------------------------------------------------------------
 class _Manual(PlainModule):
     def __init__(self) -> None:

@@ -146,6 +146,24 @@ def test_window_loss_logged_is_the_whole_batch_loss():
     assert float(trainer.callback_metrics[WINDOW_LOSS]) == pytest.approx(whole, rel=1e-5)
 
 
+@pytest.mark.parametrize("order", ["guard first", "guard last"])
+def test_divergence_guard_judges_the_true_window_loss(order):
+    """DivergenceGuard's baseline after one step is the window's token-mean loss (the whole
+    batch's), and the gradient norm it may read is the exact one, whatever the callbacks' order."""
+    from lightning_efficient.techniques.early_stopping import DivergenceGuard
+
+    module = PlainModule()
+    whole = float(module.training_step(_stack(module.samples), 0))
+    guard, exact = DivergenceGuard(), ExactAccumulation()
+    callbacks = [guard, exact] if order == "guard first" else [exact, guard]
+    plain_guard = DivergenceGuard()
+    fit_once(PlainModule(), [plain_guard], accumulate_grad_batches=4)
+    fit_once(module, callbacks, accumulate_grad_batches=4)
+    # an untrained model's losses are all near log(vocabulary): the gap is small but 20x ours
+    assert guard.detector.baseline == pytest.approx(whole, rel=2e-6)
+    assert abs(plain_guard.detector.baseline / whole - 1) > 4e-5  # Lightning's mean of means
+
+
 def _stack(samples):
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 

@@ -57,6 +57,9 @@ def test_window_factor_and_share():
     assert measured_share(1.0, 1.0, 1.0) is None
     assert weighting_of(0.25, {"samples": 0.5, "tokens": 0.25}) == ["tokens"]
     assert weighting_of(0.37, {"samples": 0.5, "tokens": 0.25}) == []
+    # short documents: the shift changes the share (4, 5 | 16, 23 tokens; pydoc paragraphs)
+    shares = {"samples": 0.5, "tokens": 0.1875, "shifted tokens": 0.1591}
+    assert weighting_of(0.1591, shares) == ["shifted tokens"]
 
 
 def test_counts_per_sample():

@@ -129,10 +129,10 @@ def measured_share(whole: float, first: float, second: float) -> float | None:
 
 def weighting_of(share: float, shares: Mapping[str, float]) -> list[str]:
     """The weightings whose share of the first part matches the measured ``share``: within a
-    quarter of the smallest gap between two candidates (at most 0.02)."""
-    values = sorted(shares.values())
-    gaps = [b - a for a, b in zip(values, values[1:]) if b - a > 1e-9]
-    tolerance = min([0.02] + [g / 4 for g in gaps])
+    quarter of the gap between the samples' share and the nearest other (at most 0.02). Both
+    token counts (with and without the shift) may match: their shares can be close."""
+    others = [abs(v - shares["samples"]) for k, v in shares.items() if k != "samples"]
+    tolerance = min([0.02] + [g / 4 for g in others if g > 1e-9])
     return [name for name, s in shares.items() if abs(s - share) <= tolerance]
 
 

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=None, help="results STEM (default benchmarks/results/)")
     args = parser.parse_args(argv)
     windows = args.windows or (2 if args.quick else 6)
     steps = args.steps or (6 if args.quick else 24)

@@ -46,10 +46,11 @@ def batch_size_of(batch: Any) -> int:
     return batch_counts(batch)[0]
 
 
-def batch_slice(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``start:stop`` of a collated batch: tensors whose dim 0 is the batch size are
-    sliced; tuples, lists, dicts and namedtuples recursively; anything else is kept whole."""
-    size = batch_size_of(batch)
+def batch_slice(batch: Any, start: int, stop: int, size: int | None = None) -> Any:
+    """Samples ``start:stop`` of a collated batch of ``size`` samples (default
+    :func:`batch_size_of`): tensors whose dim 0 is the batch size are sliced; tuples, lists,
+    dicts and namedtuples recursively; anything else is kept whole."""
+    size = batch_size_of(batch) if size is None else size
 
     def part(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

@@ -279,6 +279,17 @@ def test_manual_optimization_is_refused_before_training():
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
 
 
+def test_optimizer_in_backward_is_refused_before_training():
+    from lightning_efficient.techniques.optimizers import OptimizerSwap
+
+    module = PlainModule()
+    before = snapshot(module)
+    swap = OptimizerSwap("adamw", optimizer_in_backward=True)
+    with pytest.raises(SettingsError, match="optimizer steps inside backward"):
+        fit_once(module, [swap, ExactAccumulation()])
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
 class _Summed(PlainModule):
     def training_step(self, batch, batch_idx):
         return super().training_step(batch, batch_idx) * batch["labels"].shape[0] ** 2

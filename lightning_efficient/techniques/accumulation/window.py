@@ -87,7 +87,6 @@ class AccumulationWeights:
         self._range: torch.Tensor | None = None  # [least N, most N] over the windows
         self._decided = (-1, -1)  # (global step, batch) of the last window closed
         self.window_loss: float | torch.Tensor | None = None
-        self._owner: weakref.ref | None = None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

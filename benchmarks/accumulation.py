@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None, help="results STEM (default benchmarks/results/)")
     args = parser.parse_args(argv)
-    windows = args.windows or (2 if args.quick else 6)
-    steps = args.steps or (6 if args.quick else 24)
+    windows = args.windows or (2 if args.quick else 4)
+    steps = args.steps or (6 if args.quick else 12)
     warnings.filterwarnings("ignore")
     pl.seed_everything(SEED, verbose=False)
     window_docs = MICRO * ACCUMULATION

@@ -43,7 +43,7 @@ class Probe:
     Attributes:
         weighting: ``"samples"``, ``"tokens"``, ``"shifted tokens"``; ``None``: not determined.
         settled: False when the batch could not tell the candidates apart (equal lengths, a
-            single sample): probe a later batch.
+            single sample): probe a later batch; ``weighting`` is then the best guess, if any.
         detail: One line saying what was measured.
     """
 
@@ -94,15 +94,22 @@ def probe_weighting(
         share = measured_share(whole, first, second)
         if share is None:
             return Probe(None, False, "the two parts of the batch had the same loss")
-        if len(pair) > 1 and gap < 0.01:
-            return Probe(None, False, "every sample of the batch had as many targets")
+        shifts = "shifted tokens" in counts and _shifts(loss, batch, whole, ignore_index)
+        if len(pair) > 1 and gap < 0.01:  # samples or targets: a later batch must tell
+            guess = "shifted tokens" if shifts else "tokens"
+            return Probe(guess, False, "every sample of the batch had as many targets")
         found = weighting_of(share, shares)
         measured = f"first {cut} of {size} samples: {share:.4f} of the loss"
         named = ", ".join(f"{k} {v:.4f}" for k, v in shares.items())
         if not found or ("samples" in found and len(found) > 1):
             return Probe(None, True, f"{measured}; no share fits ({named})")
-        if "tokens" in found and "shifted tokens" in counts:
-            shifted = loss(_first_targets_ignored(batch, ignore_index))
-            if shifted == whole or abs(shifted - whole) <= 1e-6 * abs(whole):
-                found = ["shifted tokens"]
+        if "tokens" in found and shifts:
+            found = ["shifted tokens"]
     return Probe(found[0], True, f"{measured} ({named})")
+
+
+def _shifts(loss: Callable[[Any], float], batch: Any, whole: float, ignore_index: int) -> bool:
+    """Whether the loss leaves the first target of each row out (a causal LM's shift): ignoring
+    those targets leaves it unchanged."""
+    shifted = loss(_first_targets_ignored(batch, ignore_index))
+    return shifted == whole or abs(shifted - whole) <= 1e-6 * abs(whole)

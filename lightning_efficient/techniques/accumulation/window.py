@@ -137,7 +137,8 @@ class AccumulationWeights:
             if self.requested == "tokens" and found not in ("tokens", "shifted tokens"):
                 found, detail, settled = guess, f"{guess} (as asked; {detail})", True
             elif not settled:  # this batch could not tell: assume until a later one can
-                found, detail = guess, f"{guess} (assumed; {detail})"
+                found = found or guess
+                detail = f"{found} (assumed; {detail})"
                 settled = self.probes >= MAX_PROBES
         if world is not None and getattr(world, "world_size", 1) > 1:
             found, detail, settled = world.broadcast((found, detail, settled), src=0)
@@ -217,11 +218,7 @@ class AccumulationWeights:
             sums = strategy.reduce(sums.to(strategy.root_device), reduce_op="sum")
         accumulation = trainer.accumulate_grad_batches
         factor = window_factor(sums[0], accumulation, trainer.world_size)
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
+        scale_gradients(trainer.optimizers, factor)
         loss = sums[1] * accumulation / sums[0].clamp(min=1e-12)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.window_loss = loss / scaler.get_scale() if scaler is not None else loss
@@ -262,3 +259,17 @@ def undetermined_message(detail: str, tokens: list[torch.Tensor]) -> str:
         "Pass `token_counter=fn(batch) -> count` (what the loss averages over) or "
         "loss_weighting='samples'/'tokens'."
     )
+
+
+def scale_gradients(optimizers: Any, factor: torch.Tensor) -> None:
+    """Multiply every gradient of ``optimizers`` by ``factor`` (a 0-dim tensor, moved once per
+    device and dtype): no synchronisation."""
+    factors: dict[tuple, torch.Tensor] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    key = (p.grad.device, p.grad.dtype)
+                    if key not in factors:
+                        factors[key] = factor.to(*key)
+                    p.grad.mul_(factors[key])

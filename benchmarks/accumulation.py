@@ -63,8 +63,9 @@ class LM(pl.LightningModule):
         if batch_idx % ACCUMULATION == 0:
             self._t = time.perf_counter()
 
-    def on_before_zero_grad(self, optimizer: Any) -> None:
-        self.step_times.append(time.perf_counter() - self._t)
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (batch_idx + 1) % ACCUMULATION == 0:  # the window's micro-batches and its step
+            self.step_times.append(time.perf_counter() - self._t)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.sgd:

@@ -28,6 +28,7 @@ CASES = {
     "packing": "_ddp_packing",
     "early_stopping": "_early_stopping_ddp",
     "batch_size": "_batch_size_ddp",
+    "accumulation": "_ddp_accumulation",
     "reports": "_reports_ddp",
     "combinations": "_combinations",
 }

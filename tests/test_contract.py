@@ -453,7 +453,31 @@ CASES.append(
         OOMRecovery,
         bad_args=[({"loss_weighting": "mean"}, "loss_weighting")],
         fuzz={
-            "loss_weighting": st.text(max_size=8).filter(lambda s: s not in ("samples", "tokens"))
+            "loss_weighting": st.text(max_size=8).filter(
+                lambda s: s not in ("auto", "samples", "tokens")
+            )
+        },
+        stateful=True,
+        state_changes=False,
+    )
+)
+
+# -- exact accumulation (issue 48): the demo's samples have equal lengths, so the maths is the
+# plain run's; its state is the weighting measured on the first batch
+from lightning_efficient.techniques.accumulation import ExactAccumulation  # noqa: E402
+
+CASES.append(
+    Case(
+        ExactAccumulation,
+        bad_args=[
+            ({"loss_weighting": "mean"}, "loss_weighting"),
+            ({"ignore_index": "pad"}, "ignore_index"),
+            ({"token_counter": 3}, "token_counter"),
+        ],
+        fuzz={
+            "loss_weighting": st.text(max_size=8).filter(
+                lambda s: s not in ("auto", "samples", "tokens")
+            )
         },
         stateful=True,
         state_changes=False,

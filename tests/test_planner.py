@@ -216,8 +216,10 @@ def test_one_yaml_writer_and_the_ladder_classes() -> None:
     assert [c["class_path"] for c in trainer["callbacks"]] == [p.class_path for p in rung.callbacks]
     decision = yaml.safe_load(Decision(rung, 4, 2).to_yaml("model"))
     same = {k: v for k, v in trainer.items() if k != "devices"}
+    # micro-batch x accumulation: ExactAccumulation keeps one step's update (issue 48)
+    exact = [*same["callbacks"], {"class_path": "ExactAccumulation"}]
     assert decision == {
-        "trainer": {**same, "accumulate_grad_batches": 2},
+        "trainer": {**same, "accumulate_grad_batches": 2, "callbacks": exact},
         "model": {"init_args": {"batch_size": 4}},
     }
     # the advice's yaml parses to the same shape

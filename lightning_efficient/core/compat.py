@@ -192,6 +192,37 @@ def _batch_size_accumulation(trainer: Any, techniques: Sequence[Any]) -> str | N
 
 
 @rule
+def _weighed_windows(trainer: Any, techniques: Sequence[Any]) -> str | None:
+    """Exact accumulation weighs each micro-batch's gradient in Lightning's automatic loop and
+    rescales the window's gradients before the optimizer step."""
+    weighers = [t for t in techniques if getattr(t, "weighs_windows", False)]
+    if not weighers:
+        return None
+    who, problems = _names(weighers), []
+    module = getattr(trainer, "lightning_module", None)
+    if module is not None and not getattr(module, "automatic_optimization", True):
+        problems.append(
+            f"{who} weighs accumulated gradients in Lightning's automatic optimization, but the "
+            "module uses manual optimization (it calls backward and step itself): multiply each "
+            "micro-batch's loss by its target count and divide the gradients by the window's "
+            "total before your step, or leave it out"
+        )
+    strategy = getattr(trainer, "strategy", None)
+    if getattr(strategy, "handles_gradient_accumulation", False):
+        problems.append(
+            f"{who} cannot weigh the accumulation of {type(strategy).__name__}, which accumulates "
+            "gradients itself (DeepSpeed's gradient_accumulation_steps): its micro-batch losses "
+            "are averaged with equal weights. Leave it out, or use DDP"
+        )
+    if any(getattr(t, "steps_in_backward", False) for t in techniques):
+        problems.append(
+            f"{who} rescales the window's gradients before the optimizer step, but the optimizer "
+            "steps inside backward (optimizer_in_backward=True), before that: leave one out"
+        )
+    return "; ".join(problems) or None
+
+
+@rule
 def _optimizer_in_backward(trainer: Any, techniques: Sequence[Any]) -> str | None:
     """Stepping each parameter from its gradient hook (OptimizerSwap(optimizer_in_backward=True))
     needs every gradient to be final when it arrives and to be used alone."""

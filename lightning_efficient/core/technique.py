@@ -82,6 +82,9 @@ class Technique(Callback):
     stacks: bool = True
     #: Changes ``trainer.accumulate_grad_batches`` during the fit.
     sets_accumulation: bool = False
+    #: Weighs each gradient-accumulation window by what its micro-batches' losses average over
+    #: (``techniques.accumulation``): needs Lightning's automatic loop to run each backward.
+    weighs_windows: bool = False
     #: Catches out-of-memory errors and retries the step.
     recovers_from_oom: bool = False
     #: Steps the optimizer from gradient hooks during backward.

@@ -20,6 +20,7 @@ from lightning_efficient.planning import fit as on_fit
 from lightning_efficient.planning.decision import GOALS, Decision
 from lightning_efficient.planning.ladder import trains_full_weights, trains_without_cache
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
+from lightning_efficient.techniques.accumulation.callback import add_exact_accumulation
 from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 
 __all__ = ["AutoEfficient"]
@@ -162,6 +163,8 @@ class AutoEfficient(Technique):
                 trainer, pl_module, self.batch_arg_name, decision.micro, decision.accumulation
             ),
         )
+        if decision.accumulation > 1 or trainer.world_size > 1:  # one step on the whole batch
+            self.record(trainer, add_exact_accumulation(trainer, pl_module))
         self._added = on_fit.add_callbacks(trainer, self, callbacks)
         if trains_without_cache(decision.rung):  # as estimated: no Hugging Face key/value cache
             self.record(trainer, apply_training_without_cache(pl_module))

@@ -13,6 +13,10 @@ from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.memory.estimate import PRECISIONS
 from lightning_efficient.planning.ladder import Part, Rung, technique_class
 
+#: Added to a stack whose micro-batch x accumulation (or ranks) makes up the effective batch: the
+#: update stays one step on the whole batch for a token-mean loss (issue 48).
+EXACT_ACCUMULATION = Part("ExactAccumulation")
+
 __all__ = [
     "CHECKPOINT_OPTIMIZERS",
     "GOALS",
@@ -103,6 +107,8 @@ class Decision:
         or ``"model"``; None: not written)."""
         stack = self.rung.stack(configured=False)
         stack.trainer["accumulate_grad_batches"] = self.accumulation
+        if self.accumulation > 1 or self.world_size > 1:  # as AutoEfficient adds it
+            stack.callbacks = [*stack.callbacks, EXACT_ACCUMULATION.spec()]
         if batch_key is not None:
             stack.sections[batch_key] = {"init_args": {batch_arg_name: self.micro}}
         return stack

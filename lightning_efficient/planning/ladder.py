@@ -17,6 +17,7 @@ import torch
 from lightning_efficient.core.stack import Stack, spec
 from lightning_efficient.core.validate import check_int
 from lightning_efficient.measure.memory.optimizer_models import optimizer_class
+from lightning_efficient.techniques.accumulation import ExactAccumulation
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy, worth_chunking
 from lightning_efficient.techniques.fsdp import FullyShardedStrategy
@@ -64,6 +65,7 @@ LADDER_CLASSES: dict[str, type] = {
         FrozenWeights4bit,
         ZeROOffload,
         FullyShardedStrategy,
+        ExactAccumulation,  # what a decision's micro-batch x accumulation adds
     )
 }
 

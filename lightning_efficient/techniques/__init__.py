@@ -9,6 +9,7 @@ from lightning_efficient.core.technique import NoEffectWarning, Technique
 from lightning_efficient.measure.memory.breakdown import MemoryBreakdown
 from lightning_efficient.measure.profiling.profiler import StepProfiler
 from lightning_efficient.measure.speed.input_stall import InputStallMonitor
+from lightning_efficient.techniques.accumulation import ExactAccumulation
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
@@ -44,6 +45,7 @@ TECHNIQUES: list[type] = [
     TorchCompile,
     EfficientBatchSize,
     OOMRecovery,
+    ExactAccumulation,
     DataLoaderTuning,
     DevicePreload,
     InputStallMonitor,

@@ -17,6 +17,7 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool
+from lightning_efficient.techniques.accumulation.callback import add_exact_accumulation
 from lightning_efficient.techniques.batch_size.choice import (
     SizingSettings,
     choose_batch_size,
@@ -47,13 +48,13 @@ class OOMRecovery(Technique):
     gradients (or a DDP reducer mid-reduction) behind, so it raises a clear error instead.
 
     Args:
-        loss_weighting: How micro-batch losses combine: ``"samples"`` (the loss is a mean over
-            samples, or over tokens with equal-length samples) or ``"tokens"`` (a token-mean
-            over variable-length samples: each micro-batch is weighted by its target tokens).
-        ignore_index: Target value that does not count as a token (``"tokens"`` weighting).
-        token_counter: ``fn(batch) -> int`` (or its import path) counting the tokens of a
-            micro-batch; default: targets (``batch["labels"]`` or the last tensor of a tuple)
-            that differ from ``ignore_index``.
+        loss_weighting: What the loss averages over, so that the parts of a split batch weigh as
+            in the whole batch: ``"auto"`` (measured on the first batch: the loss of a batch
+            against the losses of its parts, see :class:`ExactAccumulation`), ``"samples"`` or
+            ``"tokens"`` (targets that differ from ``ignore_index``).
+        ignore_index: Target value that does not count as a token.
+        token_counter: ``fn(batch) -> int`` (or its import path) counting what the loss of a
+            micro-batch averages over, for a loss the measurement cannot read.
     """
 
     recovers_from_oom = True  # read by the compatibility rules
@@ -65,7 +66,7 @@ class OOMRecovery(Technique):
 
     def __init__(
         self,
-        loss_weighting: str = "samples",
+        loss_weighting: str = "auto",
         ignore_index: int = -100,
         token_counter: str | Callable[[Any], int] | None = None,
     ) -> None:
@@ -83,6 +84,11 @@ class OOMRecovery(Technique):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recovery.load_state_dict(state_dict)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.recovery.weights.batch_start(trainer, pl_module, batch, batch_idx, self)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         armed = self.recovery.start(trainer, pl_module, self, lambda: self._report(trainer))
@@ -124,7 +130,10 @@ class EfficientBatchSize(Technique):
         optimizer: Optimizer of the estimate and trials ("adamw", "adam", "sgd" or a class path).
         probe_samples: Samples scanned to find the longest one (evenly spaced when more).
         oom_recovery: Also recover from OOM errors mid-training.
-        loss_weighting, ignore_index, token_counter: see :class:`OOMRecovery`.
+        loss_weighting, ignore_index, token_counter: What the loss averages over (see
+            :class:`OOMRecovery`): with a target the accumulation windows are weighted by it (an
+            :class:`ExactAccumulation` is added for the fit), so micro-batch x accumulation
+            gives the update of one step on the whole batch, and so is the OOM split.
     """
 
     @property
@@ -147,7 +156,7 @@ class EfficientBatchSize(Technique):
         optimizer: str = "adamw",
         probe_samples: int = 10_000,
         oom_recovery: bool = True,
-        loss_weighting: str = "samples",
+        loss_weighting: str = "auto",
         ignore_index: int = -100,
         token_counter: str | Callable[[Any], int] | None = None,
     ) -> None:
@@ -211,6 +220,17 @@ class EfficientBatchSize(Technique):
             return
         self._trainer = weakref.ref(trainer)
         self._choose(trainer, pl_module)
+        if self.target_batch_size is not None:  # micro-batch x accumulation: one step's update
+            exact = add_exact_accumulation(
+                trainer, pl_module, self.loss_weighting, self.ignore_index, self.token_counter
+            )
+            self.record(trainer, exact)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.oom_recovery:
+            self.recovery.weights.batch_start(trainer, pl_module, batch, batch_idx, self)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._change:

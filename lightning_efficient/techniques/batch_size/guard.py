@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change, patch_attribute
-from lightning_efficient.core.validate import check_choice, check_int, import_object
-from lightning_efficient.measure.speed.tokens import count_loss_tokens
 from lightning_efficient.measure.step import silenced_logging
 from lightning_efficient.measure.trials.trial import is_out_of_memory
+from lightning_efficient.techniques.accumulation.weighting import batch_size_of
+from lightning_efficient.techniques.accumulation.window import AccumulationWeights, windows_for
 from lightning_efficient.techniques.batch_size.split import (
     OOMSplitter,
     OutOfMemoryRecoveryError,
@@ -33,48 +33,37 @@ from lightning_efficient.techniques.batch_size.split import (
 __all__ = ["OOMGuard"]
 
 
-def _check_token_counter(token_counter: Any) -> None:
-    if (
-        token_counter is not None
-        and not isinstance(token_counter, str)
-        and not callable(token_counter)
-    ):
-        raise TypeError(
-            f"`token_counter` must be a callable, an import path or None; got {token_counter!r} "
-            f"({type(token_counter).__name__})."
-        )
-
-
 class OOMGuard:
     """Reruns a training step split when it runs out of memory (see :class:`OOMSplitter`).
 
+    The parts of a split batch are weighted by what the loss averages over, as measured by
+    ``weights`` (:class:`~lightning_efficient.techniques.accumulation.AccumulationWeights`; its
+    holder hands it ``on_train_batch_start``), and each part's gradient by the window's weight
+    of the whole batch where a technique weighs the accumulation windows.
+
     Args:
-        loss_weighting: ``"samples"`` or ``"tokens"``.
+        loss_weighting: ``"auto"`` (measured), ``"samples"`` or ``"tokens"``.
         ignore_index: Target value that does not count as a token.
         token_counter: ``fn(batch) -> int`` or its import path (resolved when first used).
     """
 
     def __init__(
         self,
-        loss_weighting: str = "samples",
+        loss_weighting: str = "auto",
         ignore_index: int = -100,
         token_counter: str | Callable[[Any], int] | None = None,
     ) -> None:
-        check_choice("loss_weighting", loss_weighting, ("samples", "tokens"))
-        _check_token_counter(token_counter)
-        self.ignore_index = check_int("ignore_index", ignore_index)
-        self.token_counter = token_counter
-        self.splitter = OOMSplitter(loss_weighting, token_counter=self._count_tokens)
+        self.weights = AccumulationWeights(loss_weighting, ignore_index, token_counter)
+        self.splitter = OOMSplitter("tokens", token_counter=self._count)
         self._armed = Change("not armed")
         self._module: weakref.ref | None = None  # the module armed
         self._current: tuple[Any, int] | None = None
 
-    def _count_tokens(self, batch: Any) -> int:
-        if self.token_counter is None:
-            return count_loss_tokens(batch, self.ignore_index)
-        if isinstance(self.token_counter, str):
-            return import_object("token_counter", self.token_counter)(batch)
-        return self.token_counter(batch)
+    def _count(self, batch: Any) -> int:
+        """What the loss of a part averages over (its samples while not measured)."""
+        if self.weights.weighting is None:
+            return batch_size_of(batch)
+        return int(self.weights.count(batch))
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -87,19 +76,18 @@ class OOMGuard:
         """Out-of-memory errors recovered from."""
         return self.splitter.recoveries
 
-    def state_dict(self) -> dict[str, int]:
-        return {"splits": self.splits, "recoveries": self.recoveries}
+    def state_dict(self) -> dict[str, Any]:
+        return {"splits": self.splits, "recoveries": self.recoveries, **self.weights.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.weights.load_state_dict(state_dict)
         self.splitter.splits = int(state_dict.get("splits", 1))
         self.splitter.recoveries = int(state_dict.get("recoveries", 0))
 
     def describe(self) -> str:
         """The report's line for recovery alone."""
-        return (
-            f"OOM recovery armed ({self.splitter.weighting}-weighted split); batches split in "
-            f"{self.splits}"
-        )
+        weighting = self.weights.weighting or "samples (not measured)"
+        return f"OOM recovery armed ({weighting}-weighted split); batches split in {self.splits}"
 
     @staticmethod
     def unsupported(trainer: Any, pl_module: Any) -> str | None:
@@ -144,11 +132,16 @@ class OOMGuard:
         def calls(batch_idx: int, args: tuple, kwargs: dict) -> StepCalls:
             accumulation = trainer.accumulate_grad_batches
             scaler = getattr(trainer.precision_plugin, "scaler", None)
+            windows = windows_for(trainer)  # the whole batch's weight in its window
+            weight = windows.current_count if windows is not None else None
+            scale = scaler.scale if scaler is not None else None
+            if weight is not None:
+                scale = _weighted(weight, scale)
             return StepCalls(
                 step=lambda chunk: orig_step(chunk, batch_idx, *args, **kwargs),
                 backward=chunk_backward(
                     [p for p in module.parameters() if p.requires_grad],
-                    scale=scaler.scale if scaler is not None else None,
+                    scale=scale,
                     bypass_reducer=isinstance(trainer.model, nn.parallel.DistributedDataParallel),
                 ),
                 zero_grad=lambda: orig_zero_grad(
@@ -208,3 +201,15 @@ class OOMGuard:
 
     def _forget(self) -> None:
         self._current = None
+
+
+def _weighted(
+    weight: torch.Tensor, scale: Callable[[torch.Tensor], torch.Tensor] | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A part's loss times the whole batch's window weight, then the grad scaler's ``scale``."""
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        t = t * weight.to(t.device, t.dtype)
+        return scale(t) if scale is not None else t
+
+    return apply

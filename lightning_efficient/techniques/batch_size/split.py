@@ -26,6 +26,7 @@ from lightning_efficient.core.validate import check_choice, check_int
 from lightning_efficient.measure.speed.tokens import count_loss_tokens
 from lightning_efficient.measure.step import loss_of
 from lightning_efficient.measure.trials.trial import free_memory, is_out_of_memory
+from lightning_efficient.techniques.accumulation.weighting import batch_slice
 from lightning_efficient.techniques.batch_size.sizing import batch_length
 
 __all__ = [
@@ -56,19 +57,7 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     if parts > size:
         raise ValueError(f"cannot split a batch of {size} samples into {parts} parts")
     bounds = [round(i * size / parts) for i in range(parts + 1)]
-
-    def part(x: Any, i: int) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x[bounds[i] : bounds[i + 1]] if x.dim() > 0 and x.shape[0] == size else x
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(part(v, i) for v in x))
-        if isinstance(x, Mapping):
-            return type(x)({k: part(v, i) for k, v in x.items()})
-        if isinstance(x, (list, tuple)):
-            return type(x)(part(v, i) for v in x)
-        return x
-
-    return [part(batch, i) for i in range(parts)]
+    return [batch_slice(batch, bounds[i], bounds[i + 1], size) for i in range(parts)]
 
 
 def chunk_weights(

@@ -10,6 +10,7 @@ import torch
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
+from lightning_efficient.techniques.accumulation.window import windows_for
 from lightning_efficient.techniques.early_stopping.decisions import (
     guard_summary,
     snapshot_due,
@@ -178,10 +179,14 @@ class DivergenceGuard(Technique):
 
     def _observe(self, trainer: Any, window: torch.Tensor) -> tuple[float, float | None]:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None:  # the loss seen by backward was scaled
+        exact = windows_for(trainer)  # weighted windows: their true loss, gradients final
+        weighed = exact.close_window(trainer) if exact is not None else None
+        if weighed is not None:
+            window = weighed  # unscaled and over every rank already
+        elif scaler is not None:  # the loss seen by backward was scaled
             window = window / scaler.get_scale()
         strategy = trainer.strategy
-        if trainer.world_size > 1:
+        if weighed is None and trainer.world_size > 1:
             window = strategy.reduce(window.to(strategy.root_device), reduce_op="mean")
         norm = None
         if self.watch_grad_norm:

@@ -730,7 +730,7 @@ def test_allocator_row_dry_run(suite, tmp_path) -> None:
     dims.update(vocab=f["vocab"], seq=f["seq"], dtype=f["dtype"], lora_r=f["lora_r"])
     rec = common.Recorder(ctx.result_file)
     spare = run.RunPool(ctx, env=finetune.ALLOCATOR)
-    name, techniques = finetune.STACKS[-1]
+    name, techniques = finetune.STACKS[finetune.QLORA]
     try:
         finetune._run_row(ctx, rec, spare, name, techniques, dims, None, allocator=True)
     finally:

@@ -82,7 +82,7 @@ def test_target_the_data_cannot_hold_is_refused_before_training(tmp_path, monkey
 def test_fit_auto_refuses_a_target_the_data_cannot_hold(tmp_path, capsys, monkeypatch) -> None:
     from pathlib import Path
 
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

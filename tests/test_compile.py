@@ -347,7 +347,7 @@ def test_scope_auto_measures_both_reports_them_and_keeps_the_losses(tmp_path, ea
 def test_scope_from_yaml(tmp_path) -> None:
     import yaml
 
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     spec = {"class_path": "TorchCompile", "init_args": {"scope": "auto", "backend": "aot_eager"}}
     cfg = tmp_path / "cfg.yaml"

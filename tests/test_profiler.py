@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_efficient.cli import EXTRA_COMMANDS, main
+from lightning_efficient.commands import EXTRA_COMMANDS, main
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT

@@ -274,13 +274,13 @@ def _state(**changes: Any) -> dict[str, Any]:
     ],
 )  # fmt: skip
 def test_checkpoint_decision_validated(changes: dict[str, Any], match: str) -> None:
-    from lightning_efficient.planning.decision import DecisionStateError, decision_from_state
+    from lightning_efficient.planning.decision import Decision, DecisionStateError
 
     with pytest.raises(DecisionStateError, match=match):
-        decision_from_state(_state(**changes), 1)
+        Decision.from_state(_state(**changes), 1)
     with pytest.raises(DecisionStateError, match="not a multiple"):
-        decision_from_state(_state(micro_batch=3, accumulation=1), 2)
-    assert decision_from_state(_state(), 1).micro == 8
+        Decision.from_state(_state(micro_batch=3, accumulation=1), 2)
+    assert Decision.from_state(_state(), 1).micro == 8
 
 
 def test_crafted_checkpoint_imports_nothing(tmp_path, monkeypatch) -> None:

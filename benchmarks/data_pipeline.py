@@ -54,11 +54,11 @@ from lightning_efficient.functional import (
     LengthBucketSampler,
     padding_stats,
 )
+from lightning_efficient.measure.speed.input_stall import InputStallMonitor  # noqa: E402
 from lightning_efficient.measure.speed.timing import StepTimer  # noqa: E402
 from lightning_efficient.techniques.dataloading import (  # noqa: E402
     DataLoaderTuning,
     DevicePreload,
-    InputStallMonitor,
     auto_num_workers,
 )
 

@@ -33,14 +33,8 @@ from lightning_efficient.techniques.curriculum.sampler import CurriculumSampler,
 from lightning_efficient.techniques.curriculum.schedule import sequence_length_at
 from lightning_efficient.techniques.curriculum.sequence import cut_batch
 from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler, padding_stats
-from lightning_efficient.techniques.dataloading.preload import (  # noqa: F401 - deprecated name
-    apply_device_preload,
-    preloaded_loader,
-)
-from lightning_efficient.techniques.dataloading.rebuild import (  # noqa: F401 - deprecated name
-    apply_dataloader_tuning,
-    tuned_loader,
-)
+from lightning_efficient.techniques.dataloading.preload import preloaded_loader
+from lightning_efficient.techniques.dataloading.rebuild import tuned_loader
 from lightning_efficient.techniques.dataloading.workers import tune_num_workers
 from lightning_efficient.techniques.early_stopping import DivergenceDetector, PlateauTracker
 from lightning_efficient.techniques.optimizers.build import apply_optimizer_swap

@@ -246,7 +246,7 @@ def _simple(obj: Any) -> dict[str, Any]:
 
 
 def test_yaml_reproduces_the_decision(tmp_path, decoder_fit) -> None:
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     budget, trainer, d = decoder_fit.budget, decoder_fit.trainer, decoder_fit.auto.decision
     printed = [m for m in decoder_fit.messages if "reproduces this" in m]
@@ -381,7 +381,7 @@ def test_undone_when_fit_raises(tmp_path) -> None:
 def test_fit_auto_command_builds_the_trainer_from_the_plan(tmp_path, capsys, monkeypatch) -> None:
     from pathlib import Path
 
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

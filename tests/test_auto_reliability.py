@@ -82,7 +82,7 @@ def test_target_the_data_cannot_hold_is_refused_before_training(tmp_path, monkey
 def test_fit_auto_refuses_a_target_the_data_cannot_hold(tmp_path, capsys, monkeypatch) -> None:
     from pathlib import Path
 
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -274,13 +274,13 @@ def _state(**changes: Any) -> dict[str, Any]:
     ],
 )  # fmt: skip
 def test_checkpoint_decision_validated(changes: dict[str, Any], match: str) -> None:
-    from lightning_efficient.planning.decision import DecisionStateError, decision_from_state
+    from lightning_efficient.planning.decision import Decision, DecisionStateError
 
     with pytest.raises(DecisionStateError, match=match):
-        decision_from_state(_state(**changes), 1)
+        Decision.from_state(_state(**changes), 1)
     with pytest.raises(DecisionStateError, match="not a multiple"):
-        decision_from_state(_state(micro_batch=3, accumulation=1), 2)
-    assert decision_from_state(_state(), 1).micro == 8
+        Decision.from_state(_state(micro_batch=3, accumulation=1), 2)
+    assert Decision.from_state(_state(), 1).micro == 8
 
 
 def test_crafted_checkpoint_imports_nothing(tmp_path, monkeypatch) -> None:

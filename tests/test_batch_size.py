@@ -20,11 +20,11 @@ from lightning_efficient.functional import (
     micro_batch_step,
 )
 from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.batch_size import (
     EfficientBatchSize,
     OOMRecovery,
     OutOfMemoryRecoveryError,
-    is_out_of_memory,
 )
 from lightning_efficient.techniques.batch_size.sizing import (
     accumulation_for,

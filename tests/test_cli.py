@@ -10,7 +10,7 @@ import torch
 from command_runner import run_command
 
 from lightning_efficient import TECHNIQUES
-from lightning_efficient.cli import main
+from lightning_efficient.commands import main
 
 ROOT = Path(__file__).parents[1]
 
@@ -99,7 +99,7 @@ def test_demo_config_fits_quietly_and_leaves_no_file(tmp_path) -> None:
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_config_builds(config) -> None:
     """Each shipped config builds its trainer, model and data through the CLI parser."""
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     cli = EfficientCLI(
         args=[

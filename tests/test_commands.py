@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_efficient.cli import EXTRA_COMMANDS, main
+from lightning_efficient.commands import EXTRA_COMMANDS, main
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory

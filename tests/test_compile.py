@@ -89,9 +89,10 @@ class _Probe(pl.Callback):
 
 
 # -- equivalence -------------------------------------------------------------------------------
-@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
-def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
-    tc, probe = TorchCompile(backend="aot_eager", regional=regional), _Probe()
+@pytest.mark.parametrize("scope", ["regional", "whole"])
+def test_compiled_losses_equal_eager(scope, tmp_path, eager_losses) -> None:
+    regional = scope == "regional"
+    tc, probe = TorchCompile(backend="aot_eager", scope=scope), _Probe()
     trainer, model, rec = fit(tmp_path, [tc, probe], max_steps=4)
     _close(rec.losses, eager_losses)
     assert probe.seen[1] == (["blocks.0", "blocks.1"] if regional else [""])
@@ -109,7 +110,7 @@ def test_compiled_losses_equal_eager(regional, tmp_path, eager_losses) -> None:
 
 @pytest.mark.slow
 def test_real_inductor_matches_eager(tmp_path, eager_losses) -> None:
-    tc = TorchCompile(backend="inductor", regional=True)
+    tc = TorchCompile(backend="inductor", scope="regional")
     trainer, _, rec = fit(tmp_path, [tc], max_steps=4, limit_val_batches=0)
     _close(rec.losses, eager_losses, rtol=1e-4, atol=1e-5)
     assert report_for(trainer)["TorchCompile"].figures["compile_s"] > 0
@@ -126,9 +127,7 @@ def test_every_precision(precision, tmp_path) -> None:
 
 
 def test_self_log_in_training_step_keeps_working(tmp_path) -> None:
-    trainer, _, rec = fit(
-        tmp_path, [TorchCompile(backend="aot_eager", regional=False)], max_steps=3
-    )
+    trainer, _, rec = fit(tmp_path, [TorchCompile(backend="aot_eager", scope="whole")], max_steps=3)
     assert "train_loss" in trainer.callback_metrics
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(rec.losses[-1], rel=1e-6)
 
@@ -310,23 +309,19 @@ def test_choose_scope_rule_on_given_timings() -> None:
     assert "neither" in choose_scope(None, None).reason
 
 
-def test_scope_argument_default_and_the_older_regional() -> None:
+def test_scope_argument_default_and_no_older_regional() -> None:
     from lightning_efficient.techniques.compile.scope import default_scope
 
     assert default_scope("cuda") == "auto" and default_scope("cpu") == "regional"
     assert TorchCompile().scope is None  # the device's default, at fit start
-    assert TorchCompile(regional=True).scope == "regional"
-    assert TorchCompile(regional=False).scope == "whole"
-    assert TorchCompile(scope="whole", regional=False).scope == "whole"
+    assert TorchCompile(scope="whole").scope == "whole"
     assert TorchCompile(scope="auto").scope == "auto"
     with pytest.raises(ValueError, match="scope"):
         TorchCompile(scope="fastest")
     with pytest.raises(ValueError, match="scope"):
         TorchCompile(scope=True)
-    with pytest.raises(ValueError, match="regional"):
-        TorchCompile(scope="whole", regional=True)
-    with pytest.raises(TypeError, match="regional"):
-        TorchCompile(regional="yes")
+    with pytest.raises(TypeError, match="regional"):  # its older form, gone (issue 50)
+        TorchCompile(regional=False)
 
 
 def test_scope_auto_measures_both_reports_them_and_keeps_the_losses(tmp_path, eager_losses) -> None:
@@ -347,7 +342,7 @@ def test_scope_auto_measures_both_reports_them_and_keeps_the_losses(tmp_path, ea
 def test_scope_from_yaml(tmp_path) -> None:
     import yaml
 
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     spec = {"class_path": "TorchCompile", "init_args": {"scope": "auto", "backend": "aot_eager"}}
     cfg = tmp_path / "cfg.yaml"

@@ -21,12 +21,15 @@ from lightning_efficient.functional import (
     padding_stats,
     tune_num_workers,
 )
-from lightning_efficient.measure.speed.input_stall import stall_fraction, workers_to_hide
+from lightning_efficient.measure.speed.input_stall import (
+    InputStallMonitor,
+    stall_fraction,
+    workers_to_hide,
+)
 from lightning_efficient.techniques import NoEffectWarning
 from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
-    InputStallMonitor,
     PreloadedBatches,
     PreloadRefused,
     WorkerSeeder,

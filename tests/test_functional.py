@@ -68,8 +68,8 @@ def test_loader_changes_keep_the_given_loader() -> None:
     loader = DataLoader(data, batch_size=2)
     tuned = F.tuned_loader(loader, num_workers=0, pin_memory=False)
     preloaded = F.preloaded_loader(loader, "cpu", "1MiB")
-    with pytest.deprecated_call():  # the old names, which promised a change with an undo
-        assert F.apply_device_preload(loader, "cpu", "1MiB").value is not loader
+    assert preloaded.value is not loader and tuned.value is not loader
+    assert not hasattr(F, "apply_device_preload") and not hasattr(F, "apply_dataloader_tuning")
     lengths = F.apply_sampler(loader, F.LengthBucketSampler([4] * 8, bucket_size=4, shuffle=False))
     assert (
         tuned.what == "kept num_workers 0, pin_memory False"

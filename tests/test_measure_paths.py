@@ -1,7 +1,6 @@
-"""The measure floor's rooms and its old flat paths: every module that lay flat in ``measure/``
-before the floor was grouped by subject (``memory/``, ``speed/``, ``trials/``, ``profiling/``)
-still imports from its old path, as the same module object as its new one (deprecated aliases,
-one table in ``lightning_efficient/measure/__init__.py``)."""
+"""The measure floor's rooms: every module that lay flat in ``measure/`` before the floor was
+grouped by subject (``memory/``, ``speed/``, ``trials/``, ``profiling/``) lives in one room and
+imports from there only: its old flat path is gone (no alias before the first release, issue 50)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import importlib
 from pathlib import Path
 
 import pytest
-
-from lightning_efficient.core.validate import import_object
 
 MEASURE = "lightning_efficient.measure"
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,26 +51,25 @@ BORN_IN_A_ROOM = {"speed.fetch_watch"}
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_path_is_the_same_module_as_the_new(old: str) -> None:
+def test_an_old_flat_path_is_gone(old: str) -> None:
+    """No alias before the first release (issue 50): the old flat path neither imports nor is an
+    attribute of ``measure``; the module imports from its room only."""
     new = importlib.import_module(f"{MEASURE}.{MOVED[old]}")
     assert new.__name__ == f"{MEASURE}.{MOVED[old]}"
-    assert importlib.import_module(f"{MEASURE}.{old}") is new
-    assert getattr(importlib.import_module(MEASURE), old) is new  # measure.<old> as an attribute
-    for name in new.__all__:  # ``from measure.<old> import name`` gives the same object
-        assert import_object("path", f"{MEASURE}.{old}.{name}") is getattr(new, name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"{MEASURE}.{old}")
+    assert not hasattr(importlib.import_module(MEASURE), old)
 
 
-def test_the_old_memory_module_is_the_memory_room() -> None:
-    """``measure.memory`` held ``MemoryBreakdown``; it is now the memory room, which exports the
-    old module's names (a yaml ``class_path`` of the old module still resolves)."""
+def test_memory_room_exports_its_callback() -> None:
+    """``measure.memory`` is the memory room (a package); it exports ``MemoryBreakdown`` as the
+    speed room exports ``InputStallMonitor``, and nothing of the old module besides."""
     from lightning_efficient.measure.memory import breakdown
 
     room = importlib.import_module(f"{MEASURE}.memory")
     assert room.__path__ and room is not breakdown  # a package
-    for name in breakdown.__all__:
-        assert getattr(room, name) is getattr(breakdown, name)
-    cls = import_object("class_path", f"{MEASURE}.memory.MemoryBreakdown")
-    assert cls is breakdown.MemoryBreakdown and cls.__module__ == breakdown.__name__
+    assert room.MemoryBreakdown is breakdown.MemoryBreakdown
+    assert not {"check_steps", "plot_measurement"} & set(room.__all__)
 
 
 def test_every_flat_module_is_in_a_room_or_at_the_root() -> None:

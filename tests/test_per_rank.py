@@ -213,7 +213,7 @@ def test_estimate_command_per_rank(capsys) -> None:
     import re
     from pathlib import Path
 
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     demo = str(Path(__file__).parents[1] / "configs" / "demo_plain.yaml")
     peaks = {}

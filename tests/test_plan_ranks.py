@@ -15,7 +15,7 @@ from helpers import tiny_model
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-from lightning_efficient.cli import main
+from lightning_efficient.commands import main
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory
 from lightning_efficient.measure.memory.settings import estimate_settings, strategy_sharding
@@ -127,7 +127,7 @@ def test_sharding_rung_meets_a_budget_ddp_cannot(workload, full_sharded, tmp_pat
     assert trainer_cfg["devices"] == 2 and trainer_cfg["num_nodes"] == 1
     cfg = tmp_path / "plan.yaml"
     cfg.write_text(text)
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import fit, tiny_data, tiny_model
 
-from lightning_efficient.cli import EfficientCLI
+from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.core import technique as _base
 from lightning_efficient.core.report import report_for
 from lightning_efficient.techniques import precision as P

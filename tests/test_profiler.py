@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_efficient.cli import EXTRA_COMMANDS, main
+from lightning_efficient.commands import EXTRA_COMMANDS, main
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT
@@ -796,12 +796,12 @@ def test_cuda_phases_mfu_and_memory(tmp_path) -> None:
     assert "DataLoaderTuning" not in {a["technique"] for a in s["advice"]}
 
 
-def test_png_is_the_deprecated_name_of_plot(tmp_path) -> None:
-    with pytest.warns(DeprecationWarning, match="use plot="):
-        profiler = StepProfiler(png=str(tmp_path / "steps.png"))
-    assert profiler.plot == str(tmp_path / "steps.png") == profiler.png
-    with pytest.raises(ValueError, match="give `plot` only"):
-        StepProfiler(png=str(tmp_path / "a.png"), plot=str(tmp_path / "b.png"))
+def test_png_the_former_name_of_plot_is_gone(tmp_path) -> None:
+    """No alias before the first release (issue 50): ``plot=`` only."""
+    assert StepProfiler(plot=str(tmp_path / "steps.png")).plot == str(tmp_path / "steps.png")
+    with pytest.raises(TypeError, match="png"):
+        StepProfiler(png=str(tmp_path / "steps.png"))
+    assert not hasattr(StepProfiler, "png")
 
 
 # -- the key/value cache (issue 39) ------------------------------------------------------------

@@ -15,7 +15,7 @@ from lightning_efficient import (
     OptimizerSwap,
     TorchCompile,
 )
-from lightning_efficient.cli import reason_first
+from lightning_efficient.commands.cli import reason_first
 from lightning_efficient.core.validate import SettingsError, parse_bytes
 from lightning_efficient.measure.memory.types import resolve_optimizer
 from lightning_efficient.planning import plan_stack
@@ -61,7 +61,7 @@ def test_a_stateful_technique_added_twice_is_refused_by_the_rules(tmp_path, make
 
 
 def test_a_stateful_technique_twice_in_a_config_is_said_before_the_trainer(capsys) -> None:
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     swap = "--trainer.callbacks+=OptimizerSwap"
     with pytest.raises(SystemExit) as info:

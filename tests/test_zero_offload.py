@@ -409,7 +409,7 @@ def test_export_fp32_loads_into_the_unmodified_module(stage3) -> None:
 
 
 def test_export_zero_command(stage3, capsys) -> None:
-    from lightning_efficient.cli import EXTRA_COMMANDS, main
+    from lightning_efficient.commands import EXTRA_COMMANDS, main
 
     assert "export-zero" in EXTRA_COMMANDS
     out = stage3["root"] / "cli.pt"
@@ -537,7 +537,7 @@ def test_host_estimate_matches_a_real_deepspeed_run(setting: str) -> None:
 def test_yaml_short_name_through_the_cli(tmp_path) -> None:
     import yaml
 
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(
@@ -578,7 +578,7 @@ def _plain(path: Path) -> Path:
 
 
 def test_crafted_checkpoint_is_refused_by_export(tmp_path, capsys) -> None:
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
     from lightning_efficient.techniques.zero_offload import UnsafeCheckpointError
 
     marker = tmp_path / "ran"
@@ -630,7 +630,7 @@ def test_strategy_load_checkpoint_honours_weights_only(tmp_path) -> None:
 
 
 def test_export_refuses_to_overwrite(tmp_path, capsys) -> None:
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     src = _plain(tmp_path / "run.ckpt")
     before = src.read_bytes()
@@ -673,7 +673,7 @@ def test_export_zero_on_a_directory_input_never_writes_over_a_shard(stage3, tmp_
     ids=["empty", "text", "truncated"],
 )
 def test_bad_input_files_give_a_short_error_naming_them(tmp_path, capsys, make, message) -> None:
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     bad = tmp_path / "bad.ckpt"
     make(bad)
@@ -686,7 +686,7 @@ def test_bad_input_files_give_a_short_error_naming_them(tmp_path, capsys, make, 
 
 
 def test_export_into_an_existing_directory_is_a_short_error(tmp_path, capsys) -> None:
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
 
     src = _plain(tmp_path / "run.ckpt")
     (tmp_path / "outdir").mkdir()

@@ -16,13 +16,9 @@ after; ``tests/test_layers.py`` reads it):
   compile trial);
 - ``profiling/``: ``StepProfiler`` and its parts, the advice.
 
-Before the rooms, the modules lay flat in ``measure/``. Their old paths
-(``lightning_efficient.measure.estimate``, ...) are deprecated and still import: each is
-registered below as the same module object as its new path. ``lightning_efficient.measure.memory``
-is now the memory room, which still exports ``MemoryBreakdown`` (from ``memory.breakdown``).
+A module is imported from its room (``lightning_efficient.measure.memory.estimate``); the public
+names from here. ``tests/test_measure_paths.py`` checks that no other path to a module exists.
 """
-
-import sys
 
 from lightning_efficient.core.report import EfficiencyReport, ReportEntry, report_for
 from lightning_efficient.measure.memory import (
@@ -32,64 +28,23 @@ from lightning_efficient.measure.memory import (
     MemoryBreakdown,
     MemoryEstimate,
     StorageTracker,
-    allocator,
-    caching_allocator,
-    cuda_kernels,
-    estimate,
     estimate_memory,
-    heads,
-    hf_masks,
-    kv_cache,
     measure_step,
-    optimizer_models,
-    peak,
-    per_rank,
     resolve_target,
-    settings,
-    targets,
-    track,
-    types,
 )
 from lightning_efficient.measure.profiling import (
     Advice,
     Findings,
     StepProfiler,
-    advice,
     advise,
-    profile_report,
-    profile_summary,
-    profiler,
-    step_phases,
-    trace_window,
 )
 from lightning_efficient.measure.speed import (
     InputStallMonitor,
     StepTimer,
     count_flops,
-    flops,
-    host,
-    input_stall,
     peak_flops,
-    step_rate,
     time_fn,
-    timing,
-    tokens,
 )
-from lightning_efficient.measure.trials import compile_trial, trial
-
-#: The deprecated flat paths: ``lightning_efficient.measure.<name>`` is the module listed here.
-_MOVED = {
-    module.__name__.rpartition(".")[2]: module
-    for module in (
-        *(allocator, caching_allocator, cuda_kernels, estimate, heads, hf_masks, kv_cache),
-        *(optimizer_models, peak, per_rank, settings, targets, track, types),
-        *(flops, host, input_stall, step_rate, timing, tokens),
-        *(compile_trial, trial),
-        *(advice, profile_report, profile_summary, profiler, step_phases, trace_window),
-    )
-}
-for _name, _module in _MOVED.items():
-    sys.modules[f"{__name__}.{_name}"] = _module
 
 __all__ = [
     "Advice",

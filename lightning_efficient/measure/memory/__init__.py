@@ -11,15 +11,9 @@
   (``breakdown``).
 
 The room imports the floor's root (``step``, ``scratch``, ``plots``) and none of its other rooms.
-``lightning_efficient.measure.memory`` was ``MemoryBreakdown``'s module before the rooms; its
-names (``MemoryBreakdown``, ``check_steps``, ``plot_measurement``) stay importable from here.
 """
 
-from lightning_efficient.measure.memory.breakdown import (
-    MemoryBreakdown,
-    check_steps,
-    plot_measurement,
-)
+from lightning_efficient.measure.memory.breakdown import MemoryBreakdown
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.peak import PeakMemory
 from lightning_efficient.measure.memory.targets import DeviceTarget, resolve_target
@@ -34,9 +28,7 @@ __all__ = [
     "MemoryEstimate",
     "PeakMemory",
     "StorageTracker",
-    "check_steps",
     "estimate_memory",
     "measure_step",
-    "plot_measurement",
     "resolve_target",
 ]

@@ -84,7 +84,6 @@ class StepProfiler(Technique):
             are not measured. Under several ranks each writes its own file, ``.rank<r>`` before
             the suffix (``trace.rank1.json``). Its folder must exist.
         trace_steps: Steps in the trace.
-        png: Deprecated former name of ``plot``.
         plot: Path of a picture (``.png`` or ``.svg``) of the phases per step (stacked) and
             memory by category, written at the end of fit by rank zero (its folder must exist;
             needs matplotlib: ``pip install 'lightning-efficient[plot]'``).
@@ -110,10 +109,8 @@ class StepProfiler(Technique):
         plot: str | None = None,
         print_table: bool = True,
         log_metrics: bool = True,
-        png: str | None = None,
     ) -> None:
         super().__init__()
-        plot = _plot_or_png(plot, png)
         self.skip_steps = check_int("skip_steps", skip_steps, minimum=0)
         self.flops_per_step = _positive_or_none("flops_per_step", flops_per_step)
         self.peak_flops = _positive_or_none("peak_flops", peak_flops)
@@ -127,8 +124,6 @@ class StepProfiler(Technique):
         self.log_metrics = check_bool("log_metrics", log_metrics)
         self.summary: dict[str, Any] | None = None
         self._reset()
-
-    png = property(lambda self: self.plot, doc="The former name of ``plot``.")
 
     def _reset(self) -> None:
         self._phases: StepPhases | None = None
@@ -265,20 +260,6 @@ class StepProfiler(Technique):
             warnings.warn(f"StepProfiler: {error}", stacklevel=2)
         elif written:
             self.note(written)
-
-
-def _plot_or_png(plot: str | None, png: str | None) -> str | None:
-    """``plot``, or ``png``: its former name (deprecated)."""
-    if png is None:
-        return plot
-    if plot is not None:
-        raise ValueError("StepProfiler: give `plot` only (`png` is its former name)")
-    warnings.warn(
-        "StepProfiler(png=...) is deprecated: use plot=... (a .png or .svg path)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return png
 
 
 def _positive_or_none(name: str, value: Any) -> float | None:

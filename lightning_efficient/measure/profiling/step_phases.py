@@ -26,11 +26,10 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.profiling.profile_report import phase_summary
-from lightning_efficient.measure.speed.fetch_watch import FetchWatch  # its home before
 from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.measure.speed.tokens import BatchCounter
 
-__all__ = ["FetchWatch", "StepPhases", "StepPostHooks"]
+__all__ = ["StepPhases", "StepPostHooks"]
 
 
 class StepPhases:

@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.core.validate import check_bool, check_int
+from lightning_efficient.core.validate import check_bool, check_choice, check_int
 from lightning_efficient.measure.speed.timing import StepTimes
 from lightning_efficient.measure.trials.compile_trial import describe_error
 from lightning_efficient.techniques._blocks import check_policy
@@ -22,10 +22,10 @@ from lightning_efficient.techniques.compile.functions import (
 )
 from lightning_efficient.techniques.compile.report import compile_line, no_graphs_warning
 from lightning_efficient.techniques.compile.scope import (
+    SCOPES,
     ScopeChoice,
     auto_scope,
     default_scope,
-    resolve_scope,
 )
 from lightning_efficient.techniques.compile.watch import (
     CompileWatch,
@@ -50,7 +50,6 @@ class TorchCompile(Technique):
         fullgraph: Fail on graph breaks instead of splitting the graph.
         dynamic: ``True`` compiles shape-generic graphs up front, ``False`` never, ``None`` (the
             default) after the first shape change.
-        regional: The older form of ``scope`` (``True``: ``"regional"``, ``False``: ``"whole"``).
         backend: A Dynamo backend name (``valid_backends()``) or a backend callable.
         strict: Re-raise compile errors instead of falling back to eager.
         blocks: Which blocks a regional compile compiles: ``"auto"`` (repeated blocks), a class
@@ -70,7 +69,6 @@ class TorchCompile(Technique):
         mode: str | None = None,
         fullgraph: bool = False,
         dynamic: bool | None = None,
-        regional: bool | None = None,
         backend: str | Callable[..., Any] = "inductor",
         strict: bool = False,
         blocks: str | list[str] = "auto",
@@ -82,8 +80,7 @@ class TorchCompile(Technique):
         self.mode = check_mode(mode, self.backend)
         self.fullgraph = check_bool("fullgraph", fullgraph)
         self.dynamic = dynamic if dynamic is None else check_bool("dynamic", dynamic)
-        self.regional = None if regional is None else check_bool("regional", regional)
-        self.scope = resolve_scope(scope, self.regional)
+        self.scope = None if scope is None else check_choice("scope", scope, SCOPES)
         self.strict = check_bool("strict", strict)
         self.blocks = check_policy(blocks, argument="blocks")
         self.recompile_warning = check_int("recompile_warning", recompile_warning, minimum=1)

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.core.validate import check_choice
 from lightning_efficient.measure.trials.compile_trial import trial_scopes
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "choose_by_trial",
     "choose_scope",
     "default_scope",
-    "resolve_scope",
 ]
 
 #: What ``TorchCompile(scope=...)`` accepts.
@@ -132,22 +130,6 @@ def default_scope(device: torch.device | str) -> str:
     """``"auto"`` on a CUDA device (where regional ran at 0.69 of the whole model on an H200),
     ``"regional"`` elsewhere (0.95-0.99 of it on a CPU, at about a third of the compile time)."""
     return "auto" if torch.device(device).type == "cuda" else "regional"
-
-
-def resolve_scope(scope: str | None, regional: bool | None) -> str | None:
-    """The scope of ``TorchCompile(scope=, regional=)``: ``regional`` (the older argument) maps
-    to ``"regional"``/``"whole"``; both given must agree; ``None``: the device's default."""
-    if scope is not None:
-        check_choice("scope", scope, SCOPES)
-    if regional is None:
-        return scope
-    implied = "regional" if regional else "whole"
-    if scope is not None and scope != implied:
-        raise ValueError(
-            f"`regional`={regional!r} means scope={implied!r}, but `scope`={scope!r} was given; "
-            "pass one of them (`scope` is the newer argument)."
-        )
-    return implied
 
 
 def choose_by_trial(

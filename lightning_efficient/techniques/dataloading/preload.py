@@ -7,7 +7,6 @@ only the batch's indices to the device per step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +22,6 @@ __all__ = [
     "PreloadRefused",
     "PreloadedBatches",
     "preloaded_loader",
-    "apply_device_preload",
     "preload_to_device",
 ]
 
@@ -92,18 +90,6 @@ def preloaded_loader(
         figures={"preloaded_bytes": nbytes},
         value=new,
     )
-
-
-def apply_device_preload(
-    loader: DataLoader, device: torch.device | str, max_bytes: int | str = "2GiB"
-) -> Change:
-    """Deprecated name of :func:`preloaded_loader` (it changes nothing, so it is no ``apply_*``)."""
-    warnings.warn(
-        "apply_device_preload is deprecated: use preloaded_loader (the loader is not changed)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return preloaded_loader(loader, device, max_bytes)
 
 
 def preload_to_device(

@@ -10,7 +10,6 @@ like the user's with one thing changed (a sampler, a worker count) build on it.
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any
 
 import torch
@@ -25,7 +24,6 @@ from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampl
 __all__ = [
     "WorkerSeeder",
     "tuned_loader",
-    "apply_dataloader_tuning",
     "auto_num_workers",
     "rebuild_dataloader",
 ]
@@ -204,16 +202,6 @@ def _rebuild_kwargs(
         if hasattr(loader, name):
             kwargs[name] = getattr(loader, name)
     return kwargs
-
-
-def apply_dataloader_tuning(loader: DataLoader, **settings: Any) -> Change:
-    """Deprecated name of :func:`tuned_loader` (it changes nothing, so it is no ``apply_*``)."""
-    warnings.warn(
-        "apply_dataloader_tuning is deprecated: use tuned_loader (the loader is not changed)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return tuned_loader(loader, **settings)
 
 
 def tuned_loader(

@@ -24,6 +24,7 @@ __all__ = [
     "fmt_bytes",
     "host_ram_bytes",
     "provenance",
+    "save_json",
     "save_results",
     "table",
     "version_of",
@@ -133,12 +134,25 @@ def save_results(
     JSON cannot hold are written with ``str``. Returns the two paths written.
     """
     stem = Path(path)
-    stem.parent.mkdir(parents=True, exist_ok=True)
     md, js = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
     if echo:
         print(text)
-    for path, content in ((md, text.rstrip("\n")), (js, json.dumps(data, indent=2, default=str))):
-        tmp = path.with_name(path.name + ".tmp")  # then renamed: never half a file
-        tmp.write_text(content + "\n")
-        os.replace(tmp, path)
+    _write_whole(md, text.rstrip("\n"))
+    save_json(js, data)
     return md, js
+
+
+def save_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` (missing folders created, written whole as
+    ``save_results`` does): a script's intermediate results, e.g. one process's share of a
+    search that another run of the script gathers."""
+    path = Path(path)
+    _write_whole(path, json.dumps(data, indent=2, default=str))
+    return path
+
+
+def _write_whole(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")  # then renamed: never half a file
+    tmp.write_text(content + "\n")
+    os.replace(tmp, path)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from _gpu_common import meta_batch  # noqa: E402
-from _results import environment, provenance, save_results, table  # noqa: E402
+from _results import environment, provenance, save_json, save_results, table  # noqa: E402
 from finetune import TARGET, hf_loss, llama3_8b_lora  # noqa: E402
 
 from lightning_efficient import (  # noqa: E402
@@ -330,15 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.stack and args.at:  # single estimates (a coarse grid), each in a process of its own
         s = Search(args.stack, args.step)
-        Path(args.partial).write_text(json.dumps([grid_point(s, n) for n in args.at]))
+        save_json(args.partial, [grid_point(s, n) for n in args.at])
         return 0
     if args.stack:  # one stack's search, in a process of its own (the two run side by side)
         probes = tuple(args.probes) if args.probes else PROBES[args.stack]
         rows = search(args.stack, args.step, probes, tuple(args.budgets))
-        Path(args.partial).write_text(json.dumps(rows))
+        save_json(args.partial, rows)
         return 0
     if args.quick and args.partial:  # the time part alone, for a later --timing
-        Path(args.partial).write_text(json.dumps(step_times()))
+        save_json(args.partial, step_times())
         return 0
     timing = json.loads(Path(args.timing).read_text()) if args.timing else step_times()
     print(table(["Variant", "s / step", "x checkpointing"], [list(r.values()) for r in timing]))

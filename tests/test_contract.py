@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping
 
-from lightning_efficient.cli import EfficientCLI
+from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.core.change import changes_for
 from lightning_efficient.core.report import report_for
 
@@ -199,11 +199,8 @@ CASES.append(
 )
 
 # -- data pipeline (techniques/dataloading/) -----------------------------------------------------
-from lightning_efficient.techniques.dataloading import (  # noqa: E402
-    DataLoaderTuning,
-    DevicePreload,
-    InputStallMonitor,
-)
+from lightning_efficient.measure import InputStallMonitor  # noqa: E402
+from lightning_efficient.techniques.dataloading import DataLoaderTuning, DevicePreload  # noqa: E402
 
 CASES += [
     Case(

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: Layers, lowest first. A module may import from its own layer and the ones below.
 LAYERS = {"core": 0, "measure": 1, "techniques": 2, "planning": 3, "commands": 5}
-TOP = 4  # functional, the planner's old path, the package itself
+TOP = 4  # functional, the package itself
 #: Modules outside ``commands/`` that belong to its layer: the entry points that run it.
-COMMAND_ENTRIES = {"cli": LAYERS["commands"], "__main__": LAYERS["commands"]}
+COMMAND_ENTRIES = {"__main__": LAYERS["commands"]}
 #: Libraries whose private names only core/_internals.py may touch.
 GUARDED = ("torch", "lightning", "pytorch_lightning", "deepspeed", "jsonargparse", "transformers")
 #: Private attributes of those libraries' objects, read or written on instances (not reachable
@@ -137,7 +137,7 @@ def test_main_imports_every_command() -> None:
     assert len(runs) == 6 and all(m.startswith(f"{room}.") for m in runs), runs
     assert runs <= GRAPH[room], runs - GRAPH[room]
     planning = f"{PACKAGE}.planning"
-    assert _layer(f"{planning}.plan") < _layer(f"{room}.plan") == _layer(f"{PACKAGE}.cli")
+    assert _layer(f"{planning}.plan") < _layer(f"{room}.plan") == _layer(f"{PACKAGE}.__main__")
     assert f"{room}.options" in GRAPH[f"{room}.plan"] and planning in GRAPH[f"{room}.plan"]
 
 

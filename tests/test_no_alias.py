@@ -23,11 +23,9 @@ def _name(path: Path) -> str:
 
 
 FILES = {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
-#: Alias modules still used by files of branches open when issue 50's aliases went (their
-#: users: tests/test_contract.py, test_optimizers.py, test_planner.py import
-#: ``lightning_efficient.cli``; notebooks/02_fit_a_bigger_model.ipynb imports
-#: ``lightning_efficient.planner``). Delete each module once its users moved, and its entry here.
-PENDING = {f"{PACKAGE}.cli", f"{PACKAGE}.planner"}
+#: Alias modules kept for a while (none: every alias went with issue 50). A module listed here
+#: must exist; delete it and its entry together.
+PENDING: set[str] = set()
 
 
 def _body(tree: ast.Module) -> list[ast.stmt]:

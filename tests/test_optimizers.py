@@ -323,7 +323,7 @@ def test_eight_bit_state_model_layout() -> None:
     for large tensors, fp32 states for small ones and for ``keep_32bit``; it reads no values."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_efficient.techniques.optimizers import EightBitStateModel
+    from lightning_efficient.measure.memory.optimizer_models import EightBitStateModel
 
     mode = FakeTensorMode()
     with mode:
@@ -676,7 +676,7 @@ def test_missing_bitsandbytes_names_the_requirement(monkeypatch) -> None:
 def test_yaml_with_overrides(tmp_path) -> None:
     import yaml
 
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
 
     spec = {
         "class_path": "OptimizerSwap",

@@ -60,7 +60,7 @@ def test_nothing_fits_says_so(nothing_fits) -> None:
 
 
 def test_custom_ladder_and_yaml_round_trip(workload, tmp_path) -> None:
-    from lightning_efficient.cli import EfficientCLI
+    from lightning_efficient.commands.cli import EfficientCLI
     from lightning_efficient.techniques import ActivationCheckpointing
 
     model, batch = workload

@@ -22,7 +22,6 @@ __all__ = [
     "GOALS",
     "Decision",
     "DecisionStateError",
-    "decision_from_state",
     "divisors",
     "rung_from_state",
 ]
@@ -250,8 +249,3 @@ def rung_from_state(state: dict[str, Any]) -> Rung:
         tuple(_part(s) for s in callbacks),
         _part(strategy) if strategy else None,
     )
-
-
-def decision_from_state(saved: Any, world_size: int, goal: str = "speed") -> Decision:
-    """:meth:`Decision.from_state` (kept as a function for its callers)."""
-    return Decision.from_state(saved, world_size, goal)

@@ -16,7 +16,6 @@ as before the split):
   duration of training; the class itself is untouched, so state_dict keys never change).
 """
 
-from lightning_efficient.measure.trials.trial import free_memory, is_out_of_memory
 from lightning_efficient.techniques.batch_size.callbacks import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.batch_size.guard import OOMGuard
 from lightning_efficient.techniques.batch_size.sizing import (
@@ -56,8 +55,6 @@ __all__ = [
     "split_batch",
     "chunk_weights",
     "micro_batch_step",
-    "is_out_of_memory",
-    "free_memory",
     "OutOfMemoryRecoveryError",
     "OOMSplitter",
     "StepCalls",

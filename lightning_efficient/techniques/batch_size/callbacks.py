@@ -168,11 +168,8 @@ class EfficientBatchSize(Technique):
             target_batch_size, multiple_of, mode, margin, max_batch_size, budget,
             batch_arg_name, optimizer, probe_samples,
         )  # fmt: skip
-        self.target_batch_size, self.multiple_of, self.mode = (
-            s.target_batch_size,
-            multiple_of,
-            s.mode,
-        )
+        self.target_batch_size, self.mode = s.target_batch_size, s.mode
+        self.multiple_of = multiple_of
         self.margin, self.max_batch_size, self.budget = s.margin, s.max_batch_size, budget
         self._budget_bytes, self.batch_arg_name = s.budget_bytes, batch_arg_name
         self.optimizer, self.probe_samples = optimizer, s.probe_samples

@@ -18,10 +18,9 @@ Pure functions (no Lightning needed; the ones a user composes are in
 
 Callbacks (``callbacks.py``; they only decide *when*): ``DataLoaderTuning`` and
 ``DevicePreload``. ``InputStallMonitor`` measures and so lives in
-``lightning_efficient.measure.speed.input_stall``; it is re-exported here for older imports.
+``lightning_efficient.measure.speed.input_stall``.
 """
 
-from lightning_efficient.measure.speed.input_stall import InputStallMonitor
 from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler, padding_stats
 from lightning_efficient.techniques.dataloading.callbacks import DataLoaderTuning, DevicePreload
 from lightning_efficient.techniques.dataloading.preload import (
@@ -56,5 +55,4 @@ __all__ = [
     "padding_stats",
     "DataLoaderTuning",
     "DevicePreload",
-    "InputStallMonitor",
 ]

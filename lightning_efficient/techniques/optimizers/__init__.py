@@ -18,11 +18,6 @@ state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
 :func:`optimizer_state_bytes` live in :mod:`lightning_efficient.measure.memory.optimizer_models`.
 """
 
-from lightning_efficient.measure.memory.optimizer_models import (
-    AdafactorStateModel,
-    EightBitStateModel,
-    optimizer_state_bytes,
-)
 from lightning_efficient.techniques.optimizers.bf16 import BF16_NAMES
 from lightning_efficient.techniques.optimizers.build import (
     EIGHT_BIT_NAMES,
@@ -58,8 +53,5 @@ __all__ = [
     "eight_bit_saves_nothing",
     "attach_optimizer_in_backward",
     "InBackwardOptimizer",
-    "optimizer_state_bytes",
-    "EightBitStateModel",
-    "AdafactorStateModel",
     "OptimizerSwap",
 ]

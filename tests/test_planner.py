@@ -262,12 +262,14 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
         "frozen_4bit": False,
         "eight_bit": True,
         "bf16_weights": True,
+        "long_context": True,
     }
     assert ladder_options(lora) == {
         "chunked_loss": False,
         "frozen_4bit": True,
         "eight_bit": False,
         "bf16_weights": False,
+        "long_context": True,
     }
     plain = default_ladder(2**30, **ladder_options(full))
     assert not any(FROZEN_4BIT in r.callbacks for r in plain)
@@ -279,6 +281,7 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
         "bf16-mixed + 4-bit frozen weights",
         "bf16-mixed + 4-bit frozen weights + checkpoint fewest blocks",
         "bf16-mixed + 4-bit frozen weights + checkpoint all blocks",
+        "bf16-mixed + 4-bit frozen weights + checkpoint all blocks, boundaries on host + tiled",
     ]
     assert names.index("bf16-mixed + checkpoint all blocks") < four[0]
     assert four[-1] < min(i for i, n in enumerate(names) if "ZeRO" in n)

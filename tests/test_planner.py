@@ -103,6 +103,10 @@ def test_plan_command(capsys) -> None:
     assert "<- plan" in ok.stdout and "precision:" in ok.stdout
     bad = run_command(capsys, *args, "--budget", "lots", cwd=ROOT)
     assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr
+    host = run_command(capsys, *args, "--budget", "1GiB", "--host-budget", "64GiB", cwd=ROOT)
+    assert host.returncode == 0 and "host memory 64.00 GiB" in host.stdout, host.stderr[-2000:]
+    bad = run_command(capsys, *args, "--budget", "1GiB", "--host-budget", "lots", cwd=ROOT)
+    assert bad.returncode == 2 and "--host-budget" in bad.stderr
 
 
 def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload, plain_cpu) -> None:

@@ -82,7 +82,7 @@ class AutoEfficient(Technique):
             raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
         self.batch_arg_name = batch_arg_name
         self.host_budget = host_budget
-        parse_bytes("host_budget", host_budget, allow_none=True)
+        self._host_budget_bytes = parse_bytes("host_budget", host_budget, allow_none=True)
         self.decision: Decision | None = None
         self._preset: Decision | None = None  # decided before the Trainer was built (fit --auto)
         self._added: Change | None = None
@@ -207,7 +207,7 @@ class AutoEfficient(Technique):
             goal=self.goal,
             trial=self.trial,
             exclude=[self],
-            host_budget_bytes=resolve_host_budget(self.host_budget),
+            host_budget_bytes=resolve_host_budget(self._host_budget_bytes),
         )
         for note in decision.notes:
             self.note(note)

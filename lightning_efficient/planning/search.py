@@ -57,9 +57,9 @@ __all__ = [
     "decide",
     "divisors",
     "estimate_rung",
-    "resolve_host_budget",
     "host_shortfall",
     "measured_as",
+    "resolve_host_budget",
     "rung_sharding",
     "try_rung",
 ]
@@ -415,11 +415,9 @@ def decide(
                         + ("next stack" if last else "one size down")
                     )
                     continue
-                _, used, est = (
-                    (True, option.bytes, option.estimate)
-                    if micro == option.micro
-                    else estimate(option.rung, micro)
-                )
+                used, est = option.bytes, option.estimate
+                if micro != option.micro:
+                    _, used, est = estimate(option.rung, micro)
                 return Decision(
                     option.rung,
                     micro,

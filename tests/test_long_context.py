@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import fit, params_of, tiny_model
@@ -244,3 +245,115 @@ def test_estimate_for_cuda_counts_pinned_host_bytes() -> None:
         model, (x[:, :-1], x[:, 1:]), callbacks=[ActivationCheckpointing("Block")], device="cuda"
     )
     assert plain.host_bytes == 0
+
+
+# -- the planner's long-context rung and the host budget ---------------------------------------------
+SEQ = 1024  # a sequence at which the checkpointed blocks' inputs and the MLP's intermediates rule
+
+
+def _long_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_planner_takes_the_long_context_rung_within_the_host_budget() -> None:
+    """A tiny Llama at 1,024 tokens, 8 MiB (fp32, SGD): checkpointing every block needs ~10 MiB;
+    the long-context rung (boundaries in host memory, tiled MLPs) fits with 2 blocks' inputs
+    (2 x 1,024 x 64 fp32 = 512 KiB) in host memory. With 256 KiB of host memory it is not
+    chosen, and its row says why."""
+    from lightning_efficient.planning import plan_stack
+    from lightning_efficient.planning.ladder import LONG_CONTEXT, ladder_options
+
+    model, ids = _long_llama(), torch.randint(0, 128, (1, SEQ))
+    assert ladder_options(model)["long_context"]
+    assert not ladder_options(nn.Linear(4, 4))["long_context"]  # no blocks: no rung
+    kwargs = dict(device="cpu", loss_fn=_loss, optimizer="sgd", bf16=False)
+    plan = plan_stack(model, ids, "8MiB", host_budget="1GiB", **kwargs)
+    assert plan.chosen is not None and LONG_CONTEXT in plan.chosen.callbacks, plan.to_markdown()
+    est = plan.estimate_of(plan.chosen)
+    assert est.fits(plan.budget_bytes) and est.host_bytes == 2 * SEQ * 64 * 4
+    rows = {row[0]: row for row in plan.rows()}
+    assert rows[plan.chosen.name][2] == "512.00 KiB"  # the host bytes in the table
+    assert rows["32-true + checkpoint all blocks"][3] == "over budget"
+    assert "host memory 1.00 GiB" in plan.to_markdown()
+    short = plan_stack(model, ids, "8MiB", host_budget="256KiB", **kwargs)
+    assert short.chosen is None
+    assert dict((r.name, why) for r, _, why in short.tried)[plan.chosen.name] == (
+        "needs 512.00 KiB of host memory, 256.00 KiB available"
+    )
+    assert all("forward" not in vars(m) for m in model.modules())  # the plan left nothing
+
+
+def test_long_context_rung_extends_checkpointing_every_block() -> None:
+    """It is passed over where it saves nothing: it extends the rung checkpointing every block
+    (and, with 4-bit frozen weights, that rung), so the search compares their estimates."""
+    from lightning_efficient.planning.ladder import LONG_CONTEXT, default_ladder, extended_by
+
+    rungs = default_ladder(2**30, long_context=True, frozen_4bit=True, optimizer="sgd")
+    by_name = {r.name: r for r in rungs}
+    long = [r for r in rungs if LONG_CONTEXT in r.callbacks]
+    assert [r.name for r in long] == [
+        "bf16-mixed + checkpoint all blocks, boundaries on host + tiled",
+        "bf16-mixed + 4-bit frozen weights + checkpoint all blocks, boundaries on host + tiled",
+    ]
+    assert by_name["bf16-mixed + checkpoint all blocks"] in extended_by(long[0], rungs)
+    four = by_name["bf16-mixed + 4-bit frozen weights + checkpoint all blocks"]
+    assert four in extended_by(long[1], rungs)
+    assert not default_ladder(2**30, long_context=True, world_size=2)[-1].callbacks.count(
+        LONG_CONTEXT
+    )
+    assert not any(LONG_CONTEXT in r.callbacks for r in default_ladder(2**30))
+
+
+class _LlamaModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _long_llama()
+        self.batch_size = 1
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return _loss(self.model, batch)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        torch.manual_seed(1)
+        data = torch.randint(0, 128, (4, SEQ))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_auto_efficient_applies_the_long_context_rung_and_fits_as_the_plain_fit(tmp_path) -> None:
+    """AutoEfficient at 8 MiB takes the long-context rung (its host bytes in the decision and the
+    report); two steps leave the weights of the plain fit (tiles sum the gradients: 1e-5)."""
+    from lightning_efficient import AutoEfficient
+    from lightning_efficient.core.report import report_for
+    from lightning_efficient.planning.ladder import LONG_CONTEXT
+
+    def run(callbacks: list) -> tuple[pl.Trainer, nn.Module]:
+        pl.seed_everything(0, verbose=False)
+        module = _LlamaModule()
+        trainer = pl.Trainer(
+            default_root_dir=tmp_path, accelerator="cpu", max_steps=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=callbacks,
+        )  # fmt: skip
+        trainer.fit(module)
+        return trainer, module
+
+    _, plain = run([])
+    auto = AutoEfficient(budget="8MiB", goal="memory", host_budget="1GiB")
+    trainer, module = run([auto])
+    d = auto.decision
+    assert LONG_CONTEXT in d.rung.callbacks and d.micro == 1, d.tried
+    assert d.host_bytes == 2 * SEQ * 64 * 4 and "host 512.00 KiB" in d.summary()
+    assert report_for(trainer)["AutoEfficient"].figures["host_bytes"] == d.host_bytes
+    for name, value in params_of(plain).items():
+        torch.testing.assert_close(params_of(module)[name], value, rtol=0, atol=1e-5, msg=name)
+    assert all("forward" not in vars(m) for m in module.modules())  # undone after the fit
+    with pytest.raises(ValueError, match="host_budget"):
+        AutoEfficient(budget="8MiB", host_budget="lots")

@@ -103,6 +103,10 @@ def test_plan_command(capsys) -> None:
     assert "<- plan" in ok.stdout and "precision:" in ok.stdout
     bad = run_command(capsys, *args, "--budget", "lots", cwd=ROOT)
     assert bad.returncode == 2 and "error:" in bad.stderr and "--budget" in bad.stderr
+    host = run_command(capsys, *args, "--budget", "1GiB", "--host-budget", "64GiB", cwd=ROOT)
+    assert host.returncode == 0 and "host memory 64.00 GiB" in host.stdout, host.stderr[-2000:]
+    bad = run_command(capsys, *args, "--budget", "1GiB", "--host-budget", "lots", cwd=ROOT)
+    assert bad.returncode == 2 and "--host-budget" in bad.stderr
 
 
 def test_confirmed_by_real_steps_and_stepping_down_on_out_of_memory(workload, plain_cpu) -> None:
@@ -264,12 +268,14 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
         "frozen_4bit": False,
         "eight_bit": True,
         "bf16_weights": True,
+        "long_context": True,
     }
     assert ladder_options(lora) == {
         "chunked_loss": False,
         "frozen_4bit": True,
         "eight_bit": False,
         "bf16_weights": False,
+        "long_context": True,
     }
     plain = default_ladder(2**30, **ladder_options(full))
     assert not any(FROZEN_4BIT in r.callbacks for r in plain)
@@ -281,6 +287,7 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
         "bf16-mixed + 4-bit frozen weights",
         "bf16-mixed + 4-bit frozen weights + checkpoint fewest blocks",
         "bf16-mixed + 4-bit frozen weights + checkpoint all blocks",
+        "bf16-mixed + 4-bit frozen weights + checkpoint all blocks, boundaries on host + tiled",
     ]
     assert names.index("bf16-mixed + checkpoint all blocks") < four[0]
     assert four[-1] < min(i for i, n in enumerate(names) if "ZeRO" in n)

@@ -79,6 +79,7 @@ def auto_fit_command(argv: Sequence[str]) -> int:
     from lightning_efficient.measure.memory.estimate import EstimateError
     from lightning_efficient.planning import AutoEfficient
     from lightning_efficient.planning.fit import decide_for
+    from lightning_efficient.planning.search import resolve_host_budget
     from lightning_efficient.techniques.precision import best_precision
 
     args, rest = _parser().parse_known_args(list(argv))
@@ -126,6 +127,7 @@ def auto_fit_command(argv: Sequence[str]) -> int:
             trial=auto.trial,
             bf16=str(trainer.precision) == "32-true" and best_precision(device) == "bf16-mixed",
             trainer_fixed=False,
+            host_budget_bytes=resolve_host_budget(auto.host_budget),
         )
     except (ValueError, EstimateError) as err:  # nothing fits, the data, the estimate
         exit_with_error(f"fit --auto: {err}")

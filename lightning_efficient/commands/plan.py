@@ -30,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
         device="cuda",
     )
     p.add_argument("--budget", required=True, help="device memory budget (one rank's), e.g. 24GiB")
+    p.add_argument(
+        "--host-budget",
+        help="host memory the offloading stacks may keep, e.g. 64GiB (default: what this "
+        "machine has available)",
+    )
     p.add_argument("--no-bf16", action="store_true", help="the target device has no bf16")
     p.add_argument(
         "--all", action="store_true", help="estimate every rung, not just up to the first fit"
@@ -46,6 +51,7 @@ def plan_command(argv: Sequence[str]) -> int:
     args, rest = _parser().parse_known_args(list(argv))
     try:
         budget = parse_bytes("--budget", args.budget)
+        host = parse_bytes("--host-budget", args.host_budget, allow_none=True)
         for name, value in (("--devices", args.devices), ("--num-nodes", args.num_nodes)):
             if value is not None:
                 check_int(name, value, minimum=1)
@@ -77,6 +83,7 @@ def plan_command(argv: Sequence[str]) -> int:
         device=target,
         # this machine's own GPU: the pick runs real steps within the budget before it is given
         confirm=not args.no_trial and is_local_gpu(args.device) and world_size == 1,
+        host_budget=host,
     )
     if result.not_estimable is not None:
         return error_status(

@@ -19,6 +19,7 @@ from lightning_efficient.core.validate import (
 from lightning_efficient.planning import fit as on_fit
 from lightning_efficient.planning.decision import GOALS, Decision
 from lightning_efficient.planning.ladder import trains_full_weights, trains_without_cache
+from lightning_efficient.planning.search import resolve_host_budget
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.accumulation.callback import add_exact_accumulation
 from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
@@ -53,6 +54,9 @@ class AutoEfficient(Technique):
             the loader's batch size x the trainer's accumulation x ranks as configured.
         trial: Confirm the pick with real steps before training.
         batch_arg_name: Name of the batch-size attribute (module, hparams or datamodule).
+        host_budget: Host memory the offloading stacks may keep (bytes or ``"64GiB"``);
+            ``None``: what this machine has available. A stack whose estimated host bytes exceed
+            it is not chosen (the report says why).
     """
 
     stacks = False
@@ -65,6 +69,7 @@ class AutoEfficient(Technique):
         target_batch: int | None = None,
         trial: bool = True,
         batch_arg_name: str = "batch_size",
+        host_budget: int | str | None = None,
     ) -> None:
         super().__init__()
         self.budget = budget
@@ -77,6 +82,8 @@ class AutoEfficient(Technique):
         if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
             raise ValueError(f"`batch_arg_name` must be an attribute name; got {batch_arg_name!r}.")
         self.batch_arg_name = batch_arg_name
+        self.host_budget = host_budget
+        self._host_budget_bytes = parse_bytes("host_budget", host_budget, allow_none=True)
         self.decision: Decision | None = None
         self._preset: Decision | None = None  # decided before the Trainer was built (fit --auto)
         self._added: Change | None = None
@@ -203,6 +210,7 @@ class AutoEfficient(Technique):
             goal=self.goal,
             trial=self.trial,
             exclude=[self],
+            host_budget_bytes=resolve_host_budget(self._host_budget_bytes),
         )
         for note in decision.notes:
             self.note(note)

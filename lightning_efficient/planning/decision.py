@@ -47,6 +47,8 @@ class Decision:
     budget_bytes: int = 0
     target: str = ""
     estimate_bytes: float | None = None
+    #: the estimate's host bytes (pinned memory of offloading techniques); 0: none
+    host_bytes: int = 0
     trial_bytes: int | None = None
     trial_ok: bool | None = None
     seconds: float = 0.0
@@ -79,6 +81,8 @@ class Decision:
         }
         if self.estimate_bytes is not None and math.isfinite(self.estimate_bytes):
             out["estimated_peak_bytes"] = int(self.estimate_bytes)
+        if self.host_bytes:
+            out["host_bytes"] = int(self.host_bytes)
         if self.trial_bytes is not None:
             out["trial_peak_bytes"] = int(self.trial_bytes)
         return out
@@ -88,6 +92,8 @@ class Decision:
         parts = [self.describe()]
         if self.estimate_bytes is not None and math.isfinite(self.estimate_bytes):
             parts.append(f"estimate {format_bytes(int(self.estimate_bytes))}")
+        if self.host_bytes:
+            parts.append(f"host {format_bytes(self.host_bytes)}")
         if self.trial_bytes is not None:
             parts.append(
                 f"trial peak {format_bytes(self.trial_bytes)} of {format_bytes(self.budget_bytes)}"
@@ -135,6 +141,7 @@ class Decision:
             "goal": self.goal,
             "budget_bytes": self.budget_bytes,
             "estimate_bytes": self.estimate_bytes,
+            "host_bytes": self.host_bytes,
             "trial_bytes": self.trial_bytes,
             "seconds": self.seconds,
             "target": self.target,
@@ -158,7 +165,7 @@ class Decision:
         if per_rank % micro:
             micro = max(d for d in divisors(per_rank) if d <= micro)
         figures = {}
-        for key in ("estimate_bytes", "trial_bytes", "seconds", "budget_bytes"):
+        for key in ("estimate_bytes", "trial_bytes", "seconds", "budget_bytes", "host_bytes"):
             value = saved.get(key)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
@@ -177,6 +184,7 @@ class Decision:
             int(figures["budget_bytes"] or 0),
             _text(saved.get("target", ""), "target"),
             estimate_bytes=figures["estimate_bytes"],
+            host_bytes=int(figures["host_bytes"] or 0),
             trial_bytes=None if figures["trial_bytes"] is None else int(figures["trial_bytes"]),
             seconds=float(figures["seconds"] or 0.0),
             restored=True,

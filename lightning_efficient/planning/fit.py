@@ -397,6 +397,7 @@ def decide_for(
     bf16: bool = False,
     trainer_fixed: bool = True,
     exclude: Sequence[Any] = (),
+    host_budget_bytes: int | None = None,
 ) -> Decision:
     """The decision for a fit of ``module`` by ``trainer`` (before the fit or in its ``setup``):
     the worst-case batch from ``source``'s train DataLoader (the datamodule, else the module),
@@ -447,6 +448,7 @@ def decide_for(
         else own_accumulation,
         trial=runner,
         target=getattr(settings.get("device"), "label", device.type),
+        host_budget_bytes=host_budget_bytes,
     )
     if share is not None:
         drop_last = bool(getattr(loader, "drop_last", False))

@@ -17,6 +17,7 @@ import torch
 from lightning_efficient.core.stack import Stack, spec
 from lightning_efficient.core.validate import check_int
 from lightning_efficient.measure.memory.optimizer_models import optimizer_class
+from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques.accumulation import ExactAccumulation
 from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy, worth_chunking
@@ -36,6 +37,7 @@ __all__ = [
     "FROZEN_4BIT",
     "FSDP_FULL",
     "FSDP_GRAD_OP",
+    "LONG_CONTEXT",
     "ZERO2_OFFLOAD",
     "ZERO3_OFFLOAD",
     "LADDER_CLASSES",
@@ -88,12 +90,15 @@ class Part:
 
     ``estimated_as``: the part whose estimate gives this one's largest micro-batch, where the
     part decides from the size it is given (checkpointing "the fewest blocks within a budget"
-    fits exactly where checkpointing every block fits); ``None``: the part itself. Not part of
-    the part's identity (equality, ``repr``)."""
+    fits exactly where checkpointing every block fits); ``None``: the part itself. ``extends``:
+    the part this one is, with more (checkpointing every block with its boundaries in host
+    memory and tiled layers extends checkpointing every block: :func:`extended_by`). Neither is
+    part of the part's identity (equality, ``repr``)."""
 
     class_path: str
     init_args: dict[str, Any] = field(default_factory=dict)
     estimated_as: Part | None = field(default=None, compare=False, repr=False)
+    extends: Part | None = field(default=None, compare=False, repr=False)
 
     def build(self) -> Any:
         return technique_class(self.class_path)(**self.init_args)
@@ -151,6 +156,13 @@ ZERO3_OFFLOAD = Part(
 FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
 FSDP_FULL = Part("FullyShardedStrategy")
 CHUNKED_LOSS = Part("ChunkedCrossEntropy")
+#: Long context: every block checkpointed, the inputs it keeps for the recompute in (pinned)
+#: host memory, its position-wise layers run in tiles along the sequence (same maths).
+LONG_CONTEXT = Part(
+    "ActivationCheckpointing",
+    {"offload_boundaries": True, "tile_sequence": True},
+    extends=CHECKPOINT_ALL,
+)
 #: The bf16-weights rungs' optimizers, most bytes first (8, then about 6 bytes a parameter).
 BF16_WEIGHT_RUNGS = ("adamw_sr", "adamw8bit_sr")
 FROZEN_4BIT = Part("FrozenWeights4bit")
@@ -207,7 +219,8 @@ def ladder_options(model: Any) -> dict[str, bool]:
     """What ``model`` decides of :func:`default_ladder` (its keyword arguments): ``chunked_loss``
     (wide logits: ``worth_chunking``), ``frozen_4bit`` (frozen linear weights dominate:
     ``worth_quantizing``) and ``eight_bit`` (not every trainable tensor is under bitsandbytes'
-    ``min_8bit_size``: ``eight_bit_saves_nothing``)."""
+    ``min_8bit_size``: ``eight_bit_saves_nothing``), ``bf16_weights`` (:func:`trains_full_weights`)
+    and ``long_context`` (the model's repeated blocks are found: ``find_repeated_blocks``)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return {
@@ -215,6 +228,7 @@ def ladder_options(model: Any) -> dict[str, bool]:
         "frozen_4bit": worth_quantizing(model),
         "eight_bit": not eight_bit_saves_nothing(trainable),
         "bf16_weights": trains_full_weights(model),
+        "long_context": bool(find_repeated_blocks(model)),
     }
 
 
@@ -241,6 +255,7 @@ def default_ladder(
     frozen_4bit: bool = False,
     eight_bit: bool = True,
     bf16_weights: bool = False,
+    long_context: bool = False,
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
     and strategy) the config already has; the first rung, "as configured", estimates them.
@@ -295,6 +310,15 @@ def default_ladder(
     checkpointed); their cost names the quality gate's figure. A callback cannot change a
     built Trainer's precision: AutoEfficient reports them as needing ``trainer.precision:
     bf16-true`` (``fit --auto`` builds it). Never offered on adapters-only training.
+
+    ``long_context``: the model's repeated blocks are found (``find_repeated_blocks``). Then, on
+    one device, :data:`LONG_CONTEXT` (every block checkpointed, the inputs each keeps for its
+    recompute in pinned host memory, its position-wise layers tiled along the sequence: the same
+    maths) comes right after the exact checkpointing rungs, and with the 4-bit frozen weights
+    (and 8-bit states) after the 4-bit rungs: where the checkpointed blocks' inputs and one
+    block's wide intermediates set the peak (long sequences). It extends checkpointing every
+    block (:func:`extended_by`): where it saves nothing it is passed over. Its host bytes are in
+    its estimate; a host budget refuses it where they exceed it.
     """
     check_int("world_size", world_size, minimum=1)
     family = optimizer if _optimizer_type(optimizer) is not None else "adamw"
@@ -330,8 +354,12 @@ def default_ladder(
         rungs.append(plain_all)
         if swap:
             rungs.append(_checkpoint_rungs(name, low, fewest, loss, swap, eight)[1])
+        if long_context:
+            rungs.append(_long_context_rung(plain_all))
         if frozen_4bit:
             rungs += _4bit_rungs(name, low, fewest, loss, swap, eight)
+            if long_context:
+                rungs.append(_long_context_rung(rungs[-1]))
     if bf16_weights and world_size == 1 and eight == "adamw8bit":
         if bf16 or precision == "bf16-true":
             rungs += _bf16_weight_rungs(loss)
@@ -388,6 +416,19 @@ def _checkpoint_rungs(
             cost="recompute every block's forward (~+30% step time)",
         ),
     ]
+
+
+def _long_context_rung(rung: Rung) -> Rung:
+    """``rung`` (which checkpoints every block) with :data:`LONG_CONTEXT` in its place."""
+    parts = tuple(LONG_CONTEXT if p == CHECKPOINT_ALL else p for p in rung.callbacks)
+    return Rung(
+        f"{rung.name}, boundaries on host + tiled",
+        rung.precision,
+        parts,
+        cost=f"{rung.cost}; same maths: the blocks' inputs to pinned host memory and back "
+        "(overlapped on CUDA: expected, not measured), position-wise layers in tiles (CPU step "
+        "x1.01 and x1.55 with 64-token tiles: benchmarks/long_context.py)",
+    )
 
 
 def _bf16_weight_rungs(loss: tuple[Part, ...]) -> list[Rung]:
@@ -447,10 +488,13 @@ def extended_by(rung: Rung, earlier: Sequence[Rung]) -> list[Rung]:
             continue
         if base.strategy is not None and base.strategy != rung.strategy:
             continue
-        if not all(part in rung.callbacks for part in base.callbacks):
+        more = [p.extends for p in rung.callbacks if p.extends in base.callbacks]
+        if not all(part in rung.callbacks or part in more for part in base.callbacks):
             continue
-        adds = len(rung.callbacks) > len(base.callbacks) or (
-            rung.strategy is not None and base.strategy is None
+        adds = (
+            len(rung.callbacks) > len(base.callbacks)
+            or bool(more)
+            or (rung.strategy is not None and base.strategy is None)
         )
         if adds:
             out.append(base)

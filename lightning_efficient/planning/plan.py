@@ -44,7 +44,14 @@ from lightning_efficient.planning.ladder import (
     extended_by,
     ladder_options,
 )
-from lightning_efficient.planning.search import decide, estimate_rung, rung_sharding, try_rung
+from lightning_efficient.planning.search import (
+    decide,
+    estimate_rung,
+    host_shortfall,
+    resolve_host_budget,
+    rung_sharding,
+    try_rung,
+)
 
 __all__ = ["PlanResult", "plan_stack"]
 
@@ -64,6 +71,8 @@ class PlanResult:
     target: str = ""
     #: real steps that confirmed (or refused) rungs on the device (``plan_stack(confirm=)``)
     trials: list[tuple[Rung, Any]] = field(default_factory=list)
+    #: host memory the offloading rungs may use (``None``: no limit known)
+    host_budget_bytes: int | None = None
 
     @property
     def not_estimable(self) -> EstimateError | None:
@@ -123,7 +132,12 @@ class PlanResult:
     def title(self) -> str:
         ranks = f", one rank of {self.world_size}" if self.world_size > 1 else ""
         on = f", on {self.target}" if self.target else ""
-        return f"Plan for a budget of {format_bytes(self.budget_bytes)}{ranks}{on}"
+        return f"Plan for a budget of {format_bytes(self.budget_bytes)}{ranks}{on}{self._host()}"
+
+    def _host(self) -> str:
+        if self.host_budget_bytes is None:
+            return ""
+        return f"; host memory {format_bytes(self.host_budget_bytes)}"
 
     def to_markdown(self) -> str:
         columns = self.columns()
@@ -133,7 +147,8 @@ class PlanResult:
         lines = [
             f"Budget: {format_bytes(self.budget_bytes)}"
             + (f" per rank, {self.world_size} ranks" if self.world_size > 1 else "")
-            + (f"; target: {self.target}" if self.target else ""),
+            + (f"; target: {self.target}" if self.target else "")
+            + self._host(),
             "",
             f"| {' | '.join(columns)} |",
             f"|{'|'.join(align)}|",
@@ -182,6 +197,7 @@ def plan_stack(
     sharding: str | None = None,
     device: Any = "cuda",
     confirm: bool | Callable[[Rung], Any] = False,
+    host_budget: int | str | None = None,
 ) -> PlanResult:
     """Estimate each rung of ``ladder`` (default: :func:`default_ladder`) and pick the first that
     fits ``budget`` (bytes or a string like ``"24GiB"``): the one search
@@ -196,8 +212,13 @@ def plan_stack(
     ``"ddp"`` on several ranks); a rung with a strategy is estimated with that strategy's
     sharding (its ``estimate_sharding``), a rung without one with ``sharding``. The default
     ladder offers ``ChunkedCrossEntropy`` where the model's logits are wide (``worth_chunking``).
+
+    ``host_budget``: host memory the offloading rungs may keep (bytes or ``"64GiB"``; ``None``:
+    what this machine has available). A rung whose estimated host bytes exceed it is not chosen;
+    its row says "needs X of host memory, Y available".
     """
     budget_bytes = parse_bytes("budget", budget)
+    host_bytes = resolve_host_budget(host_budget)
     check_choice("precision", precision, PRECISIONS)
     check_bool("bf16", bf16)
     check_int("world_size", world_size, minimum=1)
@@ -219,7 +240,9 @@ def plan_stack(
         )
     )
     target = resolve_target(device)
-    result = PlanResult(budget_bytes, world_size=world_size, target=target.label)
+    result = PlanResult(
+        budget_bytes, world_size=world_size, target=target.label, host_budget_bytes=host_bytes
+    )
     trial = confirm if callable(confirm) else None
     if confirm is True:
         own = optimizer if optimizer is not None else configured_optimizer(model)[0] or "adamw"
@@ -250,7 +273,8 @@ def plan_stack(
         except ValueError as err:  # e.g. a checkpointing budget no block count reaches
             outcomes[id(rung)] = (None, f"does not fit: {_first_line(err)}", None)
         else:
-            outcomes[id(rung)] = (est, "" if est.fits(budget_bytes) else "over budget", None)
+            problem = "" if est.fits(budget_bytes) else "over budget"
+            outcomes[id(rung)] = (est, problem or host_shortfall(est, host_bytes), None)
         return outcomes[id(rung)]
 
     def measure(rung: Rung, _micro: int) -> tuple[bool, float, Any]:

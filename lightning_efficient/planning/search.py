@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.core.validate import format_bytes, parse_bytes
 from lightning_efficient.measure.memory.estimate import MemoryEstimate, estimate_memory
 from lightning_efficient.measure.memory.settings import strategy_sharding
+from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.measure.trials.trial import trial_within
 from lightning_efficient.planning.decision import GOALS, Decision, divisors
 from lightning_efficient.planning.ladder import Rung, extended_by
@@ -56,7 +57,9 @@ __all__ = [
     "decide",
     "divisors",
     "estimate_rung",
+    "host_shortfall",
     "measured_as",
+    "resolve_host_budget",
     "rung_sharding",
     "try_rung",
 ]
@@ -161,6 +164,22 @@ def measured_as(rung: Rung) -> Rung:
     return Rung(rung.name, rung.precision, parts, rung.strategy, rung.cost, rung.sharding)
 
 
+def resolve_host_budget(value: int | str | None, name: str = "host_budget") -> int | None:
+    """The host-memory budget in bytes: ``value`` (bytes or ``"64GiB"``); ``None``: what this
+    machine has available (``MemAvailable``), or no limit where that cannot be read."""
+    return parse_bytes(name, value) if value is not None else available_bytes()
+
+
+def host_shortfall(estimate: Any, budget_bytes: int | None) -> str:
+    """Why ``estimate`` does not fit the host budget ("" when it does, or without a budget): its
+    host bytes (the pinned memory of offloading techniques, rounded as the pinned allocator
+    holds it on a CUDA target) exceed ``budget_bytes``."""
+    host = getattr(estimate, "host_bytes", 0) or 0
+    if budget_bytes is None or host <= budget_bytes:
+        return ""
+    return f"needs {format_bytes(int(host))} of host memory, {format_bytes(budget_bytes)} available"
+
+
 @dataclass
 class Option:
     """A usable rung and the largest exact-divisor micro-batch it fits, with its estimate."""
@@ -208,6 +227,7 @@ def decide(
     trial: Trial | None = None,
     target: str = "",
     estimated_as: Callable[[Rung], Rung] = measured_as,
+    host_budget_bytes: int | None = None,
 ) -> Decision:
     """The stack and micro-batch to train with (see the module's docstring for the rule).
 
@@ -216,7 +236,9 @@ def decide(
     can), recorded in ``tried``. ``trial(rung, micro)``: real steps confirming an option (None:
     none); on out-of-memory the next size down is tried, then the next option.
     ``estimated_as(rung)``: the rung whose estimate stands for ``rung``'s (:func:`measured_as`;
-    at one size, ``plan_stack`` estimates each rung as itself). Raises
+    at one size, ``plan_stack`` estimates each rung as itself). ``host_budget_bytes``: host
+    memory for the offloading techniques (:func:`host_shortfall`: an estimate whose host bytes
+    exceed it does not fit, and ``tried`` says why; ``None``: no limit). Raises
     ``ValueError`` when no usable rung fits even a micro-batch of 1 (or none ran).
     """
     start = time.perf_counter()
@@ -232,7 +254,8 @@ def decide(
         key = repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n))
         if key not in cache:
             count += 1
-            cache[key] = measure(stand_in, n)
+            fits, used, est = measure(stand_in, n)
+            cache[key] = (fits and not host_shortfall(est, host_budget_bytes), used, est)
         return cache[key]
 
     # the second point of each rung's line: the largest divisor up to PROBE (an estimate at a
@@ -312,7 +335,11 @@ def decide(
                 ok, used, est = estimate(rung, sizes[-1])
                 fit = "fits" if ok else "does not fit"
                 size = format_bytes(int(used)) if math.isfinite(used) else "not estimated"
-                nothing = _cannot(est) or saves_nothing(rung, applicable, [sizes[-1]])
+                nothing = (
+                    _cannot(est)
+                    or host_shortfall(est, host_budget_bytes)
+                    or saves_nothing(rung, applicable, [sizes[-1]])
+                )
                 tried.append((rung.name, nothing or f"{fit} micro-batch {sizes[-1]} ({size})"))
                 if ok and not nothing:
                     return [Option(rung, sizes[-1], used, est)]
@@ -320,7 +347,12 @@ def decide(
         for rung in usable:
             guess = predicted(rung)
             if guess == 0:
-                why = _cannot(estimate(rung, sizes[0])[2]) or "does not fit at micro-batch 1"
+                est = estimate(rung, sizes[0])[2]
+                why = (
+                    _cannot(est)
+                    or host_shortfall(est, host_budget_bytes)
+                    or "does not fit at micro-batch 1"
+                )
                 tried.append((rung.name, why))
                 continue
             nothing = saves_nothing(rung, applicable, sorted({sizes[0], probe}))
@@ -383,7 +415,9 @@ def decide(
                         + ("next stack" if last else "one size down")
                     )
                     continue
-                used = option.bytes if micro == option.micro else estimate(option.rung, micro)[1]
+                used, est = option.bytes, option.estimate
+                if micro != option.micro:
+                    _, used, est = estimate(option.rung, micro)
                 return Decision(
                     option.rung,
                     micro,
@@ -393,6 +427,7 @@ def decide(
                     budget_bytes,
                     target,
                     estimate_bytes=used,
+                    host_bytes=int(getattr(est, "host_bytes", 0) or 0),
                     trial_bytes=int(result.reserved_bytes) if result is not None else None,
                     trial_ok=None if result is None else True,
                     seconds=time.perf_counter() - start,

@@ -14,6 +14,7 @@ from helpers import fit, tiny_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import parse_bytes
 from lightning_efficient.measure import (
     CATEGORIES,
@@ -53,7 +54,7 @@ class CheckpointBlocks:
                 return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
             block.forward = checkpointed
-            plan.on_exit(lambda block=block: vars(block).pop("forward"))
+            plan.record(Change("checkpointed", lambda block=block: vars(block).pop("forward")))
         plan.note(f"checkpointed {len(blocks)} blocks")
 
 
@@ -461,7 +462,6 @@ def test_optimizer_phase_counts_every_gradient_of_an_in_place_sgd_step() -> None
 def test_estimate_plan_keeps_its_changes_on_the_one_log() -> None:
     """issue 38: the plan records ``Change``s (core/change.py), undone last first; an undo that
     raises does not stop the others."""
-    from lightning_efficient.core.change import Change
     from lightning_efficient.measure.memory.types import EstimatePlan
 
     plan = EstimatePlan(model=torch.nn.Linear(2, 2), batch=None, optimizer=lambda g: None)
@@ -472,9 +472,9 @@ def test_estimate_plan_keeps_its_changes_on_the_one_log() -> None:
         raise RuntimeError("b failed")
 
     first = plan.record(Change("a", lambda: order.append("a")))
-    plan.on_exit(fails)
+    plan.record(Change("b", fails))
     plan.record(Change("c", lambda: order.append("c")))
-    assert [c.what for c in plan.changes] == ["a", "estimate plan change", "c"]
+    assert [c.what for c in plan.changes] == ["a", "b", "c"]
     with pytest.raises(RuntimeError, match="b failed"):
         plan.undo()
     assert order == ["c", "b", "a"] and first.undone and not len(plan.changes)

@@ -25,7 +25,7 @@ __all__ = [
 class ChangesEstimate(Protocol):
     """Takes part in the memory estimate (a technique or a strategy): ``configure_estimate(plan)``
     changes the estimate's plan as the fit would (the optimizer, the blocks checkpointed, the
-    sharding, ...) and undoes its changes to the plan's model with ``plan.on_exit``. The
+    sharding, ...) and records each change to the plan's model with ``plan.record(change)``. The
     estimate and ``measure.memory.settings`` ask for it with ``isinstance``."""
 
     def configure_estimate(self, plan: Any) -> None: ...

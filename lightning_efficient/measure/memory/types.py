@@ -248,10 +248,6 @@ class EstimatePlan:
         first, after the steps (``undo()``). Returns it."""
         return self.changes.record(change)
 
-    def on_exit(self, fn: Callable[[], Any]) -> None:
-        """Register ``fn`` to undo a change (kept as a :class:`Change`; prefer ``record``)."""
-        self.record(Change("estimate plan change", fn))
-
     def note(self, message: str) -> None:
         self.notes.append(message)
 

@@ -131,15 +131,15 @@ class ActivationCheckpointing(Technique):
         """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed:
         ``choose_blocks`` on the plan's model and batch (nested estimates), as at a fit's first
         batch."""
-        plan.on_exit(apply_training_without_cache(plan.model).undo)  # no key/value cache (issue 39)
+        plan.record(apply_training_without_cache(plan.model))  # no key/value cache (issue 39)
         if tiling := self._tile(plan.model):
-            plan.on_exit(tiling.undo)
+            plan.record(tiling)
             plan.note(f"{self.name}: {tiling.what}")
         settings = {k: getattr(plan, k) for k in PLAN_SETTINGS}
         self._choose(plan.model, plan.batch, settings, rank=False)
         # offload is not run on fake tensors (no streams, no pinned memory): counted on device
         change = self._apply(plan.model, offload=False)
-        plan.on_exit(change.undo)
+        plan.record(change)
         plan.note(f"{self.name}: {change.what}")
         plan.figures["checkpointed_blocks"] = len(change.value)
         if self.offload_activations:

@@ -84,9 +84,9 @@ class ChunkedCrossEntropy(Technique):
     def configure_estimate(self, plan: Any) -> None:
         """Make the estimated steps compute the loss from chunks (the chunked backend: the
         library kernels need CUDA, and the estimate's tensors are fake CPU tensors)."""
-        plan.on_exit(apply_training_without_cache(plan.model).undo)  # issue 39
+        plan.record(apply_training_without_cache(plan.model))  # issue 39
         change = self._apply(plan.model, say=plan.note)
-        plan.on_exit(change.undo)
+        plan.record(change)
         cap = self._bytes // (4 * change.figures["vocabulary"])
         rows = f"1/{LOGITS_FRACTION} of the rows a chunk, {cap:,} at most"
         plan.note(f"{self.name}: {change.what} ({rows}; the chunked backend)")

@@ -82,10 +82,9 @@ class FrozenWeights4bit(Technique):
     def configure_estimate(self, plan: Any) -> None:
         """Store the estimated model's frozen weights in 4 bits as the fit will (fake tensors:
         the packed weights, their scales and the dequantized temporaries are counted)."""
-        cache = apply_training_without_cache(plan.model)
-        plan.on_exit(cache.undo)
+        plan.record(apply_training_without_cache(plan.model))
         change = self._apply(plan.model, compute_dtype_for(plan.precision))
-        plan.on_exit(change.undo)
+        plan.record(change)
         plan.note(f"{self.name}: {change.what}")
 
     # -- hooks ----------------------------------------------------------------------------------

@@ -153,9 +153,9 @@ class AutoEfficient(Technique):
         self.record(trainer, patch_attribute(strategy, "setup", setup_after_deciding))
 
     def _settle(self, trainer: Any, pl_module: Any, decision: Decision | None) -> None:
-        """Decide (unless ``decision`` is given), then apply: the micro-batch and accumulation,
-        and the stack's callbacks next to this one (their ``setup`` run here: Lightning's has
-        passed)."""
+        """Decide (unless ``decision`` is given), then apply: the micro-batch, accumulation and
+        the stack's callbacks next to this one (their ``setup`` run here; kept off the change log,
+        undone while Lightning still calls their hooks: the next fit's ``setup`` removes them)."""
         if decision is None:
             decision = self._decide(trainer, pl_module, self._effective // trainer.world_size)
             decision = on_fit.same_on_every_rank(trainer, decision)

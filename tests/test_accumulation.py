@@ -303,3 +303,29 @@ def test_undetermined_weighting_warns_once_with_the_spread():
     said = [str(w.message) for w in caught if "could not be measured" in str(w.message)]
     assert len(said) == 1 and "targets per micro-batch" in said[0] and "token_counter" in said[0]
     assert exact.weights.weighting is None
+
+
+# -- AutoEfficient: its plan's micro-batch x accumulation ------------------------------------------
+@pytest.mark.parametrize("sort", [False, True], ids=["random", "length-sorted"])
+def test_auto_efficient_plan_with_accumulation_is_one_step_on_the_batch(sort):
+    """AutoEfficient on a padded HF causal LM whose plain step at micro-batch 4 just fits the
+    budget (goal "memory": the cheapest stack, at its largest micro-batch): its plan is 4 x 4 and
+    the update equals one step on the 16 samples (Lightning's accumulation: 0.2 / 0.9)."""
+    from lightning_efficient import AutoEfficient
+    from lightning_efficient.planning import Rung
+    from lightning_efficient.planning import fit as auto_fit
+    from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
+
+    samples = padded_samples(sort=sort)
+    probe = HFModule(samples=samples, batch_size=16)
+    make, _ = worst_case_sampler(probe.train_dataloader(), 100)
+    measure = auto_fit.estimate_measure(probe, make, 10**12, 16, {"precision": "32-true"})
+    budget = int(measure(Rung("as configured", "32-true"), 4)[1] * 1.01)
+    module = HFModule(samples=samples, batch_size=16)
+    expected = whole_window_update(module, samples)
+    before = snapshot(module)
+    auto = AutoEfficient(budget=budget, goal="memory", trial=False)
+    fit_once(module, [auto])
+    d = auto.decision
+    assert (d.rung.name, d.micro, d.accumulation) == ("as configured", 4, 4)
+    assert update_error(before, module, expected) <= EXACT

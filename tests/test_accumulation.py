@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from _accumulation_cases import (
@@ -173,7 +174,6 @@ def _stack(samples):
 
 def test_resume_is_bit_identical(tmp_path):
     """Saved after the first epoch's 2 windows and resumed: equal to the run of 4 steps."""
-    import lightning.pytorch as pl
     from helpers import SaveAt
 
     samples = padded_samples(n=16, seed=2)
@@ -181,12 +181,13 @@ def test_resume_is_bit_identical(tmp_path):
     whole = HFModule(samples=samples)
     fit_once(whole, [ExactAccumulation(), SaveAt(2, tmp_path / "half.ckpt")], **kw)
     resumed = HFModule(samples=samples)
-    exact = ExactAccumulation()
+    exact, seen = ExactAccumulation(), _Added()
     pl.Trainer(
-        callbacks=[exact], accelerator="cpu", logger=False, enable_checkpointing=False,
+        callbacks=[exact, seen], accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **kw,
     ).fit(resumed, ckpt_path=str(tmp_path / "half.ckpt"))  # fmt: skip
-    assert exact.weights.probes == 1 and exact.weights.windows == 2  # no new probe
+    assert seen.at_start == ["shifted tokens"]  # restored before the first batch: no new probe
+    assert exact.weights.probes == 1 and exact.weights.windows == 2
     for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
 
@@ -329,3 +330,54 @@ def test_auto_efficient_plan_with_accumulation_is_one_step_on_the_batch(sort):
     d = auto.decision
     assert (d.rung.name, d.micro, d.accumulation) == ("as configured", 4, 4)
     assert update_error(before, module, expected) <= EXACT
+
+
+class _Added(pl.Callback):
+    """The ExactAccumulation a technique added, and its weighting before the first batch."""
+
+    def __init__(self) -> None:
+        self.exact: list[ExactAccumulation] = []
+        self.at_start: list[str | None] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.exact += [c for c in trainer.callbacks if isinstance(c, ExactAccumulation)]
+        self.at_start += [c.weights.weighting for c in self.exact]
+
+
+def _adder(name):
+    from lightning_efficient import AutoEfficient
+    from lightning_efficient.planning import Rung
+    from lightning_efficient.planning.decision import Decision
+
+    if name == "EfficientBatchSize":
+        return EfficientBatchSize(target_batch_size=4, max_batch_size=2, optimizer="sgd")
+    return AutoEfficient(budget="1GiB", trial=False).preset(
+        Decision(Rung("as configured", "32-true"), 2, 2)
+    )
+
+
+@pytest.mark.parametrize("name", ["EfficientBatchSize", "AutoEfficient"])
+def test_added_exact_accumulation_resumes_bit_identical(tmp_path, name):
+    """The ExactAccumulation a technique adds keeps its measurement in the checkpoint: resumed
+    after 2 of 4 steps (micro-batch 2 x 2), no new probe, and the weights equal the uninterrupted
+    run's bit for bit."""
+    from helpers import SaveAt
+
+    samples = padded_samples(n=8, seed=2)  # an epoch: 2 steps (the checkpoint at its end)
+    kw = dict(max_steps=4, default_root_dir=str(tmp_path))
+    whole = HFModule(samples=samples, batch_size=4)
+    first = _Added()
+    fit_once(whole, [_adder(name), first, SaveAt(2, tmp_path / "half.ckpt")], **kw)
+    resumed = HFModule(samples=samples, batch_size=4)
+    again = _Added()
+    pl.Trainer(
+        callbacks=[_adder(name), again], accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
+    ).fit(resumed, ckpt_path=str(tmp_path / "half.ckpt"))  # fmt: skip
+    (exact,) = again.exact
+    assert first.at_start == [None] and again.at_start == ["shifted tokens"]  # restored
+    assert first.exact[0].weights.probes == 1
+    assert exact.weights.probes == 1 and exact.weights.weighting == "shifted tokens"
+    assert exact.weights.windows == 2  # the two steps after the checkpoint
+    for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n

@@ -381,3 +381,16 @@ def test_added_exact_accumulation_resumes_bit_identical(tmp_path, name):
     assert exact.weights.windows == 2  # the two steps after the checkpoint
     for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_deepspeed_own_accumulation_is_refused_before_training():
+    """DeepSpeed accumulates itself (its gradient_accumulation_steps, equal weights): refused in
+    setup with the reason, a real ZeRO strategy on a CPU, before any step; the module as given."""
+    pytest.importorskip("deepspeed")
+    from lightning_efficient.techniques.zero_offload import ZeROOffload
+
+    module = PlainModule()
+    before = snapshot(module)
+    with pytest.raises(SettingsError, match="accumulates gradients itself"):
+        fit_once(module, [ExactAccumulation()], strategy=ZeROOffload(), accumulate_grad_batches=4)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())

@@ -394,3 +394,42 @@ def test_deepspeed_own_accumulation_is_refused_before_training():
     with pytest.raises(SettingsError, match="accumulates gradients itself"):
         fit_once(module, [ExactAccumulation()], strategy=ZeROOffload(), accumulate_grad_batches=4)
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
+@pytest.mark.parametrize("order", ["profiler first", "profiler last"])
+def test_rescale_lands_in_the_profilers_optimizer_phase(monkeypatch, order):
+    """StepProfiler puts the window's rescale in its ``optimizer`` phase, whatever the callbacks'
+    order: the rescale made 60 ms slower (a sleep in our own function) gives that phase at least
+    60 ms per step (the SGD step itself takes about a millisecond)."""
+    import time
+
+    from lightning_efficient import StepProfiler
+    from lightning_efficient.techniques.accumulation import window
+
+    rescale = window.scale_gradients
+
+    def slow(*args):
+        time.sleep(0.06)
+        rescale(*args)
+
+    monkeypatch.setattr(window, "scale_gradients", slow)
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    exact = ExactAccumulation()
+    callbacks = [profiler, exact] if order == "profiler first" else [exact, profiler]
+    fit_once(PlainModule(), callbacks, max_steps=3, accumulate_grad_batches=2)
+    phases = profiler.summary["phases"]
+    assert phases["optimizer"] >= 0.06, phases
+
+
+def test_estimate_says_the_scalars_held():
+    """The estimate with ExactAccumulation: the same peak, and a note of the bytes it holds."""
+    from lightning_efficient.measure.memory import estimate_memory
+    from lightning_efficient.techniques.accumulation.window import held_bytes
+
+    module, batch = PlainModule(), _stack(padded_samples(n=4))
+    kw = dict(optimizer="sgd", accumulate_grad_batches=2, cuda_rounding=True)
+    plain = estimate_memory(module, batch, **kw)
+    exact = estimate_memory(module, batch, callbacks=[ExactAccumulation()], **kw)
+    assert exact.peak_bytes == plain.peak_bytes
+    assert held_bytes(True) == 3072 and held_bytes() == 48  # 6 tensors: 512 B each on CUDA
+    assert any("3,072 bytes of scalars per step" in n for n in exact.notes), exact.notes

@@ -433,3 +433,26 @@ def test_estimate_says_the_scalars_held():
     assert exact.peak_bytes == plain.peak_bytes
     assert held_bytes(True) == 3072 and held_bytes() == 48  # 6 tensors: 512 B each on CUDA
     assert any("3,072 bytes of scalars per step" in n for n in exact.notes), exact.notes
+
+
+def test_functional_own_loop_is_one_step_on_the_window():
+    """A loop of one's own with lightning_efficient.functional: backward on each micro-batch's
+    loss x its count, the gradients x window_factor(N, 1) before the step: one step on the 16."""
+    import lightning_efficient.functional as LF
+
+    module = HFModule(samples=padded_samples(sort=True))
+    expected = whole_window_update(module, module.samples)
+    before = snapshot(module)
+    total = torch.tensor(0.0)
+    for i in range(0, 16, 4):
+        batch = _stack(module.samples[i : i + 4])
+        n = LF.count(batch, "shifted tokens")
+        (module.training_step(batch, 0) * n).backward()
+        total += n
+    factor = LF.window_factor(total, 1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= p.grad * factor  # SGD, lr 1
+    assert update_error(before, module, expected) <= EXACT
+    with pytest.raises(ValueError, match="weighting"):
+        LF.count(batch, "token")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core._internals import foreach_mul_
 from lightning_efficient.core.per_trainer import PerTrainer
 from lightning_efficient.core.validate import check_choice, check_int, import_object
 from lightning_efficient.measure.memory.types import cuda_round
@@ -282,4 +283,4 @@ def scale_gradients(optimizers: Any, factor: torch.Tensor) -> None:
                 if p.grad is not None:
                     groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for key, grads in groups.items():
-        torch._foreach_mul_(grads, factor.to(*key))
+        foreach_mul_(grads, factor.to(*key))

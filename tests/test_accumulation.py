@@ -456,3 +456,41 @@ def test_functional_own_loop_is_one_step_on_the_window():
     assert update_error(before, module, expected) <= EXACT
     with pytest.raises(ValueError, match="weighting"):
         LF.count(batch, "token")
+
+
+def test_fit_auto_command_plan_with_accumulation_is_one_step_on_the_batch(
+    tmp_path, monkeypatch, capsys
+):
+    """``lightning-efficient fit --auto --goal memory`` with the budget of the test above: the
+    command's plan is 4 x 4 and the saved weights are one step on the 16 samples."""
+    import yaml
+
+    from lightning_efficient.cli import main
+    from lightning_efficient.planning import Rung
+    from lightning_efficient.planning import fit as auto_fit
+    from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
+
+    monkeypatch.chdir(tmp_path)
+    probe = HFModule(batch_size=16)  # the default samples: padded_samples()
+    make, _ = worst_case_sampler(probe.train_dataloader(), 100)
+    measure = auto_fit.estimate_measure(probe, make, 10**12, 16, {"precision": "32-true"})
+    budget = int(measure(Rung("as configured", "32-true"), 4)[1] * 1.01)
+    expected = whole_window_update(probe, probe.samples)
+    config = {
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_steps": 1, "logger": False,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "default_root_dir": str(tmp_path),
+        },
+        "model": {"class_path": "_accumulation_cases.HFModule", "init_args": {"batch_size": 16}},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    args = ["fit", "--auto", "--budget", str(budget), "--goal", "memory", "--no-trial"]
+    assert main([*args, "--config", str(tmp_path / "c.yaml")]) == 0
+    assert "as configured: micro-batch 4 x accumulation 4" in capsys.readouterr().out
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    module = HFModule(batch_size=16)
+    before = snapshot(module)
+    module.load_state_dict(state)
+    assert update_error(before, module, expected) <= EXACT

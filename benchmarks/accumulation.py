@@ -15,7 +15,10 @@ trained by a Lightning Trainer.
    exact, and batch 16 (no accumulation), from the same weights; the token-mean loss on 64
    held-out documents after them.
 3. Step time: the plain and exact runs of part 2, run alternately ``--repeats`` times; each
-   step's least time over the repeats, summed over the steps.
+   step's least time over the repeats, summed over the steps. And where the exact run's extra
+   time goes, measured inside it: the time in ``ExactAccumulation``'s hooks per step (the count
+   per micro-batch, the rescale and the logged window loss at the step), and the one-off probe
+   (a few forward passes on the first batch, before the first step's timer starts).
 
 Run:  python benchmarks/accumulation.py          (a few minutes on 2 busy cores)
       python benchmarks/accumulation.py --quick  (fewer windows and steps)
@@ -47,6 +50,36 @@ from packing import model, pad_batch, paragraphs  # noqa: E402
 from lightning_efficient.techniques.accumulation import ExactAccumulation  # noqa: E402
 
 MICRO, ACCUMULATION, SEED, LONGEST = 4, 4, 0, 256
+
+
+class TimedExact(ExactAccumulation):
+    """ExactAccumulation that sums the time spent in its per-batch hooks (the probe apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_seconds = self.probe_seconds = 0.0
+        measure = self.weights.measure
+
+        def timed_measure(*args: Any) -> None:
+            start = time.perf_counter()
+            measure(*args)
+            self.probe_seconds += time.perf_counter() - start
+
+        self.weights.measure = timed_measure  # type: ignore[method-assign]
+
+    def _timed(self, hook: Any, *args: Any) -> None:
+        start, probe = time.perf_counter(), self.probe_seconds
+        hook(*args)
+        self.hook_seconds += time.perf_counter() - start - (self.probe_seconds - probe)
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._timed(super().on_train_batch_start, *args)
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._timed(super().on_before_backward, *args)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._timed(super().on_before_optimizer_step, *args)
 
 
 class LM(pl.LightningModule):
@@ -155,17 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     adamw = dict(lr=3e-3, sgd=False)
     times: dict[str, list[float]] = {"plain": [], "exact": []}
     losses: dict[str, float] = {}
+    hooks, probes = [], []
     for _ in range(args.repeats):
         for name in ("plain", "exact"):
-            cbs = [ExactAccumulation()] if name == "exact" else []
+            cbs = [TimedExact()] if name == "exact" else []
             run = fit(copy.deepcopy(net), bucketed, cbs, steps, accumulate_grad_batches=4, **adamw)
             times[name].append(run.step_times)
             losses[name] = held_out_loss(run.model, held)
+            if cbs:
+                hooks.append(cbs[0].hook_seconds / steps)
+                probes.append(cbs[0].probe_seconds)
     whole = fit(copy.deepcopy(net), whole_batches, [], steps, **adamw)
     losses["whole"] = held_out_loss(whole.model, held)
     # the same steps (same micro-batches) in both runs: each step's least over the repeats
     least = {k: [min(step) for step in zip(*runs)] for k, runs in times.items()}
     cost = sum(least["exact"]) / sum(least["plain"])
+    plain_step = sum(least["plain"]) / steps
+    hook_share = min(hooks) / plain_step  # the callback's own work per step, against a step
 
     env = environment()
     command = "python benchmarks/accumulation.py" + (" --quick" if args.quick else "")
@@ -190,17 +229,23 @@ def main(argv: list[str] | None = None) -> int:
             ),
             f"\nStep time ({steps} steps, each step's least over {args.repeats} alternating runs, "
             f"summed): plain {sum(least['plain']):.2f} s, exact {sum(least['exact']):.2f} s: "
-            f"{cost:.3f}x (2 CPU cores shared with other work: noisy).\n",
+            f"{cost:.3f}x (2 CPU cores shared with other work: noisy). Measured inside the exact "
+            f"run: its hooks take {min(hooks) * 1e3:.2f} ms per step, {hook_share:.1%} of a plain "
+            f"step ({plain_step * 1e3:.1f} ms): the cost of the method itself is "
+            f"{1 + hook_share:.3f}x; the one-off probe (before the first step) "
+            f"{min(probes) * 1e3:.0f} ms.\n",
             provenance(env, command),
         ]
     )
     data = {
         "errors": errors, "held_out": losses, "step_seconds": times, "cost": cost,
+        "hook_seconds_per_step": hooks, "probe_seconds": probes, "hook_cost": 1 + hook_share,
         "windows": windows, "steps": steps, "environment": env, "command": command,
     }  # fmt: skip
-    stem = (
+    default = (
         ROOT / "benchmarks" / "results" / ("accumulation_quick" if args.quick else "accumulation")
     )
+    stem = Path(args.out) if args.out else default
     save_results(stem, text, data)
     return 0
 

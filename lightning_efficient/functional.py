@@ -6,8 +6,9 @@ work with next (the names wrapped, the new optimizer or loader) and ``undo()``; 
 apply_x(...) as change:`` undoes on leaving the block. Next to them: the measurements and
 decisions that pick the arguments (``find_repeated_blocks``, ``rank_blocks``, ``blocks_for_budget``,
 ``largest_fitting_batch``, ``tune_num_workers``, ...), what a training loop of one's own calls
-each step (``sequence_length_at``/``cut_batch``, ``micro_batch_step``, ``PlateauTracker``,
-``DivergenceDetector``), the samplers, and the ZeRO checkpoint tools.
+each step (``sequence_length_at``/``cut_batch``, ``micro_batch_step``, ``count`` and
+``window_factor`` for exact accumulation, ``PlateauTracker``, ``DivergenceDetector``), the
+samplers, and the ZeRO checkpoint tools.
 
 Every other helper stays importable from its module (e.g. ``format_bytes`` from
 ``lightning_efficient.core.validate``, ``rebuild_dataloader`` from
@@ -18,6 +19,7 @@ from lightning_efficient.core.change import Change
 from lightning_efficient.measure.memory.optimizer_models import optimizer_state_bytes
 from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques._kv_cache import apply_training_without_cache
+from lightning_efficient.techniques.accumulation.weighting import count, window_factor
 from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
     blocks_for_budget,
@@ -80,6 +82,8 @@ __all__ = [
     "sequence_length_at",
     "cut_batch",
     "micro_batch_step",
+    "count",
+    "window_factor",
     "PlateauTracker",
     "DivergenceDetector",
     "CurriculumSampler",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from _accumulation_cases import (
@@ -173,7 +174,6 @@ def _stack(samples):
 
 def test_resume_is_bit_identical(tmp_path):
     """Saved after the first epoch's 2 windows and resumed: equal to the run of 4 steps."""
-    import lightning.pytorch as pl
     from helpers import SaveAt
 
     samples = padded_samples(n=16, seed=2)
@@ -181,12 +181,13 @@ def test_resume_is_bit_identical(tmp_path):
     whole = HFModule(samples=samples)
     fit_once(whole, [ExactAccumulation(), SaveAt(2, tmp_path / "half.ckpt")], **kw)
     resumed = HFModule(samples=samples)
-    exact = ExactAccumulation()
+    exact, seen = ExactAccumulation(), _Added()
     pl.Trainer(
-        callbacks=[exact], accelerator="cpu", logger=False, enable_checkpointing=False,
+        callbacks=[exact, seen], accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **kw,
     ).fit(resumed, ckpt_path=str(tmp_path / "half.ckpt"))  # fmt: skip
-    assert exact.weights.probes == 1 and exact.weights.windows == 2  # no new probe
+    assert seen.at_start == ["shifted tokens"]  # restored before the first batch: no new probe
+    assert exact.weights.probes == 1 and exact.weights.windows == 2
     for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
 
@@ -303,3 +304,193 @@ def test_undetermined_weighting_warns_once_with_the_spread():
     said = [str(w.message) for w in caught if "could not be measured" in str(w.message)]
     assert len(said) == 1 and "targets per micro-batch" in said[0] and "token_counter" in said[0]
     assert exact.weights.weighting is None
+
+
+# -- AutoEfficient: its plan's micro-batch x accumulation ------------------------------------------
+@pytest.mark.parametrize("sort", [False, True], ids=["random", "length-sorted"])
+def test_auto_efficient_plan_with_accumulation_is_one_step_on_the_batch(sort):
+    """AutoEfficient on a padded HF causal LM whose plain step at micro-batch 4 just fits the
+    budget (goal "memory": the cheapest stack, at its largest micro-batch): its plan is 4 x 4 and
+    the update equals one step on the 16 samples (Lightning's accumulation: 0.2 / 0.9)."""
+    from lightning_efficient import AutoEfficient
+    from lightning_efficient.planning import Rung
+    from lightning_efficient.planning import fit as auto_fit
+    from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
+
+    samples = padded_samples(sort=sort)
+    probe = HFModule(samples=samples, batch_size=16)
+    make, _ = worst_case_sampler(probe.train_dataloader(), 100)
+    measure = auto_fit.estimate_measure(probe, make, 10**12, 16, {"precision": "32-true"})
+    budget = int(measure(Rung("as configured", "32-true"), 4)[1] * 1.01)
+    module = HFModule(samples=samples, batch_size=16)
+    expected = whole_window_update(module, samples)
+    before = snapshot(module)
+    auto = AutoEfficient(budget=budget, goal="memory", trial=False)
+    fit_once(module, [auto])
+    d = auto.decision
+    assert (d.rung.name, d.micro, d.accumulation) == ("as configured", 4, 4)
+    assert update_error(before, module, expected) <= EXACT
+
+
+class _Added(pl.Callback):
+    """The ExactAccumulation a technique added, and its weighting before the first batch."""
+
+    def __init__(self) -> None:
+        self.exact: list[ExactAccumulation] = []
+        self.at_start: list[str | None] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.exact += [c for c in trainer.callbacks if isinstance(c, ExactAccumulation)]
+        self.at_start += [c.weights.weighting for c in self.exact]
+
+
+def _adder(name):
+    from lightning_efficient import AutoEfficient
+    from lightning_efficient.planning import Rung
+    from lightning_efficient.planning.decision import Decision
+
+    if name == "EfficientBatchSize":
+        return EfficientBatchSize(target_batch_size=4, max_batch_size=2, optimizer="sgd")
+    return AutoEfficient(budget="1GiB", trial=False).preset(
+        Decision(Rung("as configured", "32-true"), 2, 2)
+    )
+
+
+@pytest.mark.parametrize("name", ["EfficientBatchSize", "AutoEfficient"])
+def test_added_exact_accumulation_resumes_bit_identical(tmp_path, name):
+    """The ExactAccumulation a technique adds keeps its measurement in the checkpoint: resumed
+    after 2 of 4 steps (micro-batch 2 x 2), no new probe, and the weights equal the uninterrupted
+    run's bit for bit."""
+    from helpers import SaveAt
+
+    samples = padded_samples(n=8, seed=2)  # an epoch: 2 steps (the checkpoint at its end)
+    kw = dict(max_steps=4, default_root_dir=str(tmp_path))
+    whole = HFModule(samples=samples, batch_size=4)
+    first = _Added()
+    fit_once(whole, [_adder(name), first, SaveAt(2, tmp_path / "half.ckpt")], **kw)
+    resumed = HFModule(samples=samples, batch_size=4)
+    again = _Added()
+    pl.Trainer(
+        callbacks=[_adder(name), again], accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
+    ).fit(resumed, ckpt_path=str(tmp_path / "half.ckpt"))  # fmt: skip
+    (exact,) = again.exact
+    assert first.at_start == [None] and again.at_start == ["shifted tokens"]  # restored
+    assert first.exact[0].weights.probes == 1
+    assert exact.weights.probes == 1 and exact.weights.weighting == "shifted tokens"
+    assert exact.weights.windows == 2  # the two steps after the checkpoint
+    for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_deepspeed_own_accumulation_is_refused_before_training():
+    """DeepSpeed accumulates itself (its gradient_accumulation_steps, equal weights): refused in
+    setup with the reason, a real ZeRO strategy on a CPU, before any step; the module as given."""
+    pytest.importorskip("deepspeed")
+    from lightning_efficient.techniques.zero_offload import ZeROOffload
+
+    module = PlainModule()
+    before = snapshot(module)
+    with pytest.raises(SettingsError, match="accumulates gradients itself"):
+        fit_once(module, [ExactAccumulation()], strategy=ZeROOffload(), accumulate_grad_batches=4)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
+@pytest.mark.parametrize("order", ["profiler first", "profiler last"])
+def test_rescale_lands_in_the_profilers_optimizer_phase(monkeypatch, order):
+    """StepProfiler puts the window's rescale in its ``optimizer`` phase, whatever the callbacks'
+    order: the rescale made 60 ms slower (a sleep in our own function) gives that phase at least
+    60 ms per step (the SGD step itself takes about a millisecond)."""
+    import time
+
+    from lightning_efficient import StepProfiler
+    from lightning_efficient.techniques.accumulation import window
+
+    rescale = window.scale_gradients
+
+    def slow(*args):
+        time.sleep(0.06)
+        rescale(*args)
+
+    monkeypatch.setattr(window, "scale_gradients", slow)
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    exact = ExactAccumulation()
+    callbacks = [profiler, exact] if order == "profiler first" else [exact, profiler]
+    fit_once(PlainModule(), callbacks, max_steps=3, accumulate_grad_batches=2)
+    phases = profiler.summary["phases"]
+    assert phases["optimizer"] >= 0.06, phases
+
+
+def test_estimate_says_the_scalars_held():
+    """The estimate with ExactAccumulation: the same peak, and a note of the bytes it holds."""
+    from lightning_efficient.measure.memory import estimate_memory
+    from lightning_efficient.techniques.accumulation.window import held_bytes
+
+    module, batch = PlainModule(), _stack(padded_samples(n=4))
+    kw = dict(optimizer="sgd", accumulate_grad_batches=2, cuda_rounding=True)
+    plain = estimate_memory(module, batch, **kw)
+    exact = estimate_memory(module, batch, callbacks=[ExactAccumulation()], **kw)
+    assert exact.peak_bytes == plain.peak_bytes
+    assert held_bytes(True) == 3072 and held_bytes() == 48  # 6 tensors: 512 B each on CUDA
+    assert any("3,072 bytes of scalars per step" in n for n in exact.notes), exact.notes
+
+
+def test_functional_own_loop_is_one_step_on_the_window():
+    """A loop of one's own with lightning_efficient.functional: backward on each micro-batch's
+    loss x its count, the gradients x window_factor(N, 1) before the step: one step on the 16."""
+    import lightning_efficient.functional as LF
+
+    module = HFModule(samples=padded_samples(sort=True))
+    expected = whole_window_update(module, module.samples)
+    before = snapshot(module)
+    total = torch.tensor(0.0)
+    for i in range(0, 16, 4):
+        batch = _stack(module.samples[i : i + 4])
+        n = LF.count(batch, "shifted tokens")
+        (module.training_step(batch, 0) * n).backward()
+        total += n
+    factor = LF.window_factor(total, 1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= p.grad * factor  # SGD, lr 1
+    assert update_error(before, module, expected) <= EXACT
+    with pytest.raises(ValueError, match="weighting"):
+        LF.count(batch, "token")
+
+
+def test_fit_auto_command_plan_with_accumulation_is_one_step_on_the_batch(
+    tmp_path, monkeypatch, capsys
+):
+    """``lightning-efficient fit --auto --goal memory`` with the budget of the test above: the
+    command's plan is 4 x 4 and the saved weights are one step on the 16 samples."""
+    import yaml
+
+    from lightning_efficient.cli import main
+    from lightning_efficient.planning import Rung
+    from lightning_efficient.planning import fit as auto_fit
+    from lightning_efficient.techniques.batch_size.choice import worst_case_sampler
+
+    monkeypatch.chdir(tmp_path)
+    probe = HFModule(batch_size=16)  # the default samples: padded_samples()
+    make, _ = worst_case_sampler(probe.train_dataloader(), 100)
+    measure = auto_fit.estimate_measure(probe, make, 10**12, 16, {"precision": "32-true"})
+    budget = int(measure(Rung("as configured", "32-true"), 4)[1] * 1.01)
+    expected = whole_window_update(probe, probe.samples)
+    config = {
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_steps": 1, "logger": False,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "default_root_dir": str(tmp_path),
+        },
+        "model": {"class_path": "_accumulation_cases.HFModule", "init_args": {"batch_size": 16}},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    args = ["fit", "--auto", "--budget", str(budget), "--goal", "memory", "--no-trial"]
+    assert main([*args, "--config", str(tmp_path / "c.yaml")]) == 0
+    assert "as configured: micro-batch 4 x accumulation 4" in capsys.readouterr().out
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    module = HFModule(batch_size=16)
+    before = snapshot(module)
+    module.load_state_dict(state)
+    assert update_error(before, module, expected) <= EXACT

@@ -334,3 +334,11 @@ def test_fit_loader_source() -> None:
     assert seen["train"].dataloader() is loader and seen["val"] is None
     tiny_trainer(None, [Look()], max_steps=1, limit_val_batches=0).fit(tiny_model(), data)
     assert seen["train"] is None and seen["val"] is None
+
+
+def test_foreach_mul_scales_each_tensor_in_place() -> None:
+    from lightning_efficient.core._internals import foreach_mul_
+
+    a, b = torch.ones(3), torch.full((2, 2), 2.0)
+    foreach_mul_([a, b], torch.tensor(0.5))
+    assert a.tolist() == [0.5] * 3 and b.tolist() == [[1.0, 1.0], [1.0, 1.0]]

@@ -23,6 +23,7 @@ from torch import nn
 __all__ = [
     "TESTED",
     "dispatch_modes_off",
+    "foreach_mul_",
     "FakeTensor",
     "FakeTensorMode",
     "InternalsError",
@@ -105,6 +106,12 @@ def dispatch_modes_off() -> Any:
     """A context in which no ``TorchDispatchMode`` is active (``torch.compile`` refuses to run
     under one): the storage tracker steps a compiled optimizer inside it."""
     return _disable_current_modes()
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply ``tensors`` (one device and dtype) by the 0-dim ``factor`` in place, in one
+    ``torch._foreach_mul_`` (no synchronisation)."""
+    torch._foreach_mul_(tensors, factor)
 
 
 def fake_tensor_errors() -> tuple[type[BaseException], ...]:

@@ -9,7 +9,7 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
-from lightning_efficient.techniques.accumulation.window import AccumulationWeights
+from lightning_efficient.techniques.accumulation.window import AccumulationWeights, held_bytes
 
 __all__ = ["ExactAccumulation", "add_exact_accumulation"]
 
@@ -59,6 +59,13 @@ class ExactAccumulation(Technique):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.weights.load_state_dict(state_dict)
+
+    def configure_estimate(self, plan: Any) -> None:
+        """Nothing changes in the estimated step: the few scalars held per step are said with
+        their bytes (below the estimate's resolution; not added), and the count's comparison of
+        the targets is freed before the forward, so it is no part of the peak."""
+        size = held_bytes(plan.cuda_rounding)
+        plan.note(f"{self.name}: {size:,} bytes of scalars per step (not added: negligible)")
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core.validate import check_choice
 from lightning_efficient.measure.speed.tokens import batch_counts
 
 __all__ = [
@@ -94,6 +95,7 @@ def per_sample_counts(batch: Any, ignore_index: int = -100) -> dict[str, torch.T
 def count(batch: Any, weighting: str, ignore_index: int = -100) -> torch.Tensor:
     """What the loss of ``batch`` averages over under ``weighting`` (one of :data:`WEIGHTINGS`),
     as a 0-dim float tensor on the targets' device (no synchronisation)."""
+    check_choice("weighting", weighting, WEIGHTINGS)
     if weighting == "samples":
         return torch.tensor(float(batch_size_of(batch)))
     target = targets_of(batch)

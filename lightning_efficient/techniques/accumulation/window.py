@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from lightning_efficient.core._internals import foreach_mul_
 from lightning_efficient.core.per_trainer import PerTrainer
 from lightning_efficient.core.validate import check_choice, check_int, import_object
+from lightning_efficient.measure.memory.types import cuda_round
 from lightning_efficient.techniques.accumulation.probe import probe_weighting
 from lightning_efficient.techniques.accumulation.weighting import (
     WEIGHTINGS,
@@ -29,13 +31,23 @@ from lightning_efficient.techniques.accumulation.weighting import (
     window_factor,
 )
 
-__all__ = ["AccumulationWeights", "WINDOW_LOSS", "windows_for"]
+__all__ = ["AccumulationWeights", "HELD_TENSORS", "WINDOW_LOSS", "held_bytes", "windows_for"]
 
 #: The name the window's weighted loss is logged under (beside the module's own per-batch loss).
 WINDOW_LOSS = "window_loss"
 #: Batches probed at most while they cannot tell the weighting apart.
 MAX_PROBES = 8
 _OWNERS: PerTrainer[list] = PerTrainer(list)
+#: Tensors of one or two fp32 values held on the device across a step: the micro-batch's count,
+#: the window's [N, sum of n_i x loss_i] and the pair being added, the least and most N, the
+#: factor, the window's loss.
+HELD_TENSORS = 6
+
+
+def held_bytes(cuda_rounding: bool = False) -> int:
+    """Device bytes exact accumulation holds across a step (each tensor rounded up to 512 bytes
+    by the CUDA allocator with ``cuda_rounding``)."""
+    return HELD_TENSORS * (cuda_round(8) if cuda_rounding else 8)
 
 
 def windows_for(trainer: Any) -> AccumulationWeights | None:
@@ -263,13 +275,12 @@ def undetermined_message(detail: str, tokens: list[torch.Tensor]) -> str:
 
 def scale_gradients(optimizers: Any, factor: torch.Tensor) -> None:
     """Multiply every gradient of ``optimizers`` by ``factor`` (a 0-dim tensor, moved once per
-    device and dtype): no synchronisation."""
-    factors: dict[tuple, torch.Tensor] = {}
+    device and dtype): one ``_foreach_mul_`` per device and dtype, no synchronisation."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    key = (p.grad.device, p.grad.dtype)
-                    if key not in factors:
-                        factors[key] = factor.to(*key)
-                    p.grad.mul_(factors[key])
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for key, grads in groups.items():
+        foreach_mul_(grads, factor.to(*key))

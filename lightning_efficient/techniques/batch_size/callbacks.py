@@ -218,10 +218,8 @@ class EfficientBatchSize(Technique):
         self._trainer = weakref.ref(trainer)
         self._choose(trainer, pl_module)
         if self.target_batch_size is not None:  # micro-batch x accumulation: one step's update
-            exact = add_exact_accumulation(
-                trainer, pl_module, self.loss_weighting, self.ignore_index, self.token_counter
-            )
-            self.record(trainer, exact)
+            weighting = (self.loss_weighting, self.ignore_index, self.token_counter)
+            self.record(trainer, add_exact_accumulation(trainer, pl_module, *weighting))
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int

@@ -465,7 +465,7 @@ def test_fit_auto_command_plan_with_accumulation_is_one_step_on_the_batch(
     command's plan is 4 x 4 and the saved weights are one step on the 16 samples."""
     import yaml
 
-    from lightning_efficient.cli import main
+    from lightning_efficient.commands import main
     from lightning_efficient.planning import Rung
     from lightning_efficient.planning import fit as auto_fit
     from lightning_efficient.techniques.batch_size.choice import worst_case_sampler

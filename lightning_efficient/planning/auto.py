@@ -170,9 +170,9 @@ class AutoEfficient(Technique):
                 trainer, pl_module, self.batch_arg_name, decision.micro, decision.accumulation
             ),
         )
+        self._added = on_fit.add_callbacks(trainer, self, callbacks)  # first: see add_callbacks
         if decision.accumulation > 1 or trainer.world_size > 1:  # one step on the whole batch
             self.record(trainer, add_exact_accumulation(trainer, pl_module))
-        self._added = on_fit.add_callbacks(trainer, self, callbacks)
         if trains_without_cache(decision.rung):  # as estimated: no Hugging Face key/value cache
             self.record(trainer, apply_training_without_cache(pl_module))
         for callback in callbacks:

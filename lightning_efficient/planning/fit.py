@@ -318,8 +318,10 @@ def apply_batch(trainer: Any, module: Any, name: str, micro: int, accumulation: 
     )
 
 
-#: The callbacks a ladder rung adds (their default ``state_key`` is the class name).
+#: The callbacks AutoEfficient adds (a rung's, and ExactAccumulation; their default ``state_key`` is
+#: the class name).
 _STACK_CALLBACKS = (
+    "ExactAccumulation",
     "ActivationCheckpointing",
     "ChunkedCrossEntropy",
     "OptimizerSwap",
@@ -373,7 +375,9 @@ BF16_WEIGHTS_NEED_YAML = (
 def add_callbacks(trainer: Any, after: Any, callbacks: Sequence[Any]) -> Change:
     """Put ``callbacks`` into ``trainer.callbacks`` right after ``after``: Lightning calls the
     hooks of the list as it stands, so they run their own ``setup`` (and every later hook, and
-    their state is restored from a checkpoint) as if they had been given. Undo takes them out."""
+    their state is restored from a checkpoint) as if they had been given. Undo takes them out.
+    In place, and before anything that sets a new list (``add_exact_accumulation``): Lightning's
+    ``on_load_checkpoint`` loop walks the list it started with."""
     index = trainer.callbacks.index(after) + 1
     trainer.callbacks[index:index] = list(callbacks)
     added = list(callbacks)

@@ -51,7 +51,9 @@ class DocumentAttention:
         self.path = path
         self.position_ids: torch.Tensor | None = None
         self.input_ids: torch.Tensor | None = None
-        self.served = 0  # calls given the documents (a forward, or an attention call)
+        # training calls given the documents (a forward, or an attention call); a call without
+        # gradients (a measurement such as ExactAccumulation's probe) is served, not counted
+        self.served = 0
         self.unmatched = 0  # attention calls during a packed batch of another shape
 
     def current(
@@ -142,7 +144,7 @@ def _hf_forward(original: Callable[..., Any], session: DocumentAttention, flash:
                 longest = int((cu[1:] - cu[:-1]).max())
                 kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
                 kwargs.update(max_length_q=longest, max_length_k=longest)
-            session.served += 1
+            session.served += torch.is_grad_enabled()
         return original(*args, **kwargs)
 
     return forward
@@ -178,7 +180,7 @@ def _sdpa(original: Callable[..., Any], session: DocumentAttention) -> Any:
                 mask = mask & attn_mask
             else:
                 mask = attn_mask.masked_fill(~mask, float("-inf"))
-        session.served += 1
+        session.served += torch.is_grad_enabled()
         return original(query, key, value, mask, dropout_p, False, scale=scale, **kwargs)
 
     return scaled_dot_product_attention

@@ -491,9 +491,12 @@ def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold a tensor subclass's data (torchao's 8-bit states: codes,
-    scales, quantisation map), through ``__tensor_flatten__``; a plain tensor itself."""
+    scales, quantisation map), through ``__tensor_flatten__``; a plain tensor itself, and a
+    DTensor (FSDP2) itself: its callers take this rank's shard (``to_local``)."""
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is None or type(tensor) is torch.Tensor or isinstance(tensor, FakeTensor):
+        return [tensor]
+    if callable(getattr(tensor, "to_local", None)):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     return [t for n in names for t in _inner_tensors(getattr(tensor, n))]

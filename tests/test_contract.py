@@ -196,9 +196,9 @@ CASES.append(
             "offload_boundaries": st.integers() | st.text(max_size=4),
         },
         same_maths=True,
-        # found when the branches met: under FSDP2 an explicit block policy (this one, or
-        # "Block") fails in fully_shard's first all-gather ('FSDPParam' object has no attribute
-        # 'param_dtype'), while the "auto" case above trains; not yet served or refused
+        # under FSDP2 an explicit block policy (this one, or "Block") fails in fully_shard's
+        # first all-gather ('FSDPParam' object has no attribute 'param_dtype'), while the "auto"
+        # case above trains; older than the long-context options (dbcefde too), not yet served
         fsdp="an explicit block policy fails under FSDP2 (open defect, in the closing note)",
         id="ActivationCheckpointing-long-context",
     )

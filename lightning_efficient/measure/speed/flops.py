@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lightning_efficient.core.validate import check_module
 from lightning_efficient.measure.memory.estimate import faked
 from lightning_efficient.measure.memory.track import StorageTracker, _takes_batch_idx
 from lightning_efficient.measure.step import loss_of, silenced_logging
@@ -275,8 +276,7 @@ def count_flops(
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}.")
+    check_module("model", model)
     if loss_fn is None and not hasattr(model, "training_step"):
         raise TypeError(
             "`loss_fn` is required for a plain nn.Module (loss_fn(model, batch) -> loss); a "

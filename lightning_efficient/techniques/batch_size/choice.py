@@ -25,6 +25,7 @@ from lightning_efficient.core.validate import (
 )
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.settings import estimate_settings
+from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.measure.trials.trial import throughput, trial_within
 from lightning_efficient.techniques.batch_size.sizing import (
     MAX_TARGET_BATCH,
@@ -50,7 +51,6 @@ __all__ = [
     "sizing_settings",
     "describe_choice",
     "describe_restored",
-    "available_host_memory",
     "choose_batch_size",
     "read_batch_size",
     "set_batch_size",
@@ -229,18 +229,6 @@ def read_batch_size(
     return value
 
 
-def available_host_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _hardware(trainer: Any) -> dict[str, Any]:
     device = trainer.strategy.root_device
     hw: dict[str, Any] = {"precision": str(trainer.precision), "device_type": device.type}
@@ -256,7 +244,7 @@ def _budget(trainer: Any, budget_bytes: int | None) -> int:
     device = trainer.strategy.root_device
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    available = available_host_memory()
+    available = available_bytes()
     if available is None:
         raise ValueError(
             "EfficientBatchSize: cannot read the available memory; pass `budget=` (e.g. '16GiB')."

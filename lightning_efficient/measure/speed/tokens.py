@@ -26,7 +26,14 @@ import torch
 
 from lightning_efficient.core._internals import tree_flatten
 
-__all__ = ["BatchCounter", "batch_counts", "count_tokens", "count_loss_tokens", "MASK_KEY"]
+__all__ = [
+    "BatchCounter",
+    "batch_counts",
+    "count_tokens",
+    "count_loss_tokens",
+    "targets_of",
+    "MASK_KEY",
+]
 
 #: The dict key of a batch's attention mask.
 MASK_KEY = "attention_mask"
@@ -163,18 +170,24 @@ def _locate(batch: Any) -> tuple[Any, str] | None:
     return (items[0][0], "samples") if items else None
 
 
+def targets_of(batch: Any, key: str = "labels") -> torch.Tensor | None:
+    """The targets of a batch: ``batch[key]`` of a dict, else the last tensor of a tuple/list
+    (None when that is not a tensor with a dimension)."""
+    if isinstance(batch, Mapping):
+        target = batch.get(key)
+    elif isinstance(batch, (list, tuple)) and batch:
+        target = batch[-1]
+    else:
+        target = None
+    return target if isinstance(target, torch.Tensor) and target.dim() > 0 else None
+
+
 def count_loss_tokens(batch: Any, ignore_index: int = -100, key: str = "labels") -> int:
     """The targets a token-mean loss averages over: the entries of ``batch[key]`` (a dict
     batch) or of the last tensor of a tuple/list batch that differ from ``ignore_index``; a
     batch without targets counts its tokens (:func:`count_tokens`)."""
-    target = None
-    if isinstance(batch, Mapping):
-        target = batch.get(key)
-    elif isinstance(batch, (list, tuple)) and batch and isinstance(batch[-1], torch.Tensor):
-        target = batch[-1]
-    elif isinstance(batch, torch.Tensor):
-        target = batch
-    if isinstance(target, torch.Tensor):
+    target = batch if isinstance(batch, torch.Tensor) else targets_of(batch, key)
+    if target is not None:
         return int((target != ignore_index).sum())
     tokens = count_tokens(batch)
     if tokens is None:

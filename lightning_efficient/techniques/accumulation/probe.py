@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.measure.speed.tokens import targets_of
 from lightning_efficient.measure.step import loss_of, silenced_logging
 from lightning_efficient.techniques.accumulation.weighting import (
     batch_size_of,
@@ -29,7 +30,6 @@ from lightning_efficient.techniques.accumulation.weighting import (
     measured_share,
     per_sample_counts,
     probe_split,
-    targets_of,
     weighting_of,
 )
 

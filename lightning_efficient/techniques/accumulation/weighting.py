@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.validate import check_choice
-from lightning_efficient.measure.speed.tokens import batch_counts
+from lightning_efficient.measure.speed.tokens import batch_counts, targets_of
 
 __all__ = [
     "WEIGHTINGS",
@@ -32,7 +32,6 @@ __all__ = [
     "measured_share",
     "per_sample_counts",
     "probe_split",
-    "targets_of",
     "weighting_of",
     "window_factor",
 ]
@@ -65,17 +64,6 @@ def batch_slice(batch: Any, start: int, stop: int, size: int | None = None) -> A
         return x
 
     return part(batch)
-
-
-def targets_of(batch: Any, key: str = "labels") -> torch.Tensor | None:
-    """The targets of a batch: ``batch[key]`` of a dict, else the last tensor of a tuple/list."""
-    if isinstance(batch, Mapping):
-        target = batch.get(key)
-    elif isinstance(batch, (list, tuple)) and batch:
-        target = batch[-1]
-    else:
-        target = None
-    return target if isinstance(target, torch.Tensor) and target.dim() > 0 else None
 
 
 def per_sample_counts(batch: Any, ignore_index: int = -100) -> dict[str, torch.Tensor]:

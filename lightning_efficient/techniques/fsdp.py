@@ -133,9 +133,7 @@ def optimizer_state_from_plain(state: dict[str, Any], order: list[str]) -> dict[
 
 def sharded_modules(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` that FSDP2 shards ("" is the root)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return _internals.fsdp_sharded(model)
 
 
 class FullyShardedStrategy(ModelParallelStrategy):

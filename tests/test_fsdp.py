@@ -265,6 +265,15 @@ def test_an_optimizer_that_cannot_step_dtensors_is_refused() -> None:
     assert "OptimizerSwap under FullyShardedStrategy" in message
     assert "adamw_fused" in message  # the alternative
     assert "ActivationCheckpointing" not in message  # works sharded
+    budget = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=FullyShardedStrategy(),
+        callbacks=[ActivationCheckpointing(budget="1GiB")],
+        logger=False,
+    )
+    with pytest.raises(SettingsError, match="ActivationCheckpointing under .*`budget`.*`policy`"):
+        compat.check(budget, techniques_of(budget))
     batch_split = pl.Trainer(
         accelerator="cpu",
         devices=2,

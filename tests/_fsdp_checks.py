@@ -9,6 +9,8 @@ other; each rank writes ``OUT/rank<r>.json`` with one section per check.
 - ``early_stopping``: EarlyStopper and DivergenceGuard on a rank-dependent metric and a NaN on
   rank 1 only (tests/_early_stopping_ddp.py's setup).
 - ``batch_size``: EfficientBatchSize(target_batch_size=16): micro-batch, accumulation, samples.
+- ``explicit_policy``: ActivationCheckpointing with a class name and with a regex policy, and the
+  same fit without it: losses, blocks wrapped, calls of block 0's attention (forward + recompute).
 
 Usage: python tests/_fsdp_checks.py OUT  (Lightning re-launches this script for rank 1)
 """
@@ -24,8 +26,10 @@ from _early_stopping_ddp import run
 from helpers import TINY_MODEL, fit, interleaved_data, tiny_model
 
 from lightning_efficient.core import _internals
+from lightning_efficient.core.report import report_for
+from lightning_efficient.techniques import ActivationCheckpointing
 from lightning_efficient.techniques.batch_size import EfficientBatchSize
-from lightning_efficient.techniques.fsdp import FullyShardedStrategy
+from lightning_efficient.techniques.fsdp import FullyShardedStrategy, sharded_modules
 
 STEPS, EPOCH = 4, 2  # as tests/test_fsdp.py's plain run: 4 steps, epochs of 2
 
@@ -123,6 +127,33 @@ def batch_size() -> dict:
     }
 
 
+def explicit_policy() -> dict:
+    result = {}
+    for name, policy in (("none", None), ("class", "Block"), ("regex", r"re:blocks\.\d+$")):
+        pl.seed_everything(0, verbose=False)
+        model, calls = tiny_model(), []
+        model.blocks[0].attn.register_forward_hook(lambda *_: calls.append(1))
+        trainer, model, rec = fit(
+            None,
+            [ActivationCheckpointing(policy)] if policy else [],
+            model=model,
+            data=interleaved_data(4),
+            use_distributed_sampler=False,
+            max_steps=STEPS,
+            limit_train_batches=EPOCH,
+            limit_val_batches=0,  # block 0's attention runs in training steps only
+            **_two_ranks(FullyShardedStrategy()),
+        )
+        row = report_for(trainer).to_dict().get("ActivationCheckpointing", {})
+        result[name] = {
+            "losses": rec.losses,
+            "wrapped": row.get("blocks_wrapped", 0),
+            "attention_calls": len(calls),
+            "sharded": sharded_modules(model),
+        }
+    return result
+
+
 def main(out: Path) -> None:
     result = {}
     for name, check in (
@@ -131,6 +162,7 @@ def main(out: Path) -> None:
         ("curriculum", lambda: curriculum(out)),
         ("early_stopping", early_stopping),
         ("batch_size", batch_size),
+        ("explicit_policy", explicit_policy),
     ):
         result[name] = check()
     rank = torch.distributed.get_rank()

@@ -43,7 +43,6 @@ class Case:
     state_changes: its state differs between step k and 2k (resume test checks it).
     same_maths: losses equal the plain run within ``rtol``/``atol`` (contract item 6).
     ddp: True, or the message a DDP run must fail with when the technique refuses DDP.
-    fsdp: True, or why the case is left out of the FullyShardedStrategy sweep (test_fsdp).
     reports: the technique adds a row to the efficiency report (contract item 8).
     trainer_kwargs: extra Trainer arguments the technique needs in tests.
     keeps: for a strategy whose result is the module changed (sharded parameters), the function
@@ -63,7 +62,6 @@ class Case:
     rtol: float = 1e-5
     atol: float = 1e-6
     ddp: bool | str = True
-    fsdp: bool | str = True
     reports: bool = True
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     keeps: Any = None
@@ -196,10 +194,6 @@ CASES.append(
             "offload_boundaries": st.integers() | st.text(max_size=4),
         },
         same_maths=True,
-        # under FSDP2 an explicit block policy (this one, or "Block") fails in fully_shard's
-        # first all-gather ('FSDPParam' object has no attribute 'param_dtype'), while the "auto"
-        # case above trains; older than the long-context options (dbcefde too), not yet served
-        fsdp="an explicit block policy fails under FSDP2 (open defect, in the closing note)",
         id="ActivationCheckpointing-long-context",
     )
 )

@@ -214,6 +214,42 @@ def test_tracked_peak_per_rank_against_the_estimate(fsdp_run) -> None:
         assert abs(est.peak_bytes - steady) / steady < 0.05
 
 
+def test_the_estimate_refuses_a_sharded_module_and_leaves_it_training() -> None:
+    """A sharded module's first forward sets up FSDP's state (which rank is the root, each
+    parameter's dtypes, its sharded parameter): run by the estimate on fake tensors, that state
+    kept fake parameters and the first real step failed ('FakeTensor' object has no attribute
+    '_local_tensor' on one process, no 'param_dtype' on two). The estimate refuses such a module
+    before touching it; a class-name policy still finds the blocks fully_shard renamed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_efficient.measure import estimate_memory
+    from lightning_efficient.techniques._blocks import select_modules
+    from lightning_efficient.techniques.fsdp import apply_fully_shard
+
+    created = not dist.is_initialized()  # a 1-process FSDP fit earlier keeps its group
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, plain = tiny_model(), tiny_model()
+        plain.load_state_dict(model.state_dict())
+        apply_fully_shard(model, init_device_mesh("cpu", (1,)))
+        assert type(model.blocks[0]).__name__ == "FSDPBlock"
+        assert [n for n, _ in select_modules(model, "Block")] == ["blocks.0", "blocks.1"]
+        batch = (torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0)),) * 2
+        with pytest.raises(ValueError, match=r"`model` is sharded by FSDP2.*sharding='full'"):
+            estimate_memory(model, batch, optimizer="adamw")
+        loss, plain_loss = model.training_step(batch, 0), plain.training_step(batch, 0)
+        loss.backward()
+        plain_loss.backward()
+        assert torch.equal(loss.detach(), plain_loss.detach())
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 # -- refusals: at fit start, before anything is sharded ---------------------------------------
 def test_an_optimizer_that_cannot_step_dtensors_is_refused() -> None:
     trainer = pl.Trainer(
@@ -229,6 +265,15 @@ def test_an_optimizer_that_cannot_step_dtensors_is_refused() -> None:
     assert "OptimizerSwap under FullyShardedStrategy" in message
     assert "adamw_fused" in message  # the alternative
     assert "ActivationCheckpointing" not in message  # works sharded
+    budget = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=FullyShardedStrategy(),
+        callbacks=[ActivationCheckpointing(budget="1GiB")],
+        logger=False,
+    )
+    with pytest.raises(SettingsError, match="ActivationCheckpointing under .*`budget`.*`policy`"):
+        compat.check(budget, techniques_of(budget))
     batch_split = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -518,6 +563,27 @@ def test_batch_size_keeps_the_effective_batch_across_ranks_under_fsdp(fsdp_check
         assert r["world_size"] == 2 and r["micro"] * r["accumulate_grad_batches"] * 2 == 16
         assert r["accumulate_grad_batches"] == 2 and r["global_step"] == 3
         assert r["samples_seen"] == 3 * 2 * 4  # 3 steps x 2 micro-batches x 4 samples
+
+
+@pytest.mark.slow
+def test_explicit_checkpointing_policy_trains_as_the_plain_fsdp_fit(fsdp_checks) -> None:
+    """A class-name or regex block policy under FSDP2 failed in fully_shard's first all-gather
+    ('FSDPParam' object has no attribute 'param_dtype'): the first batch's estimate of what the
+    blocks save ran the sharded module on fake tensors, and FSDP's one-time setup inside it left
+    its state on fake parameters. The estimate now refuses a sharded module (the callback notes
+    it), and a class name matches the FSDP<Name> class fully_shard swaps in. Both policies wrap
+    both blocks, recompute them (block 0's attention runs twice a step) and train exactly as the
+    same FSDP fit without checkpointing."""
+    for rank in fsdp_checks:
+        runs = rank["explicit_policy"]
+        plain = runs["none"]
+        assert plain["wrapped"] == 0 and plain["attention_calls"] == STEPS
+        for name in ("class", "regex"):
+            run = runs[name]
+            assert run["sharded"] == ["", "blocks.0", "blocks.1"], name
+            assert run["wrapped"] == 2 and run["attention_calls"] == 2 * STEPS, name
+            assert run["losses"] == plain["losses"], name  # fp32, same sums: bit-equal
+        assert len(plain["losses"]) == STEPS
 
 
 @pytest.mark.slow

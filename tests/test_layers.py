@@ -378,3 +378,25 @@ def test_techniques_undo_through_the_base_only() -> None:
         if hook in vars(cls) and f"super().{hook}" not in inspect.getsource(vars(cls)[hook])
     ]
     assert not own, "record a Change instead (core/change.py):\n" + "\n".join(own)
+
+
+def test_every_fetch_watch_sees_the_fetch_return() -> None:
+    """A ``training_step(self, dataloader_iter)`` fetches inside the step: a ``FetchWatch`` that is
+    not told when the fetch has returned (``on_fetched``) counts the rest of the step as waiting
+    for data (StepProfiler did). Every user passes it, and times that fetch with the one
+    ``StepFetch`` (``measure/speed/fetch_watch.py``)."""
+    users = {}
+    for module, path in MODULES.items():
+        calls = [
+            node
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "FetchWatch"
+        ]
+        if calls:
+            users[module] = [len(c.args) + len(c.keywords) for c in calls]
+    assert len(users) >= 2, users  # InputStallMonitor, StepProfiler
+    blind = [m for m, arities in users.items() if min(arities) < 3]
+    assert not blind, f"FetchWatch without on_fetched in: {blind}"
+    timing = [m for m in MODULES if "StepFetch(" in MODULES[m].read_text()]
+    assert set(timing) <= {f"{MEASURE}.speed.input_stall", f"{MEASURE}.profiling.step_phases"}
+    assert len(timing) == 2, timing

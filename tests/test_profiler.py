@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from helpers import HFGPT2, fit, no_collector, tiny_data, tiny_model
+from helpers import HFGPT2, fit, no_collector, tiny_data, tiny_model, tiny_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -199,6 +199,36 @@ def test_input_bound_run_gets_data_loading_advice_first(tmp_path) -> None:
     )
     spec = yaml.safe_load(first["yaml"])
     assert spec["trainer"]["callbacks"][0]["class_path"] == "DataLoaderTuning"
+
+
+class FetchesItsBatch(TinyMLP):
+    """A ``training_step(self, dataloader_iter)`` that fetches its batch, then computes for
+    ``step_s`` more (a sleep: wall time, as a device's work would be)."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        time.sleep(self.step_s)
+        return super().training_step(batch, 0)
+
+
+def test_the_fetch_a_step_makes_itself_is_the_data_phase(tmp_path) -> None:
+    """With ``training_step(self, dataloader_iter)`` the loader's ``next`` runs inside the step:
+    it opened the data phase, which then held the rest of the forward too (80 ms of loading and
+    100 ms of forward read about 180 ms of data and 0 of forward). The fetch is the data phase
+    until it returns, as InputStallMonitor times its wait (``StepFetch``)."""
+    profiler = StepProfiler(skip_steps=1, print_table=False)
+    trainer = tiny_trainer(tmp_path, [profiler], max_steps=5)
+    with no_collector():
+        trainer.fit(FetchesItsBatch(step_s=0.1), datamodule=SlowData(delay_s=0.01))  # 80 ms
+    s = profiler.summary
+    assert s["fetch_seen"] and s["steps"] == 4
+    phases = s["phases"]
+    assert phases["data"] >= 0.08 and phases["forward"] >= 0.1, phases  # each holds its sleep
+    assert phases["data"] < phases["forward"], phases  # and not the other's
 
 
 def test_balanced_run_gets_no_false_alarm(tmp_path) -> None:

@@ -60,6 +60,8 @@ __all__ = [
     "link_zero_optimizer_states",
     "torch_extension_dir",
     "set_model_parallel_sizes",
+    "fsdp_sharded",
+    "class_before_fsdp",
     "fit_loader_source",
 ]
 
@@ -554,3 +556,32 @@ def fsdp_policies(module: Any) -> tuple[Any, Any]:
     if group is None or not hasattr(group, "offload_policy") or not hasattr(group, "mp_policy"):
         raise _moved("torch", "FSDPState._fsdp_param_group.offload_policy")
     return group.mp_policy, group.offload_policy
+
+
+# --- torch: FSDP2's sharded modules (``fully_shard`` swaps each module's class) ----------------
+def _fsdp_module_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def fsdp_sharded(module: nn.Module) -> list[str]:
+    """Names of the modules of ``module`` that FSDP2's ``fully_shard`` has sharded ("" is the
+    root)."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None:
+        return []
+    return [name for name, m in module.named_modules() if isinstance(m, fsdp)]
+
+
+def class_before_fsdp(module: nn.Module) -> type:
+    """``type(module)`` as it was before ``fully_shard``, which swaps in a subclass of
+    ``FSDPModule`` and the module's class named ``FSDP<Name>`` (state-dict keys stay; class
+    names, as a block policy gives them, do not)."""
+    fsdp = _fsdp_module_class()
+    cls = type(module)
+    if fsdp is None or not isinstance(module, fsdp):
+        return cls
+    return next(c for c in cls.__mro__ if not issubclass(c, fsdp))

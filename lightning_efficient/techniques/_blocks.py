@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_efficient.core._internals import class_before_fsdp
+
 __all__ = [
     "structure_key",
     "find_repeated_blocks",
@@ -193,7 +195,7 @@ def candidate_groups(model: nn.Module, limit: int | None = 6) -> list[BlockGroup
     raw: list[tuple[tuple[int, int, int], BlockGroup]] = []
 
     def add(depth: int, members: list[tuple[str, nn.Module]], kind: str) -> None:
-        classes = list(dict.fromkeys(type(m).__name__ for _, m in members))
+        classes = list(dict.fromkeys(class_before_fsdp(m).__name__ for _, m in members))
         group = BlockGroup([n for n, _ in members], "/".join(classes), kind, 0)
         group.parameters = sum(_numel(m) for _, m in members)
         raw.append((_score(depth, members), group))
@@ -235,9 +237,9 @@ def candidate_groups(model: nn.Module, limit: int | None = 6) -> list[BlockGroup
 
 def candidate_block_names(model: nn.Module, limit: int = 12) -> list[str]:
     """Class names worth suggesting in an error: the auto blocks first, then other containers."""
-    names: list[str] = [type(m).__name__ for _, m in find_repeated_blocks(model)[:1]]
+    names: list[str] = [class_before_fsdp(m).__name__ for _, m in find_repeated_blocks(model)[:1]]
     for _, m in model.named_modules():
-        n = type(m).__name__
+        n = class_before_fsdp(m).__name__
         if n not in names and any(True for _ in m.children()):
             names.append(n)
     return names[:limit]
@@ -290,7 +292,8 @@ def _match(model: nn.Module, p: Any, argument: str) -> list[tuple[str, nn.Module
                 f"`{argument}`={p!r} is not a valid regular expression: {err}."
             ) from err
         return [(n, m) for n, m in named if rx.fullmatch(n)]
-    by_class = [(n, m) for n, m in named if type(m).__name__ == p]
+    # by the class's own name, also once FSDP2 sharded the module (its class is FSDP<Name> then)
+    by_class = [(n, m) for n, m in named if class_before_fsdp(m).__name__ == p]
     if by_class:
         return by_class
     return [(n, m) for n, m in named if fnmatch.fnmatchcase(n, p)]

@@ -14,9 +14,12 @@ dict and the full optimizer state keyed as a plain run keys it, so a plain (one-
 resumes from it, and this strategy resumes from a plain run's checkpoint.
 
 Techniques that change the module (activation checkpointing, compile) apply in their callback's
-``setup``, before this strategy shards in ``strategy.setup``; the ones that cannot handle sharded
-(DTensor) parameters declare ``Technique.sharding_conflict`` and the fit stops before the first
-step (``core.compat``).
+``on_fit_start``, after this strategy sharded it in ``strategy.setup``: a checkpointed block's
+forward is shadowed in place, and FSDP's gather hooks run around it (a class-name policy matches
+the ``FSDP<Name>`` class ``fully_shard`` swaps in). The memory estimate refuses a sharded module
+(its first forward would set up FSDP's state on fake tensors); the techniques that cannot handle
+sharded (DTensor) parameters declare ``Technique.sharding_conflict`` and the fit stops before the
+first step (``core.compat``).
 """
 
 from __future__ import annotations
@@ -133,9 +136,7 @@ def optimizer_state_from_plain(state: dict[str, Any], order: list[str]) -> dict[
 
 def sharded_modules(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` that FSDP2 shards ("" is the root)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return _internals.fsdp_sharded(model)
 
 
 class FullyShardedStrategy(ModelParallelStrategy):

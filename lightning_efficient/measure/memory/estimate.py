@@ -45,6 +45,7 @@ from lightning_efficient.measure.memory.types import (
     EstimatePlan,
     MemoryEstimate,
     check_common,
+    check_unsharded,
     cuda_round,
     resolve_optimizer,
 )
@@ -283,6 +284,7 @@ def estimate_memory(
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     check_sharding(world_size, sharding)
     _check_initialised(model)
+    check_unsharded(model)
     notes = []
     if optimizer is None and hasattr(model, "configure_optimizers"):
         optimizer, note = configured_optimizer(model, foreach_default=True)

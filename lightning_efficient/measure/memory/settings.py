@@ -171,8 +171,9 @@ def estimate_settings(trainer: Any, *, exclude: Iterable[Any] = ()) -> dict[str,
     - ``world_size``: the trainer's ranks, and ``sharding``: how its strategy divides the state
       (:func:`strategy_sharding`; ``"ddp"`` for an unknown strategy on several ranks, ``None``
       on one rank without a sharding strategy), so the estimate is one rank's peak. A module
-      whose parameters are already sharded (DTensors, during an FSDP2 fit) is estimated as it
-      is: the tracker counts this rank's shards (``world_size`` 1, no second division).
+      whose parameters are already sharded (DTensors, during an FSDP2 fit) gets ``world_size``
+      1 and no second division (its tensors are this rank's shards); ``estimate_memory`` itself
+      refuses to run a module ``fully_shard`` sharded (``types.check_unsharded``).
     """
     skip = {id(t) for t in exclude}
     callbacks = [

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core._internals import fsdp_sharded
 from lightning_efficient.core.change import Change, ChangeLog
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
 from lightning_efficient.measure.memory.caching_allocator import replay
@@ -30,6 +31,7 @@ __all__ = [
     "EstimatePlan",
     "MemoryEstimate",
     "check_common",
+    "check_unsharded",
     "cuda_round",
     "resolve_optimizer",
 ]
@@ -308,6 +310,21 @@ def resolve_optimizer(optimizer: Any) -> Callable[[list[dict]], torch.optim.Opti
 
 
 # -- faking the model ----------------------------------------------------------------------------
+def check_unsharded(model: nn.Module) -> None:
+    """Refuse a module FSDP2 has sharded, before touching it: its forward gathers parameters
+    from every rank, and its first forward sets up FSDP's state, which a run on fake tensors
+    would leave pointing at fake parameters (the next real step then fails)."""
+    sharded = fsdp_sharded(model)
+    if sharded:
+        shown = ", ".join(repr(n or "<root>") for n in sharded[:3])
+        raise ValueError(
+            f"`model` is sharded by FSDP2's fully_shard ({shown}"
+            f"{f' and {len(sharded) - 3} more' if len(sharded) > 3 else ''}): the estimate cannot "
+            "run it on fake tensors. Estimate the module before it is sharded, with the sharding "
+            "as an argument: estimate_memory(model, batch, world_size=<ranks>, sharding='full')."
+        )
+
+
 def check_common(
     model: Any, precision: str, steps: int, loss_fn: Any, cuda_rounding: bool, accumulate: int
 ) -> None:

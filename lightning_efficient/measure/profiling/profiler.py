@@ -5,7 +5,8 @@ Per optimizer step it times five phases with the instrument's ``StepTimer`` (CUD
 GPU, so asynchronous work is timed on the device; ``perf_counter`` on a CPU):
 
 - ``data``: waiting for the next batch (the train loader's ``next``, then the transfer to the
-  device), seen through the trainer's profiler hooks;
+  device), seen through the trainer's profiler hooks; in a ``training_step(self,
+  dataloader_iter)``, the ``next`` the step calls;
 - ``forward``: ``training_step`` up to the loss;
 - ``backward``;
 - ``optimizer``: ``zero_grad``, gradient clipping and the optimizer step (until the optimizer's
@@ -144,7 +145,7 @@ class StepProfiler(Technique):
         trainer, phases = self._trainer, self._phases
         if trainer is None or phases is None or not trainer.training or trainer.sanity_checking:
             return
-        phases.enter("data", trainer.global_step, self._measures(trainer.global_step))
+        phases.fetch(trainer.global_step, self._measures(trainer.global_step))
 
     # -- hooks ------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -159,7 +160,7 @@ class StepProfiler(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
         self._phases = StepPhases(trainer.strategy.root_device)
-        self._watch = FetchWatch(trainer.profiler, self._on_fetch)
+        self._watch = FetchWatch(trainer.profiler, self._on_fetch, self._phases.fetched)
         self.record(trainer, patch_attribute(trainer, "profiler", self._watch))
         if self.trace:
             self._trace = TraceWindow(self.trace, self.trace_steps, first=self.skip_steps)

@@ -14,7 +14,9 @@ event recorded on a GPU) per phase switch and an O(1) batch count; no device syn
 (CUDA events are read when they have completed, ``StepTimer.poll``, and once at the end).
 
 The ``data`` phase begins when the train loader's ``next`` starts, seen through
-``measure.speed.fetch_watch.FetchWatch`` (the trainer's profiler, wrapped).
+``measure.speed.fetch_watch.FetchWatch`` (the trainer's profiler, wrapped); a fetch inside a step
+(a ``training_step(self, dataloader_iter)``) is ``data`` until it returns, then the step's phase
+goes on (``fetch``/``fetched``: ``StepFetch``, as ``InputStallMonitor`` times its wait).
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ import torch
 
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.profiling.profile_report import phase_summary
+from lightning_efficient.measure.speed.fetch_watch import StepFetch
 from lightning_efficient.measure.speed.timing import StepTimer
 from lightning_efficient.measure.speed.tokens import BatchCounter
 
-__all__ = ["StepPhases", "StepPostHooks"]
+__all__ = ["StepPhases", "StepPostHooks", "STEP_PHASES"]
+
+#: The phases of a training step itself (a fetch made in one of them is the step's own).
+STEP_PHASES = ("forward", "backward", "optimizer")
 
 
 class StepPhases:
@@ -45,6 +51,7 @@ class StepPhases:
         self.measuring = False
         self.start_step = self.end_step = 0
         self.counter = BatchCounter()
+        self.step_fetch = StepFetch(self.switch_from)
 
     def switch(self, phase: str | None) -> None:
         """Stop the running phase (if any) and start ``phase`` (``None``: none)."""
@@ -76,6 +83,19 @@ class StepPhases:
             self.switch(phase)
         elif measured:
             self.begin(step, phase)
+
+    def fetch(self, step: int, measured: bool) -> None:
+        """The train loader's ``next`` starts, before optimizer step ``step`` (``measured``: as
+        ``enter``): the ``data`` phase; inside a step (a ``training_step(self, dataloader_iter)``
+        fetches its batch itself) until ``fetched``, then the step's phase goes on."""
+        if self.phase in STEP_PHASES:
+            self.step_fetch.begin(self.phase, "data")
+        else:
+            self.enter("data", step, measured)
+
+    def fetched(self) -> None:
+        """The train loader's ``next`` has returned: back to the step that fetched, if one did."""
+        self.step_fetch.end()
 
     def end(self, step: int) -> None:
         """Close the measured window after optimizer step ``step``."""

@@ -7,6 +7,10 @@ Lightning's pass-through), calls ``on_fetch`` when that action starts and forwar
 the profiler it wraps (and ``on_fetched``, when given, when it stops). Installed with ``core.change.patch_attribute(trainer, "profiler", ...)``,
 so the fit's end puts the trainer's own back (two watches stack, undone last first). Used by
 ``StepProfiler`` (its ``data`` phase) and ``InputStallMonitor`` (its wait).
+
+``StepFetch``: a fetch the step makes itself (a ``training_step(self, dataloader_iter)`` calls the
+loader's ``next`` inside the step) is timed as the wait, and the step's own region goes on when it
+has returned; both measuring callbacks time it so.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from lightning.pytorch.profilers import Profiler
 
-__all__ = ["FETCH_ACTION", "FetchWatch"]
+__all__ = ["FETCH_ACTION", "FetchWatch", "StepFetch"]
 
 #: suffix of Lightning's profiler action around the train loader's ``next``
 FETCH_ACTION = "train_dataloader_next"
@@ -69,3 +73,25 @@ class FetchWatch(Profiler):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class StepFetch:
+    """A fetch made inside a step, timed as the wait: ``begin(step, wait)`` (when the train
+    loader's ``next`` starts while region ``step`` runs) switches to region ``wait``; ``end()``
+    (when it has returned) switches back to ``step``. ``switch(old, new)`` stops region ``old``
+    and starts ``new`` (a ``StepTimer``'s regions, ``StepProfiler``'s phases)."""
+
+    def __init__(self, switch: Callable[[str, str], None]) -> None:
+        self.switch = switch
+        self.regions: tuple[str, str] | None = None  # (the step's, the wait's) while it fetches
+
+    def begin(self, step: str, wait: str) -> None:
+        if self.regions is None:
+            self.switch(step, wait)
+            self.regions = (step, wait)
+
+    def end(self) -> None:
+        if self.regions is not None:
+            step, wait = self.regions
+            self.regions = None
+            self.switch(wait, step)

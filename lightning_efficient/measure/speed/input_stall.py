@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_efficient.core.change import patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_float, check_int
-from lightning_efficient.measure.speed.fetch_watch import FetchWatch
+from lightning_efficient.measure.speed.fetch_watch import FetchWatch, StepFetch
 from lightning_efficient.measure.speed.host import default_max_workers, usable_cores
 from lightning_efficient.measure.speed.timing import StepTimer
 
@@ -96,7 +96,7 @@ class InputStallMonitor(Technique):
         self._timer: Any = None
         self._open: str | None = None  # the region running between two steps: "rest" or "wait"
         self._in_step = False
-        self._fetch_in_step = False  # a fetch the step makes itself, running
+        self._step_fetch = StepFetch(self._switch)  # a fetch the step makes itself
         self._fetch_seen = False  # the train loader's next, seen
         self._steps = 0
         self._decided = False
@@ -105,7 +105,7 @@ class InputStallMonitor(Technique):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._timer = StepTimer(trainer.strategy.root_device)
         self._open, self._in_step, self._fetch_seen, self._steps = None, False, False, 0
-        self._fetch_in_step, self._decided = False, False
+        self._step_fetch, self._decided = StepFetch(self._switch), False
         self.stall_fraction = None
         watch = FetchWatch(trainer.profiler, lambda: self._on_fetch(trainer), self._on_fetched)
         self.record(trainer, patch_attribute(trainer, "profiler", watch))
@@ -115,20 +115,18 @@ class InputStallMonitor(Technique):
             return  # the first batch is never counted
         self._fetch_seen = True
         if self._in_step:  # the step fetches its batch itself (it takes the dataloader_iter)
-            if not self._fetch_in_step:
-                self._timer.stop("step")
-                self._timer.start("wait")
-                self._fetch_in_step = True
+            self._step_fetch.begin("step", "wait")
             return
         self._close()
         self._timer.start("wait")
         self._open = "wait"
 
     def _on_fetched(self) -> None:
-        if self._fetch_in_step:  # back to the step that fetched
-            self._timer.stop("wait")
-            self._timer.start("step")
-            self._fetch_in_step = False
+        self._step_fetch.end()  # back to the step that fetched, if it did
+
+    def _switch(self, old: str, new: str) -> None:
+        self._timer.stop(old)
+        self._timer.start(new)
 
     def _close(self) -> None:
         if self._open is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_efficient.core._internals import class_before_fsdp
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import check_bool, check_int, check_module
 from lightning_efficient.techniques._blocks import check_policy, select_modules
@@ -136,7 +137,7 @@ def apply_activation_checkpointing(
             "the model has no repeated blocks" if policy == "auto" else "no block selected"
         )
     if names:
-        what += f" ({type(chosen[0][1]).__name__}: {span(names)})"
+        what += f" ({class_before_fsdp(chosen[0][1]).__name__}: {span(names)})"
     if offload_activations and others:
         what += f"; saved activations of {len(others)} other blocks offloaded to host"
     if offload_boundaries and names:

@@ -86,6 +86,7 @@ class ActivationCheckpointing(Technique):
         self.offload_activations = check_bool("offload_activations", offload_activations)
         parse_bytes("budget", budget, allow_none=True)
         self.budget = budget
+        self.sharding_conflict = _BUDGET_SHARDED if budget is not None else None  # core.compat
         self.offload_boundaries = check_bool("offload_boundaries", offload_boundaries)
         check_tile(tile_sequence)
         self.tile_sequence = tile_sequence
@@ -229,6 +230,12 @@ class ActivationCheckpointing(Technique):
             )
 
 
+_BUDGET_SHARDED = (
+    "`budget` finds the fewest blocks by estimating the module at the first batch, and FSDP2 "
+    "has sharded it by then (the estimate cannot run a sharded module). Choose the blocks with "
+    "`policy` and `every_n` instead, sized before the fit with estimate_memory(model, batch, "
+    "world_size=<ranks>, sharding='full', callbacks=[ActivationCheckpointing(...)])."
+)
 _OWN = (
     "the model's own gradient checkpointing is on ({span}); with this callback the blocks would "
     "be recomputed twice. Turn one off (e.g. `model.gradient_checkpointing_disable()` for a "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change, ChangeLog
+from lightning_efficient.core.technique import ChangesEstimate
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
 from lightning_efficient.measure.memory.caching_allocator import replay
 from lightning_efficient.measure.memory.optimizer_models import estimate_factory, optimizer_class
@@ -247,6 +248,14 @@ class EstimatePlan:
         """Keep ``change`` (what a technique did to the plan's model or globals); undone, last
         first, after the steps (``undo()``). Returns it."""
         return self.changes.record(change)
+
+    def configure(self, callbacks: Iterable[Any]) -> None:
+        """Let each of ``callbacks`` that takes part in the estimate
+        (:class:`~lightning_efficient.core.technique.ChangesEstimate`) change this plan, in order:
+        the one loop the estimate, ``measure_step`` and the trials share."""
+        for cb in callbacks:
+            if isinstance(cb, ChangesEstimate):
+                cb.configure_estimate(self)
 
     def note(self, message: str) -> None:
         self.notes.append(message)

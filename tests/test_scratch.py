@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.measure.memory.types import EstimateError
 from lightning_efficient.measure.scratch import keep_module_state, scratch
+from lightning_efficient.measure.speed.flops import count_flops
+from lightning_efficient.measure.speed.step_rate import estimated_step_rate
 from lightning_efficient.measure.trials.trial import throughput, trial_step, trial_within
 
 
@@ -166,7 +169,18 @@ def _run(module: Stateful, steps: int = 3) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("trial", ["trial_step", "throughput", "trial_within", "estimate"])
+@pytest.mark.parametrize(
+    "trial",
+    [
+        "trial_step",
+        "throughput",
+        "trial_within",
+        "estimate",
+        "measure_step",
+        "step_rate",
+        "count_flops",
+    ],
+)
 def test_a_trial_changes_nothing_the_run_sees(trial: str) -> None:
     torch.manual_seed(0)
     plain, tried = Stateful(), Stateful()
@@ -184,6 +198,13 @@ def test_a_trial_changes_nothing_the_run_sees(trial: str) -> None:
         throughput(tried, batch, "sgd", samples=16)
     elif trial == "trial_within":
         assert trial_within(tried, batch, steps=2).ok
+    elif trial == "measure_step":  # real steps on the CPU's tracker: the module put back too
+        assert measure_step(tried, batch, "sgd", steps=2).peak_bytes > 0
+    elif trial == "step_rate":  # the step's counters and metric as they were
+        assert estimated_step_rate(tried, batch, repeats=2) > 0
+    elif trial == "count_flops":  # the fake forward reaches torchmetrics' bincount and stops
+        with pytest.raises(Exception, match="bincount"):
+            count_flops(tried, batch)
     else:  # torchmetrics' bincount needs real values: the estimate says so, and changes nothing
         with pytest.raises(EstimateError, match="bincount"):
             estimate_memory(tried, batch)

@@ -43,12 +43,12 @@ from torch import nn
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes
 from lightning_efficient.measure.memory.estimate import MemoryEstimate, estimate_memory
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.settings import strategy_sharding
 from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.measure.trials.trial import trial_within
 from lightning_efficient.planning.decision import GOALS, Decision, divisors
 from lightning_efficient.planning.ladder import Rung, extended_by
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = [
     "GOALS",

@@ -452,6 +452,7 @@ def measure_step(
     callbacks: Iterable[Any] = (),
     cuda_rounding: bool = False,
     accumulate_grad_batches: int = 1,
+    copies: bool = True,
 ) -> MemoryEstimate:
     """Run ``steps`` REAL training steps of ``model`` (on its device, usually the CPU) under the
     storage tracker, and return what it measured, in the same fields as ``estimate_memory``.
@@ -460,11 +461,14 @@ def measure_step(
     back afterwards (its weights, buffers, gradients, dtype and the RNG), as after every
     measurement. ``precision="bf16-true"`` runs it in bfloat16. Techniques with
     ``configure_estimate(plan)`` are applied to the real model as they are to the fake one.
+    ``copies=False``: the tensors' values are not copied to the host (to be put back) here; for a
+    caller that holds its own ``scratch`` around this one (``allocator_step_peak``, whose
+    profiler must see the steps' allocations only).
     """
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     factory = resolve_optimizer(optimizer_factory)
     tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=False)
-    with scratch(model):
+    with scratch(model, values=copies):
         if precision == "bf16-true":
             model.to(torch.bfloat16)
             batch = _floats_to(batch, torch.bfloat16)

@@ -123,11 +123,12 @@ def test_trials_run_the_estimates_loss_fn() -> None:
 
     model, batch = tiny_model(), _batch(8)
     before = params_of(model)
+    settings = {"optimizer": "adamw", "device": "cpu", "steps": 1}
     est = {
-        f: estimate_memory(model, batch, optimizer="adamw", loss_fn=f, device="cpu").peak_bytes
+        f: estimate_memory(model, batch, loss_fn=f, **settings).peak_bytes
         for f in (_cross_entropy, _wide)
     }
-    tried = {f: trial_within(model, batch, loss_fn=f).allocated_bytes for f in est}
+    tried = {f: trial_within(model, batch, loss_fn=f, steps=1).allocated_bytes for f in est}
     stepped = {f: trial_step(model, batch, "adamw", loss_fn=f) for f in est}
     grown = est[_wide] - est[_cross_entropy]
     assert grown > 8 * 32 * 256 * 8 * 4  # at least the wide product (batch x seq x vocab x 8)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.change import Change, ChangeLog
-from lightning_efficient.core.technique import ChangesEstimate
+from lightning_efficient.core.technique import ChangesEstimate, Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
 from lightning_efficient.measure.memory.caching_allocator import replay
 from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
@@ -258,7 +258,7 @@ class EstimatePlan:
         them ``trains_without_cache``, the model's Hugging Face key/value cache is switched off
         for training (recorded once, as the fit does it)."""
         callbacks = list(callbacks)
-        if any(getattr(cb, "trains_without_cache", False) for cb in callbacks):
+        if any(isinstance(cb, Technique) and cb.trains_without_cache for cb in callbacks):
             self.record(apply_training_without_cache(self.model))
         for cb in callbacks:
             if isinstance(cb, ChangesEstimate):

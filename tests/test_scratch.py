@@ -49,14 +49,18 @@ class CachedAttribute(nn.Module):
         return self.lin(x) * self.scale
 
 
+@pytest.mark.parametrize("fake_run", ["estimate", "count_flops"])
 @pytest.mark.parametrize("cls", [CachedBuffer, CachedAttribute])
-def test_estimate_leaves_no_fake_tensor_on_the_module(cls: type[nn.Module]) -> None:
+def test_estimate_leaves_no_fake_tensor_on_the_module(cls: type[nn.Module], fake_run: str) -> None:
     torch.manual_seed(0)
     model, x = cls(), torch.randn(4, 8)
     reference = cls()
     reference.load_state_dict(model.state_dict())
     hooks = len(model._forward_hooks)
-    estimate_memory(model, (x,), loss_fn=_square_loss)
+    if fake_run == "estimate":
+        estimate_memory(model, (x,), loss_fn=_square_loss)
+    else:  # the FLOP count runs the same fake forward
+        assert count_flops(model, (x,), loss_fn=_square_loss).forward > 0
     # what the forward cached under the fake mode is gone: the real run caches real tensors
     assert getattr(model, "_idx", None) is None and getattr(model, "scale", None) is None
     assert len(model._forward_hooks) == hooks

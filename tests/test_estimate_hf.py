@@ -98,3 +98,34 @@ def test_the_mask_matters_and_unknown_values_are_noted(family: str) -> None:
     by_shape = estimate_memory(model, meta, loss_fn=_loss, steps=1)
     assert by_shape.peak_bytes == plain.peak_bytes
     assert NO_PADDING_NOTE in by_shape.notes
+
+
+def test_the_estimate_reads_trains_without_cache_once() -> None:
+    """A technique declares once that it trains without the key/value cache
+    (``Technique.trains_without_cache``); the estimate's plan reads the flag: a technique that
+    declares it and changes nothing else estimates GPT-2 (``use_cache=True``) as without the
+    cache, once for two of them, the config and the module untouched."""
+    from helpers import HFGPT2
+
+    from lightning_efficient.core.technique import Technique
+    from lightning_efficient.techniques import (
+        ActivationCheckpointing,
+        ChunkedCrossEntropy,
+        FrozenWeights4bit,
+    )
+
+    class NoCache(Technique):
+        trains_without_cache = True
+
+    def estimate(use_cache: bool, *callbacks: Technique) -> object:
+        return estimate_memory(
+            HFGPT2(use_cache), (torch.zeros(4, 32, dtype=torch.long),), callbacks=callbacks
+        )
+
+    cached, plain = estimate(True), estimate(False)
+    off, twice = estimate(True, NoCache()), estimate(True, NoCache(), NoCache())
+    assert off.peak_bytes == twice.peak_bytes == plain.peak_bytes < cached.peak_bytes
+    assert any("key/value cache built while training" in n for n in cached.notes)
+    assert not any("key/value cache" in n for n in off.notes + twice.notes)
+    assert all(t.trains_without_cache for t in (ActivationCheckpointing, ChunkedCrossEntropy))
+    assert FrozenWeights4bit.trains_without_cache and not Technique.trains_without_cache

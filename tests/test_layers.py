@@ -400,3 +400,99 @@ def test_every_fetch_watch_sees_the_fetch_return() -> None:
     timing = [m for m in MODULES if "StepFetch(" in MODULES[m].read_text()]
     assert set(timing) <= {f"{MEASURE}.speed.input_stall", f"{MEASURE}.profiling.step_phases"}
     assert len(timing) == 2, timing
+
+
+# -- issue 50: the user's step runs through one function, the module is put back by one ----------
+#: The one call of the user's step (``loss_fn`` or ``training_step``) and the one put-back.
+STEP_RUNNER = (f"{PACKAGE}.measure.step", "run_step")
+PUT_BACK = f"{PACKAGE}.measure.scratch"
+#: The pieces of the put-back: only ``scratch`` (its module) calls them.
+PUT_BACK_PIECES = {"keep_module_state", "keep_rng", "silenced_logging"}
+#: Code that touches the user's step outside the runner, and why: the fit's own step, not a
+#: measurement of it.
+FIT_STEP = {
+    f"{PACKAGE}.techniques.batch_size.guard": "wraps the fit's step on the instance; runs it in "
+    "parts after an out-of-memory error, logging muted for the re-run",
+    f"{PACKAGE}.techniques.accumulation.window": "binds the class's step past the guard's wrapper "
+    "for the weighting probe, which runs it inside scratch (accumulation.probe.quiet_forward)",
+}
+#: The modules that call the runner, and where their ``scratch`` is (a module named here runs
+#: it inside its own ``scratch``/``faked``, or says which callers hold it).
+STEP_CALLERS = {
+    f"{PACKAGE}.measure.step": "forward_backward: inside the trials' scratch",
+    f"{PACKAGE}.measure.memory.track": "run_steps: inside the scratch of estimate_memory "
+    "(swap_to_fake), measure_step and trial_within",
+    f"{PACKAGE}.measure.speed.flops": "faked",
+    f"{PACKAGE}.measure.speed.step_rate": "scratch",
+    f"{PACKAGE}.techniques.packing.callback": "scratch",
+}
+
+
+def _step_uses(source: str) -> list[tuple[str, str, int]]:
+    """``(what, enclosing function, line)`` for each use of the user's step (an attribute
+    ``training_step`` read, ``getattr(x, "training_step")``, a call of ``loss_fn``), each call of
+    a put-back piece, of ``run_step`` and of ``scratch``/``faked``."""
+    found: list[tuple[str, str, int]] = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            func = node.name if func == "<module>" else func
+        if isinstance(node, ast.Attribute) and node.attr == "training_step":
+            found.append(("training_step", func, node.lineno))
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = (
+                f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            )
+            args = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            if name == "getattr" and "training_step" in args:
+                found.append(("training_step", func, node.lineno))
+            elif name in ("loss_fn", "run_step", "scratch", "faked", *PUT_BACK_PIECES):
+                found.append((name, func, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_users_step_runs_through_one_function_inside_scratch() -> None:
+    sample = (
+        "def trial(m, b, loss_fn):\n    m.training_step(b, 0)\n    loss_fn(m, b)\n"
+        "    keep_module_state(m)\n    getattr(m, 'training_step')(b)\n"
+    )
+    assert [w for w, _, _ in _step_uses(sample)] == [
+        "training_step",
+        "loss_fn",
+        "keep_module_state",
+        "training_step",
+    ]  # what the rule looks for
+    uses = {m: _step_uses(MODULES[m].read_text()) for m in MODULES}
+    runner, function = STEP_RUNNER
+    assert {w for w, f, _ in uses[runner] if f == function} == {"loss_fn", "training_step"}
+    outside = [
+        f"{m}:{line} {what} (in {func})"
+        for m, found in uses.items()
+        for what, func, line in found
+        if what in ("training_step", "loss_fn") and (m, func) != STEP_RUNNER and m not in FIT_STEP
+    ]
+    outside += [
+        f"{m}:{line} {what} (in {func})"
+        for m, found in uses.items()
+        for what, func, line in found
+        if what in PUT_BACK_PIECES and m != PUT_BACK and m not in FIT_STEP
+    ]
+    assert not outside, (
+        "run the user's step with measure.step.run_step, inside measure.scratch.scratch (which "
+        "puts the module back), not on its own:\n" + "\n".join(outside)
+    )
+    callers = {m for m, found in uses.items() for what, _, _ in found if what == "run_step"}
+    assert callers - {runner} == set(STEP_CALLERS) - {runner}, (
+        "a new caller of run_step: run it inside scratch and name it in STEP_CALLERS"
+    )
+    unscratched = [
+        m
+        for m, where in STEP_CALLERS.items()
+        if where in ("scratch", "faked") and not any(w == where for w, _, _ in uses[m])
+    ]
+    assert not unscratched, f"these run the step outside their scratch: {unscratched}"

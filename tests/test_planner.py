@@ -391,3 +391,21 @@ def test_bf16_weights_rung_on_full_weight_training_only() -> None:
     peak = plan_stack(full, (ids,), "1TiB", ladder=[eight], **kw).tried[0][1].peak_bytes
     plan = plan_stack(full, (ids,), peak - 1, ladder=[eight, *ladder[sr : sr + 2]], **kw)
     assert plan.chosen is not None and plan.chosen.name.startswith("bf16-true + adamw")
+
+
+def test_confirmed_with_the_estimates_loss_fn() -> None:
+    """``confirm=True`` tries the chosen rung with the ``loss_fn`` it was estimated with: a plain
+    module (no ``training_step``) is confirmed, its trial's peak the estimate's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    batch = (torch.randn(32, 64),)
+
+    def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor]) -> torch.Tensor:
+        return m(b[0]).square().mean()
+
+    result = plan_stack(
+        model, batch, "1TiB", device="cpu", confirm=True, loss_fn=loss_fn, optimizer="adamw"
+    )
+    ((rung, trial),) = result.trials
+    assert rung is result.chosen and trial.ok
+    assert trial.reserved_bytes == pytest.approx(result.tried[0][1].peak_bytes, rel=0.02)

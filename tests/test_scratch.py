@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.measure.memory.types import EstimateError
 from lightning_efficient.measure.scratch import keep_module_state, scratch
+from lightning_efficient.measure.speed.flops import count_flops
+from lightning_efficient.measure.speed.step_rate import estimated_step_rate
 from lightning_efficient.measure.trials.trial import throughput, trial_step, trial_within
 
 
@@ -46,14 +49,18 @@ class CachedAttribute(nn.Module):
         return self.lin(x) * self.scale
 
 
+@pytest.mark.parametrize("fake_run", ["estimate", "count_flops"])
 @pytest.mark.parametrize("cls", [CachedBuffer, CachedAttribute])
-def test_estimate_leaves_no_fake_tensor_on_the_module(cls: type[nn.Module]) -> None:
+def test_estimate_leaves_no_fake_tensor_on_the_module(cls: type[nn.Module], fake_run: str) -> None:
     torch.manual_seed(0)
     model, x = cls(), torch.randn(4, 8)
     reference = cls()
     reference.load_state_dict(model.state_dict())
     hooks = len(model._forward_hooks)
-    estimate_memory(model, (x,), loss_fn=_square_loss)
+    if fake_run == "estimate":
+        estimate_memory(model, (x,), loss_fn=_square_loss)
+    else:  # the FLOP count runs the same fake forward
+        assert count_flops(model, (x,), loss_fn=_square_loss).forward > 0
     # what the forward cached under the fake mode is gone: the real run caches real tensors
     assert getattr(model, "_idx", None) is None and getattr(model, "scale", None) is None
     assert len(model._forward_hooks) == hooks
@@ -166,7 +173,18 @@ def _run(module: Stateful, steps: int = 3) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("trial", ["trial_step", "throughput", "trial_within", "estimate"])
+@pytest.mark.parametrize(
+    "trial",
+    [
+        "trial_step",
+        "throughput",
+        "trial_within",
+        "estimate",
+        "measure_step",
+        "step_rate",
+        "count_flops",
+    ],
+)
 def test_a_trial_changes_nothing_the_run_sees(trial: str) -> None:
     torch.manual_seed(0)
     plain, tried = Stateful(), Stateful()
@@ -184,6 +202,13 @@ def test_a_trial_changes_nothing_the_run_sees(trial: str) -> None:
         throughput(tried, batch, "sgd", samples=16)
     elif trial == "trial_within":
         assert trial_within(tried, batch, steps=2).ok
+    elif trial == "measure_step":  # real steps on the CPU's tracker: the module put back too
+        assert measure_step(tried, batch, "sgd", steps=2).peak_bytes > 0
+    elif trial == "step_rate":  # the step's counters and metric as they were
+        assert estimated_step_rate(tried, batch, repeats=2) > 0
+    elif trial == "count_flops":  # the fake forward reaches torchmetrics' bincount and stops
+        with pytest.raises(Exception, match="bincount"):
+            count_flops(tried, batch)
     else:  # torchmetrics' bincount needs real values: the estimate says so, and changes nothing
         with pytest.raises(EstimateError, match="bincount"):
             estimate_memory(tried, batch)

@@ -102,3 +102,41 @@ def test_trial_within_on_cuda_reads_the_peak_meter() -> None:
     assert plain.ok and plain.reserved_bytes >= plain.allocated_bytes > params
     assert not trial_within(model, _batch(8), plain.allocated_bytes // 2, device="cuda").ok
     assert next(model.parameters()).device.type == "cpu"  # put back where it was
+
+
+def _cross_entropy(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _wide(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The same loss plus a product 8x the logits wide that backward keeps (``sin`` saves it)."""
+    return _cross_entropy(model, batch) + model(batch[0]).repeat(1, 1, 8).sin().mean()
+
+
+def test_trials_run_the_estimates_loss_fn() -> None:
+    """A ``loss_fn`` that keeps more for backward raises the estimate's peak, and the trials'
+    by as much: they run the estimate's ``loss_fn``, not the module's ``training_step``."""
+    from lightning_efficient.measure.trials.trial import trial_within
+
+    model, batch = tiny_model(), _batch(8)
+    before = params_of(model)
+    settings = {"optimizer": "adamw", "device": "cpu", "steps": 1}
+    est = {
+        f: estimate_memory(model, batch, loss_fn=f, **settings).peak_bytes
+        for f in (_cross_entropy, _wide)
+    }
+    tried = {f: trial_within(model, batch, loss_fn=f, steps=1).allocated_bytes for f in est}
+    stepped = {f: trial_step(model, batch, "adamw", loss_fn=f) for f in est}
+    grown = est[_wide] - est[_cross_entropy]
+    assert grown > 8 * 32 * 256 * 8 * 4  # at least the wide product (batch x seq x vocab x 8)
+    assert tried[_wide] - tried[_cross_entropy] == pytest.approx(grown, rel=0.05)
+    assert stepped[_wide] - stepped[_cross_entropy] > 0.9 * grown  # one step, the same loss
+    assert all(torch.equal(before[k], v) for k, v in params_of(model).items())
+    # a plain module (no training_step) is tried with its loss_fn, as it is estimated
+    plain = torch.nn.Linear(4, 2)
+    square = lambda m, b: m(b[0]).square().mean()  # noqa: E731
+    assert trial_step(plain, (torch.randn(3, 4),), "sgd", loss_fn=square) > 0
+    assert throughput(plain, (torch.randn(3, 4),), "sgd", samples=3, loss_fn=square) > 0

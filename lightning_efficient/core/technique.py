@@ -112,6 +112,11 @@ class Technique(Callback):
     #: weight in a loss computed later, from lazy logits): a strategy that holds a module's
     #: parameters only during its call (ZeRO-3, ``gathers_parameters_per_call``) cannot serve it.
     uses_parameters_after_call: bool = False
+    #: Trains without a Hugging Face model's key/value cache (a training forward never reads it):
+    #: the estimate's plan switches it off once for all such techniques
+    #: (``measure.memory.types.EstimatePlan.configure``), the fit in the technique's
+    #: ``on_fit_start`` (``measure.memory.kv_cache.apply_training_without_cache``).
+    trains_without_cache: bool = False
     #: Report figures that are decisions every rank must take alike (e.g. ``stopped_step``):
     #: under several ranks the report says "same on N ranks", or warns that the ranks differ.
     decision_figures: tuple[str, ...] = ()

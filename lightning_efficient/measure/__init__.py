@@ -6,9 +6,9 @@
 The floor, by subject (each room imports the root and the rooms listed before it, never one
 after; ``tests/test_layers.py`` reads it):
 
-- the root: what every room runs on: ``step`` (the pieces of a training step, the one
-  ``forward_backward``), ``scratch`` (run steps and put the module back: one ``Change``) and
-  ``plots`` (the measuring callbacks' pictures);
+- the root: what every room runs on: ``step`` (the pieces of a training step; ``run_step``, the
+  one call of the user's step), ``scratch`` (the one put-back: every run of the user's step is
+  inside it) and ``plots`` (the measuring callbacks' pictures);
 - ``memory/``: the estimate on fake tensors and what it models, the storage tracker, the peak
   meter, ``MemoryBreakdown``;
 - ``speed/``: the timer, FLOPs and MFU, tokens, the step rate, the host, ``InputStallMonitor``;

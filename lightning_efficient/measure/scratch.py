@@ -14,7 +14,8 @@ buffer), a counter counts samples, a torchmetrics metric accumulates, dropout dr
   the RNG (torch's CPU and CUDA generators, Python's ``random``). ``values=False`` keeps
   references only (the fake-tensor estimate, which changes no real tensor's data).
 - :func:`scratch`: ``with scratch(module, device) as change:`` the module on ``device`` in train
-  mode with ``self.log`` muted; put back on leaving, whatever happened inside.
+  (or eval) mode with ``self.log`` muted; put back on leaving, whatever happened inside. Every
+  run of the user's step (:func:`~lightning_efficient.measure.step.run_step`) is inside one.
 """
 
 from __future__ import annotations
@@ -162,15 +163,27 @@ _ABSENT = object()
 
 
 @contextlib.contextmanager
-def scratch(module: nn.Module, device: torch.device | str | None = None) -> Iterator[Change]:
-    """Real steps on ``module`` (moved to ``device``, in train mode, ``self.log`` muted) that
-    leave no trace: on leaving, :func:`keep_module_state`'s change puts the module back (its
-    device, mode, weights, buffers, attributes, metric states, gradients and the RNG)."""
-    change = keep_module_state(module)
+def scratch(
+    module: nn.Module,
+    device: torch.device | str | None = None,
+    *,
+    train: bool = True,
+    values: bool = True,
+) -> Iterator[Change]:
+    """Steps on ``module`` (moved to ``device``, in train mode, or eval mode with
+    ``train=False``; ``self.log`` muted) that leave no trace: on leaving, whatever happened
+    inside, :func:`keep_module_state`'s change puts the module back (its device, modes, weights,
+    buffers, attributes, metric states, gradients and the RNG). ``values=False``: for steps that
+    change no real tensor's data (fake tensors), references are kept, not copies.
+
+    The one put-back of the instrument: every run of the user's step
+    (:func:`~lightning_efficient.measure.step.run_step`: the estimate, the trials, the FLOP
+    count, the step rate, packing's check) happens inside it."""
+    change = keep_module_state(module, values=values)
     try:
         if device is not None:
             module.to(torch.device(device))
-        module.train()
+        module.train(train)
         with silenced_logging(module):
             yield change
     finally:

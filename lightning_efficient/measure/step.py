@@ -1,11 +1,14 @@
 """The pieces of a training step that the estimate, the real measurements and the techniques
-share: the loss out of a step's output, autocast for a Lightning precision string, a
+share: ``run_step``, the one call of the user's step (real or fake tensors; every measurement
+runs it inside :func:`~lightning_efficient.measure.scratch.scratch`, which puts the module
+back), the loss out of a step's output, autocast for a Lightning precision string, a
 LightningModule whose ``self.log`` is muted while the instrument runs its step, and
-``forward_backward``: the one real training step (forward + backward) the trials run."""
+``forward_backward``: the real training step (forward + backward) the trials time."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,6 +20,7 @@ __all__ = [
     "forward_backward",
     "is_lightning_module",
     "loss_of",
+    "run_step",
     "silenced_logging",
 ]
 
@@ -83,6 +87,34 @@ def silenced_logging(model: nn.Module) -> Iterator[None]:
                 vars(model).pop(name, None)
 
 
+def run_step(
+    module: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+) -> Any:
+    """The user's step on ``batch``, the one place the package calls it: ``loss_fn(module,
+    batch)`` when given; else a LightningModule's ``training_step(batch, 0)`` (``(batch)`` when
+    it takes no batch index); else the module's forward, ``module(batch)``. Returns what it
+    returned (:func:`loss_of` reads the loss). Measurements call it inside
+    :func:`~lightning_efficient.measure.scratch.scratch` (the module put back after)."""
+    if loss_fn is not None:
+        return loss_fn(module, batch)
+    step = getattr(module, "training_step", None)
+    if step is None:
+        return module(batch)
+    return step(batch, 0) if _takes_batch_idx(step) else step(batch)
+
+
+def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+
+
 def forward_backward(
     module: nn.Module,
     batch: Any,
@@ -91,16 +123,17 @@ def forward_backward(
     device_type: str = "cpu",
     context: Callable[[], Any] | None = None,
     keep_grads: bool = True,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """The real training step the instrument runs: ``step()`` runs ``module.training_step(batch,
-    0)`` under ``context()`` (a strategy's ``precision_plugin.forward_context``) or else the
-    autocast of ``precision`` on ``device_type``, backward of its loss, and returns the loss
-    (detached). ``keep_grads=False`` drops the gradients after backward (steps timed without an
-    optimizer)."""
+    """The real training step the instrument times: ``step()`` runs :func:`run_step` (``loss_fn``
+    or the module's ``training_step``) under ``context()`` (a strategy's
+    ``precision_plugin.forward_context``) or else the autocast of ``precision`` on
+    ``device_type``, backward of its loss, and returns the loss (detached). ``keep_grads=False``
+    drops the gradients after backward (steps timed without an optimizer)."""
 
     def step() -> torch.Tensor:
         with context() if context is not None else autocast_for(precision, device_type):
-            loss = loss_of(module.training_step(batch, 0))
+            loss = loss_of(run_step(module, batch, loss_fn))
         loss.backward()
         if not keep_grads:
             for p in module.parameters():

@@ -16,11 +16,11 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.planning import fit as on_fit
 from lightning_efficient.planning.decision import GOALS, Decision
 from lightning_efficient.planning.ladder import trains_full_weights, trains_without_cache
 from lightning_efficient.planning.search import resolve_host_budget
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.accumulation.callback import add_exact_accumulation
 from lightning_efficient.techniques.batch_size.sizing import MAX_TARGET_BATCH
 

@@ -503,7 +503,7 @@ def extended_by(rung: Rung, earlier: Sequence[Rung]) -> list[Rung]:
 
 def trains_without_cache(rung: Rung) -> bool:
     """Whether AutoEfficient trains ``rung`` without a Hugging Face model's key/value cache
-    (``techniques._kv_cache.apply_training_without_cache``): a rung that adds techniques does
+    (``measure.memory.kv_cache.apply_training_without_cache``): a rung that adds techniques does
     (a training forward never reads the cache); "as configured" and a precision alone keep the
     model as configured. The search estimates and tries each rung the same way."""
     return bool(rung.callbacks)

@@ -248,7 +248,9 @@ def plan_stack(
         own = optimizer if optimizer is not None else configured_optimizer(model)[0] or "adamw"
 
         def trial(rung: Rung) -> Any:
-            return try_rung(model, batch, rung, budget_bytes, device=target, optimizer=own)
+            return try_rung(
+                model, batch, rung, budget_bytes, device=target, optimizer=own, loss_fn=loss_fn
+            )
 
     #: each rung's estimate, what stops it ("" when it fits) and the estimate's own error
     outcomes: dict[int, tuple[MemoryEstimate | None, str, EstimateError | None]] = {}

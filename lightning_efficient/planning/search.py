@@ -43,12 +43,12 @@ from torch import nn
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes
 from lightning_efficient.measure.memory.estimate import MemoryEstimate, estimate_memory
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.settings import strategy_sharding
 from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.measure.trials.trial import trial_within
 from lightning_efficient.planning.decision import GOALS, Decision, divisors
 from lightning_efficient.planning.ladder import Rung, extended_by
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 
 __all__ = [
     "GOALS",
@@ -130,11 +130,13 @@ def try_rung(
     existing: Sequence[Any] = (),
     accumulate_grad_batches: int = 1,
     without_cache: bool = False,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
 ) -> Any:
     """Try a rung: real training steps of ``module`` on ``device`` (a name, ``torch.device`` or
     ``DeviceTarget``) with the rung's techniques on top of ``existing``, within the budget
     (``measure.trials.trial.trial_within``: on CUDA under the allocator's cap). ``None`` for a rung
-    with a strategy (it runs only inside a fit). ``without_cache``: as :func:`estimate_rung`."""
+    with a strategy (it runs only inside a fit). ``without_cache``: as :func:`estimate_rung`;
+    ``loss_fn``: the estimate's (``None``: the module's ``training_step``)."""
     callbacks, strategy = rung.build()
     if strategy is not None:
         return None
@@ -151,6 +153,7 @@ def try_rung(
             precision=rung.precision,
             device=device,
             accumulate_grad_batches=accumulate_grad_batches,
+            loss_fn=loss_fn,
         )
 
 

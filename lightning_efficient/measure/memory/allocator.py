@@ -21,6 +21,7 @@ import torch
 
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.measure.memory.types import MemoryEstimate
+from lightning_efficient.measure.scratch import scratch
 
 __all__ = ["running_peak", "memory_events", "profiled_peak", "live_bytes", "allocator_step_peak"]
 
@@ -86,13 +87,15 @@ def live_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def allocator_step_peak(
     model: torch.nn.Module, batch: Any, **kwargs: Any
 ) -> tuple[MemoryEstimate, int]:
-    """``measure_step(model, batch, **kwargs)`` (real steps on the CPU) under the profiler:
-    the storage tracker's result, and the allocator's peak in bytes (the parameters, buffers and
-    batch live before the steps, plus the profiled peak above them). Start from a model without
-    gradients or optimizer state, so that nothing allocated before is freed inside."""
+    """``measure_step(model, batch, **kwargs)`` (real steps on the CPU) under the profiler: the
+    storage tracker's result, and the allocator's peak in bytes (the parameters, buffers and
+    batch live before the steps, plus the profiled peak above them). The model is put back
+    after, its copies taken before the profiler starts. Start from a model without gradients or
+    optimizer state, so that nothing allocated before is freed inside."""
     from lightning_efficient.core._internals import tree_flatten
 
     before = [*model.parameters(), *model.buffers(), *tree_flatten(batch)[0]]
     base = live_bytes(t for t in before if isinstance(t, torch.Tensor))
-    tracked, peak = profiled_peak(lambda: measure_step(model, batch, **kwargs))
+    with scratch(model):  # its copies made before the profiler starts
+        tracked, peak = profiled_peak(lambda: measure_step(model, batch, copies=False, **kwargs))
     return tracked, base + peak

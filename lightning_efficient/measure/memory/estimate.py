@@ -27,7 +27,6 @@ from lightning_efficient.core._internals import (
     fake_tensor_errors,
     module_tensor_slots,
 )
-from lightning_efficient.core.technique import ChangesEstimate
 from lightning_efficient.measure.memory.caching_allocator import replay
 from lightning_efficient.measure.memory.cuda_kernels import cuda_kernels, workspace_hook
 from lightning_efficient.measure.memory.hf_masks import hf_mask_checks_on_values
@@ -49,7 +48,7 @@ from lightning_efficient.measure.memory.types import (
     cuda_round,
     resolve_optimizer,
 )
-from lightning_efficient.measure.scratch import keep_module_state
+from lightning_efficient.measure.scratch import scratch
 
 __all__ = [
     "CATEGORIES",
@@ -87,15 +86,14 @@ def swap_to_fake(
     """Replace ``model``'s parameters and buffers in place by fake tensors; restore them on exit.
 
     A memo keeps shared (tied) parameters shared. Nothing real is allocated, so this works for
-    models on the ``meta`` device. On exit the model is also put back as it was on entry
-    (:func:`~lightning_efficient.measure.scratch.keep_module_state`): what a forward run inside
-    registered or cached (a buffer, a tensor attribute, a hook, a submodule: fake tensors all)
-    is removed, what it rebound is restored, and the RNG is set back.
+    models on the ``meta`` device. Inside, the model is in train mode with ``self.log`` muted;
+    on exit it is put back as it was on entry (:func:`~lightning_efficient.measure.scratch.
+    scratch`, references kept: nothing real changes): what a forward run inside registered or
+    cached (a buffer, a tensor attribute, a hook, a submodule: fake tensors all) is removed,
+    what it rebound is restored, its modes and the RNG are set back.
     """
     memo: dict[int, torch.Tensor] = {}
-    undo: list[tuple[dict, str, Any]] = []
-    kept = keep_module_state(model, values=False)
-    try:
+    with scratch(model, values=False):
         for mod in model.modules():
             for store, is_param in module_tensor_slots(mod):
                 for name, t in list(store.items()):
@@ -107,13 +105,8 @@ def swap_to_fake(
                         if is_param:
                             fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                         memo[id(t)] = fake
-                    undo.append((store, name, t))
-                    store[name] = fake
+                    store[name] = fake  # (the real one put back by scratch's undo)
         yield model
-    finally:
-        for store, name, t in reversed(undo):
-            store[name] = t
-        kept.undo()
 
 
 @contextlib.contextmanager
@@ -292,7 +285,6 @@ def estimate_memory(
     factory = resolve_optimizer("adamw" if optimizer is None else optimizer)
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    was_training = model.training
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     with swap_to_fake(model, fake_mode, precision):
         plan = EstimatePlan(
@@ -309,9 +301,7 @@ def estimate_memory(
             device=target,
         )
         try:
-            for cb in callbacks:
-                if isinstance(cb, ChangesEstimate):
-                    cb.configure_estimate(plan)
+            plan.configure(callbacks)
             if cache := cache_note(model):  # a cache no technique switched off (issue 39)
                 plan.note(cache)
             tracker = StorageTracker(
@@ -330,10 +320,7 @@ def estimate_memory(
             except fake_tensor_errors() as err:
                 raise explain_fake_failure(err) from err
         finally:
-            try:
-                plan.undo()
-            finally:
-                model.train(was_training)
+            plan.undo()
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
     result.figures = dict(plan.figures)

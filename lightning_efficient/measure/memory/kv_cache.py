@@ -1,11 +1,15 @@
-"""Which Hugging Face models build a key/value cache while they train.
+"""Which Hugging Face models build a key/value cache while they train, and training without it.
 
 A model built from its default config keeps ``config.use_cache=True``: every training forward
 then builds a cache of all layers' keys and values, which holds them alive (through gradient
-checkpointing too) and is never read. :func:`training_caches` names those models;
-:func:`mark_cache_off` / :func:`unmark_cache_off` are what the techniques' change
-(``techniques._kv_cache.apply_training_without_cache``) records, so that the estimate names only
-the caches still built.
+checkpointing too) and is never read. :func:`training_caches` names those models.
+
+:func:`apply_training_without_cache` makes every training forward of those models run with
+``use_cache=False`` (unless the call passes ``use_cache`` itself): a forward pre-hook fills the
+argument while the model is in training mode with gradients on. The config is not touched, so
+validation and generation (eval mode or no grad) keep the cache as configured. A technique says
+that it trains without the cache once, with its ``trains_without_cache`` flag
+(``core.technique.Technique``); the estimate's plan (``EstimatePlan.configure``) reads it.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ import inspect
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
+from lightning_efficient.core.change import Change
+from lightning_efficient.core.validate import check_module
+
 __all__ = [
+    "apply_training_without_cache",
     "cache_bytes",
     "cache_models",
     "cache_note",
@@ -56,6 +65,44 @@ def unmark_cache_off(module: nn.Module) -> None:
         _OFF[module] = left
     else:
         _OFF.pop(module, None)
+
+
+def _no_cache_in_training(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]] | None:
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+def apply_training_without_cache(model: nn.Module) -> Change:
+    """Switch the key/value cache off for the training forwards of the Hugging Face models in
+    ``model`` (those whose config has ``use_cache=True``); validation and generation keep it.
+
+    Returns a ``Change`` (``value``: the names of the models) whose ``undo()`` removes the hooks;
+    a module with no such model gets a change with nothing to undo.
+    """
+    check_module("model", model)
+    found = cache_models(model)
+    if not found:
+        return Change("no key/value cache built while training", value=[])
+    handles = []
+    for _, mod in found:
+        handles.append(mod.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True))
+        mark_cache_off(mod)
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+        for _, mod in found:
+            unmark_cache_off(mod)
+
+    names = [name or type(mod).__name__ for name, mod in found]
+    return Change(
+        f"key/value cache off while training ({found[0][0] or type(found[0][1]).__name__})",
+        undo,
+        value=names,
+    )
 
 
 def training_caches(model: nn.Module) -> list[str]:

@@ -49,12 +49,8 @@ from lightning_efficient.measure.memory.types import (
     cuda_round,
     resolve_optimizer,
 )
-from lightning_efficient.measure.step import (
-    autocast_for,
-    is_lightning_module,
-    loss_of,
-    silenced_logging,
-)
+from lightning_efficient.measure.scratch import scratch
+from lightning_efficient.measure.step import autocast_for, is_lightning_module, loss_of, run_step
 
 __all__ = ["StorageTracker", "run_steps", "measure_step", "keep_on_host"]
 
@@ -370,14 +366,15 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
     or ``loss_fn``) for each micro-batch, then ``zero_grad(set_to_none=True)`` before the first
     backward, backward, optimizer step. For a plain module the gradients are dropped after the
     step instead (the usual loop). With ``plan.optimizer_in_backward`` every parameter is stepped
-    and its gradient freed as soon as it is accumulated.
+    and its gradient freed as soon as it is accumulated. Run inside
+    :func:`~lightning_efficient.measure.scratch.scratch` (train mode, logging muted, the module
+    put back after).
     """
     model, batch = plan.model, plan.batch
     lightning = is_lightning_module(model) and plan.loss_fn is None
     params = _unique_params(model)
     trainable = [p for p in params if p.requires_grad]
     device_type = params[0].device.type if params else "cpu"  # autocast where the model is
-    model.train()
     handles = []
     grad_scale = 65536.0 if plan.precision == "16-mixed" else None
     try:
@@ -415,13 +412,8 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
             for _ in range(steps):
                 for i in range(micro):
                     tracker.phase = "forward"
-                    with silenced_logging(model), autocast_for(plan.precision, device_type):
-                        if plan.loss_fn is not None:
-                            out = plan.loss_fn(model, batch)
-                        elif _takes_batch_idx(model.training_step):
-                            out = model.training_step(batch, 0)
-                        else:
-                            out = model.training_step(batch)
+                    with autocast_for(plan.precision, device_type):
+                        out = run_step(model, batch, plan.loss_fn)
                     loss = loss_of(out)
                     del out
                     tracker.end_forward()
@@ -449,18 +441,6 @@ def run_steps(plan: EstimatePlan, tracker: StorageTracker, *, steps: int = 2) ->
             h.remove()
 
 
-def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
-    import inspect
-
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # pragma: no cover - builtins
-        return True
-    if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
-        return True
-    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
-
-
 def measure_step(
     model: nn.Module,
     batch: Any,
@@ -472,36 +452,39 @@ def measure_step(
     callbacks: Iterable[Any] = (),
     cuda_rounding: bool = False,
     accumulate_grad_batches: int = 1,
+    copies: bool = True,
 ) -> MemoryEstimate:
     """Run ``steps`` REAL training steps of ``model`` (on its device, usually the CPU) under the
     storage tracker, and return what it measured, in the same fields as ``estimate_memory``.
 
-    The model is trained by these steps (its parameters change). ``precision="bf16-true"``
-    converts the model to bfloat16 in place. Techniques with ``configure_estimate(plan)`` are
-    applied to the real model as they are to the fake one.
+    The steps run inside :func:`~lightning_efficient.measure.scratch.scratch`: the model is put
+    back afterwards (its weights, buffers, gradients, dtype and the RNG), as after every
+    measurement. ``precision="bf16-true"`` runs it in bfloat16. Techniques with
+    ``configure_estimate(plan)`` are applied to the real model as they are to the fake one.
+    ``copies=False``: the tensors' values are not copied to the host (to be put back) here; for a
+    caller that holds its own ``scratch`` around this one (``allocator_step_peak``, whose
+    profiler must see the steps' allocations only).
     """
     check_common(model, precision, steps, loss_fn, cuda_rounding, accumulate_grad_batches)
     factory = resolve_optimizer(optimizer_factory)
-    if precision == "bf16-true":
-        model.to(torch.bfloat16)
-        batch = _floats_to(batch, torch.bfloat16)
-    plan = EstimatePlan(
-        model=model,
-        batch=batch,
-        optimizer=factory,
-        precision=precision,
-        accumulate_grad_batches=accumulate_grad_batches,
-        loss_fn=loss_fn,
-    )
     tracker = StorageTracker(rounding=cuda_round if cuda_rounding else None, fake=False)
-    try:
-        for cb in callbacks:
-            hook = getattr(cb, "configure_estimate", None)
-            if hook is not None:
-                hook(plan)
-        run_steps(plan, tracker, steps=steps)
-    finally:
-        plan.undo()
+    with scratch(model, values=copies):
+        if precision == "bf16-true":
+            model.to(torch.bfloat16)
+            batch = _floats_to(batch, torch.bfloat16)
+        plan = EstimatePlan(
+            model=model,
+            batch=batch,
+            optimizer=factory,
+            precision=precision,
+            accumulate_grad_batches=accumulate_grad_batches,
+            loss_fn=loss_fn,
+        )
+        try:
+            plan.configure(callbacks)
+            run_steps(plan, tracker, steps=steps)
+        finally:
+            plan.undo()
     result = tracker.summary(offload=plan.offload)
     result.notes = list(plan.notes)
     return result

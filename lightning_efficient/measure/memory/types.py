@@ -3,7 +3,8 @@
 ``MemoryEstimate`` (peak, bytes by category, phase of the peak), ``EstimatePlan`` (what the
 techniques change before the steps run), the categories, precisions and phases, and the few
 helpers that the estimate and the tracker share. It imports nothing of the package above ``core``
-but the optimizer names and models of :mod:`lightning_efficient.measure.memory.optimizer_models`.
+but the optimizer names and models of :mod:`lightning_efficient.measure.memory.optimizer_models`
+and the key/value cache switch of :mod:`lightning_efficient.measure.memory.kv_cache`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from torch import nn
 
 from lightning_efficient.core._internals import fsdp_sharded
 from lightning_efficient.core.change import Change, ChangeLog
+from lightning_efficient.core.technique import ChangesEstimate, Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
 from lightning_efficient.measure.memory.caching_allocator import replay
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.optimizer_models import estimate_factory, optimizer_class
 
 __all__ = [
@@ -249,6 +252,19 @@ class EstimatePlan:
         """Keep ``change`` (what a technique did to the plan's model or globals); undone, last
         first, after the steps (``undo()``). Returns it."""
         return self.changes.record(change)
+
+    def configure(self, callbacks: Iterable[Any]) -> None:
+        """Let each of ``callbacks`` that takes part in the estimate
+        (:class:`~lightning_efficient.core.technique.ChangesEstimate`) change this plan, in order:
+        the one loop the estimate, ``measure_step`` and the trials share. First, where one of
+        them ``trains_without_cache``, the model's Hugging Face key/value cache is switched off
+        for training (recorded once, as the fit does it)."""
+        callbacks = list(callbacks)
+        if any(isinstance(cb, Technique) and cb.trains_without_cache for cb in callbacks):
+            self.record(apply_training_without_cache(self.model))
+        for cb in callbacks:
+            if isinstance(cb, ChangesEstimate):
+                cb.configure_estimate(self)
 
     def note(self, message: str) -> None:
         self.notes.append(message)

@@ -1,8 +1,9 @@
 """FLOPs of a training step, the device's peak FLOP/s, and model FLOPs utilization (MFU).
 
 - ``count_flops(model, batch)`` runs the forward of one training step (the LightningModule's
-  ``training_step``, or ``loss_fn(model, batch)``) on *fake* tensors (the instrument's
-  ``measure.memory.estimate.faked``: no data, no allocation, nothing trained) under
+  ``training_step``, or ``loss_fn(model, batch)``: ``measure.step.run_step``) on *fake* tensors
+  (the instrument's ``measure.memory.estimate.faked``: no data, no allocation, nothing trained,
+  the module put back by ``measure.scratch.scratch``) under
   ``torch.utils.flop_counter.FlopCounterMode``, and returns the step's *model FLOPs*: three times
   the forward (backward = 2 x forward, the convention of the PaLM paper's MFU). A forward that
   activation checkpointing re-runs during backward is not counted (hardware FLOPs would count
@@ -32,8 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_efficient.core.validate import check_module
 from lightning_efficient.measure.memory.estimate import faked
-from lightning_efficient.measure.memory.track import StorageTracker, _takes_batch_idx
-from lightning_efficient.measure.step import loss_of, silenced_logging
+from lightning_efficient.measure.memory.track import StorageTracker
+from lightning_efficient.measure.step import loss_of, run_step
 
 __all__ = [
     "GPU_PEAKS",
@@ -284,27 +285,15 @@ def count_flops(
         )
     counter = FlopCounterMode(display=False)
     tracker = StorageTracker(fake=True)  # counts the storages the forward allocates
-    was_training = model.training
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[]))
         if hasattr(torch.compiler, "set_stance"):  # compiled regions run eagerly on fake tensors
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         # attention as matrix products: FlopCounterMode has no formula for some fused kernels
         # (the CPU flash kernel), and the fused ones count the same full QK^T and AV products
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        fake = stack.enter_context(faked(model, batch, precision))
-        model.train()
-        try:
-            with silenced_logging(model), counter, tracker:
-                if loss_fn is not None:
-                    out = loss_fn(model, fake)
-                elif _takes_batch_idx(model.training_step):
-                    out = model.training_step(fake, 0)
-                else:
-                    out = model.training_step(fake)
-                loss_of(out)
-        finally:
-            model.train(was_training)
+        fake = stack.enter_context(faked(model, batch, precision))  # put back by its scratch
+        with counter, tracker:
+            loss_of(run_step(model, fake, loss_fn))
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
     forward = int(counter.get_total_flops())
     return FlopCount(forward=forward, step=3 * forward, ops=tracker.allocations, by_op=by_op)

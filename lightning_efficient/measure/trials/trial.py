@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,7 @@ def trial_step(
     *,
     device: torch.device | str = "cpu",
     precision: str = "32-true",
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> int:
     """One real training step (forward, backward, optimizer step) of ``module`` on ``device``;
     returns its peak bytes (CUDA: ``max_memory_allocated``; else the storage tracker's peak of
@@ -113,7 +114,8 @@ def trial_step(
 
     ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"``, a class path, an Optimizer class or a
     factory, as for the estimate. ``precision``: a Lightning precision string (autocast for the
-    ``*-mixed`` ones).
+    ``*-mixed`` ones). ``loss_fn``: ``loss_fn(module, batch) -> loss``, as for the estimate
+    (``None``: the module's ``training_step``).
     """
     device = torch.device(device)
     precision = str(precision)
@@ -121,7 +123,7 @@ def trial_step(
         batch = _to(batch, device)
         opt = _optimizer(optimizer, module)
         forward_backward_ = forward_backward(
-            module, batch, precision=precision, device_type=device.type
+            module, batch, precision=precision, device_type=device.type, loss_fn=loss_fn
         )
 
         def step() -> None:
@@ -143,18 +145,21 @@ def throughput(
     precision: str = "32-true",
     samples: int,
     accumulation: int = 1,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> float | None:
     """Samples/s of training with micro-batch ``batch``: ``(forward + backward) x accumulation``
     plus one optimizer step, each timed with the instrument's ``time_fn`` (median of 3 after one
     warm-up); ``None`` when the step runs out of memory. ``samples``: the micro-batch's number of
-    samples."""
+    samples. ``loss_fn``: as for :func:`trial_step`."""
     device = torch.device(device)
     precision = str(precision)
     try:
         with scratch_step(module, device):
             batch = _to(batch, device)
             opt = _optimizer(optimizer, module)
-            step = forward_backward(module, batch, precision=precision, device_type=device.type)
+            step = forward_backward(
+                module, batch, precision=precision, device_type=device.type, loss_fn=loss_fn
+            )
             t_fb = time_fn(step, warmup=1, repeats=3, device=device)
             t_opt = time_fn(opt.step, warmup=1, repeats=3, device=device)
             del opt
@@ -215,6 +220,7 @@ def trial_within(
     device: torch.device | str = "cpu",
     steps: int = 2,
     accumulate_grad_batches: int = 1,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> TrialResult:
     """``steps`` real training steps of ``module`` on ``device`` with the techniques in
     ``callbacks`` applied as they are for an estimate (``configure_estimate``: checkpointed
@@ -223,7 +229,8 @@ def trial_within(
     a CPU the tracker's peak is compared with the budget. An out-of-memory error is a result
     (``ok=False``), any other error is raised. The module is put back exactly.
     ``accumulate_grad_batches``: micro-batches per step (gradients live through the next
-    micro-batch's forward, as in the fit)."""
+    micro-batch's forward, as in the fit). ``loss_fn``: as for :func:`trial_step` (the
+    estimate's own)."""
     device = torch.device(device)
     precision = str(precision)
     cuda = device.type == "cuda"
@@ -237,12 +244,10 @@ def trial_within(
             optimizer=resolve_optimizer(optimizer),
             precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
+            loss_fn=loss_fn,
         )
         try:
-            for cb in callbacks:
-                hook = getattr(cb, "configure_estimate", None)
-                if hook is not None:
-                    hook(plan)
+            plan.configure(callbacks)
             if cuda:
                 free_memory()
             with meter, memory_cap(device, budget_bytes):

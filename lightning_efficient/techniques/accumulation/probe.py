@@ -2,8 +2,8 @@
 
 :func:`probe_weighting` runs the module's step on a batch, on its two parts and (for targets of
 two or more dimensions) on the batch with the first target of each row ignored, without
-gradients, in eval mode, with the random state forked and ``self.log`` silenced, and puts the
-module back as it was. It reads:
+gradients, in eval mode, with ``self.log`` silenced, and puts the module back as it was (its
+attributes, counters, modes and the random state: ``measure.scratch.scratch``). It reads:
 
 - the share of the first part in the whole batch's loss: a mean over samples gives the first
   part the share of its samples; a token mean, the share of its targets (the cut is chosen where
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.measure.scratch import scratch
 from lightning_efficient.measure.speed.tokens import targets_of
-from lightning_efficient.measure.step import loss_of, silenced_logging
+from lightning_efficient.measure.step import loss_of
 from lightning_efficient.techniques.accumulation.weighting import (
     batch_size_of,
     batch_slice,
@@ -54,17 +55,11 @@ class Probe:
 
 @contextlib.contextmanager
 def quiet_forward(module: nn.Module) -> Iterator[None]:
-    """Eval mode, no gradients, the random state forked and ``self.log`` silenced; the module's
-    training flags and the random state are put back on exit."""
-    modes = [(m, m.training) for m in module.modules()]
-    devices = [p.device for p in module.parameters() if p.device.type == "cuda"][:1]
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), silenced_logging(module):
-            module.eval()
-            yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
+    """Eval mode, no gradients, ``self.log`` silenced; the module put back on exit as after
+    every measurement (``measure.scratch.scratch``: its attributes, counters, modes and the RNG;
+    references kept, as a forward without gradients changes no weight)."""
+    with scratch(module, train=False, values=False), torch.no_grad():
+        yield
 
 
 def _first_targets_ignored(batch: Any, ignore_index: int) -> Any:

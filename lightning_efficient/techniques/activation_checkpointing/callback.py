@@ -10,9 +10,9 @@ from torch import nn
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_int, parse_bytes
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.settings import estimate_settings
 from lightning_efficient.techniques._blocks import check_policy, select_modules
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.activation_checkpointing.apply import (
     apply_activation_checkpointing,
     span,
@@ -67,6 +67,7 @@ class ActivationCheckpointing(Technique):
     """
 
     stacks = False
+    trains_without_cache = True
 
     def __init__(
         self,
@@ -132,7 +133,6 @@ class ActivationCheckpointing(Technique):
         """Make ``estimate_memory(..., callbacks=[self])`` run with these blocks checkpointed:
         ``choose_blocks`` on the plan's model and batch (nested estimates), as at a fit's first
         batch."""
-        plan.record(apply_training_without_cache(plan.model))  # no key/value cache (issue 39)
         if tiling := self._tile(plan.model):
             plan.record(tiling)
             plan.note(f"{self.name}: {tiling.what}")

@@ -7,7 +7,7 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_choice, parse_bytes
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.apply import (
     apply_chunked_cross_entropy,
@@ -55,6 +55,7 @@ class ChunkedCrossEntropy(Technique):
     """
 
     stacks = False
+    trains_without_cache = True
     uses_parameters_after_call = True
 
     def __init__(
@@ -84,7 +85,6 @@ class ChunkedCrossEntropy(Technique):
     def configure_estimate(self, plan: Any) -> None:
         """Make the estimated steps compute the loss from chunks (the chunked backend: the
         library kernels need CUDA, and the estimate's tensors are fake CPU tensors)."""
-        plan.record(apply_training_without_cache(plan.model))  # issue 39
         change = self._apply(plan.model, say=plan.note)
         plan.record(change)
         cap = self._bytes // (4 * change.figures["vocabulary"])

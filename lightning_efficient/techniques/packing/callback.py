@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 from lightning_efficient.core.change import Change, patch_attribute
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_bool, check_choice, check_int
-from lightning_efficient.measure.scratch import keep_module_state
-from lightning_efficient.measure.step import silenced_logging
+from lightning_efficient.measure.scratch import scratch
+from lightning_efficient.measure.step import run_step
 from lightning_efficient.techniques._loader_source import loader_source
 from lightning_efficient.techniques.curriculum.difficulty import check_seed
 from lightning_efficient.techniques.packing.attention import (
@@ -278,18 +278,12 @@ def _unpackable(loader: Any) -> str | None:
 def _check(trainer: Any, module: Any, data: Any, row: Any, session: Any) -> float:
     """``packing_error`` of ``row`` (and of its documents alone) through the user's training
     step, on the device: no gradients, dropout off, logging silenced, and the module put back as
-    after every trial (``keep_module_state``: its attributes, buffers, metric states, modes and
-    the RNG)."""
+    after every measurement (``measure.scratch.scratch``: its attributes, buffers, metric states,
+    modes and the RNG)."""
 
     def batch(key: Any) -> Any:
         return trainer.strategy.batch_to_device({k: v[None] for k, v in data[key].items()})
 
     packed, alone = batch(row), [batch((piece,)) for piece in row]
-    kept = keep_module_state(module)
-    try:
-        module.eval()
-        with torch.no_grad(), silenced_logging(module):
-            with trainer.precision_plugin.forward_context():
-                return packing_error(lambda b: module.training_step(b, 0), packed, alone, session)
-    finally:
-        kept.undo()
+    with scratch(module, train=False), torch.no_grad(), trainer.precision_plugin.forward_context():
+        return packing_error(lambda b: run_step(module, b), packed, alone, session)

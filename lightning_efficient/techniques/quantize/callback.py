@@ -7,7 +7,7 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice
-from lightning_efficient.techniques._kv_cache import apply_training_without_cache
+from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.quantize.adapters import (
     apply_frozen_base_loading,
     trainable_state,
@@ -55,6 +55,7 @@ class FrozenWeights4bit(Technique):
 
     quantizes_frozen_weights = True
     stacks = False
+    trains_without_cache = True
     sharding_conflict = (
         "4-bit weights are packed uint8 tensors with their scales beside them, which a sharding "
         "strategy would split or flatten; use DDP or a single device"
@@ -82,7 +83,6 @@ class FrozenWeights4bit(Technique):
     def configure_estimate(self, plan: Any) -> None:
         """Store the estimated model's frozen weights in 4 bits as the fit will (fake tensors:
         the packed weights, their scales and the dequantized temporaries are counted)."""
-        plan.record(apply_training_without_cache(plan.model))
         change = self._apply(plan.model, compute_dtype_for(plan.precision))
         plan.record(change)
         plan.note(f"{self.name}: {change.what}")

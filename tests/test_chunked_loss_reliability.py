@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
 from torch import nn
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.demos.logits import GPTLike, llama_128k, logits_loss
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step

@@ -94,19 +94,12 @@ def test_every_card_lists_the_bad_inputs_each_argument_refuses() -> None:
 
 
 def test_index_is_generated() -> None:
-    """docs/index.md is what `python benchmarks/make_index.py` writes from the registry and the
+    """docs/index.md is what `python -m benchmarks.site.make_index` writes from the registry and the
     benchmark results now (re-run the script after a benchmark or a new technique)."""
-    import importlib.util
-    import sys
+    from benchmarks.site import make_index
 
-    spec = importlib.util.spec_from_file_location(
-        "make_index", DOCS.parent / "benchmarks" / "make_index.py"
-    )
-    make_index = importlib.util.module_from_spec(spec)
-    sys.modules["make_index"] = make_index  # dataclasses look their module up there
-    spec.loader.exec_module(make_index)
     assert (DOCS / "index.md").read_text() == make_index.render(), (
-        "docs/index.md is stale: run python benchmarks/make_index.py"
+        "docs/index.md is stale: run python -m benchmarks.site.make_index"
     )
     from lightning_efficient import TECHNIQUES
 

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from _gpu_processes import Child, tail
+from benchmarks.gpu.processes import Child, tail
 
 __all__ = [
     "PYTEST",

@@ -1,9 +1,9 @@
 """What every part process of ``benchmarks/gpu/suite.py`` shares: the context a part is given
-(``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config,
-an HF Llama with PEFT LoRA, the packing benchmarks' Llama on documents), the instrument's estimate of a spec, the suite's MFU terms (the
-device's bf16 peak from the package's ``measure.speed.flops`` table, FLOPs per token), and
-``child_main``, which runs one part in its own process (``python benchmarks/<part script> --ctx
-FILE``; the scripts are named in ``registry.PARTS``).
+(``Ctx``), the ``Recorder`` that writes its rows, the instrument's estimate of a spec (its
+models are ``benchmarks.workloads.build_model``'s), the suite's MFU terms (the device's bf16 peak
+from the package's ``measure.speed.flops`` table, FLOPs per token), and ``child_main``, which
+runs one part in its own process (``python -m benchmarks.gpu.<part> --ctx FILE``; the parts'
+scripts are named in ``registry.PARTS``).
 
 Each part takes a ``Ctx`` (device, profile of shapes, deadline) and a ``Recorder`` that saves
 its rows to a JSON file after every row, so a part stopped at its cap keeps what it measured.

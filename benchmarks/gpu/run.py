@@ -5,7 +5,7 @@ A *real run* (``real_fit``) trains a model with Lightning's ``Trainer`` from a J
 strategy, a memory cap, timing) and returns the peak memory (the package's ``PeakMemory``:
 CUDA's ``max_memory_allocated``; on a CPU the instrument's storage tracker on the real tensors),
 step timing and whether it trained. On CUDA, runs that need a fresh allocator (a memory cap, an
-out-of-memory, DeepSpeed, cold compiles) run in their own process (this file run as a script),
+out-of-memory, DeepSpeed, cold compiles) run in their own process (``RUN_CHILD``: ``run_spec_main`` in a fresh interpreter),
 through a ``RunPool`` that starts those processes ahead of their turn. On the CPU a memory cap
 is emulated: a run whose tracked peak passes it counts as out of memory.
 """

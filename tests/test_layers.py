@@ -383,7 +383,8 @@ def test_techniques_undo_through_the_base_only() -> None:
 
 # -- benchmarks/: a package of scripts over shared modules (issue 50) ------------------------------
 BENCHMARKS = ROOT.parent / "benchmarks"
-TEST_MODULES = {p.stem for p in Path(__file__).resolve().parent.glob("*.py")} | {"tests"}
+#: What a benchmark must not import: tests/ and every module in it (``helpers``, ...).
+TEST_MODULES = {p.stem for p in Path(__file__).resolve().parent.rglob("*.py")} | {"tests"}
 SYS_PATH_EDIT = re.compile(
     r"\bsys\.path\s*(\.\s*(insert|append|extend|remove)\b|\[[^\]]*\]\s*=(?!=)|\+?=(?!=))"
 )

@@ -47,14 +47,9 @@ import torch
 from torch import nn
 
 from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import GPTLike, LossHead, llama_128k, logits_loss
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.demos import TinyGPT
-from lightning_efficient.demos.logits import (
-    GPTLike,
-    LossHead,
-    llama_128k,
-    logits_loss,
-)
 from lightning_efficient.measure.memory.allocator import allocator_step_peak
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step

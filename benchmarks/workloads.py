@@ -6,6 +6,10 @@ from code or from ``transformers`` configs (no download), one definition each.
   ``llama3_8b_lora`` (Llama-3-8B + LoRA on ``meta``), the GPU suite's Lightning modules
   (``build_model``: TinyGPT, ``HFGPT2``, ``HFLlamaLoRA``, ``HFLlamaDocs``) and ``hf_loss``, the
   loss all the Hugging Face ones train on.
+- Logits that dominate a step's memory (the chunked-loss benchmark and its tests): ``LossHead``
+  (the loss phase alone), ``GPTLike`` (one block, an untied 64,000-token head), ``llama_128k``
+  (a one-block HF Llama with Llama 3's vocabulary) and ``logits_loss`` (cross-entropy of their
+  logits, every position).
 - Documents (the packing benchmarks' workload, CPU and GPU alike): the paragraphs of the text
   that ships with Python (``pydoc_data.topics``), bytes as tokens (vocabulary 256), cut to at most
   ``ROW`` tokens (a longer paragraph becomes pieces), shuffled with a fixed seed: most are short, a
@@ -34,6 +38,8 @@ from lightning_efficient.measure.memory.targets import DeviceTarget
 
 __all__ = [
     "GALLERY",
+    "GPTLike",
+    "LossHead",
     "HELD_OUT",
     "LLAMA3_8B",
     "ROW",
@@ -56,6 +62,8 @@ __all__ = [
     "interleaved_data",
     "llama",
     "llama3_8b_lora",
+    "llama_128k",
+    "logits_loss",
     "meta_batch",
     "pad_batch",
     "paragraphs",
@@ -180,6 +188,69 @@ def llama3_8b_lora(dims: dict[str, Any] = LLAMA3_8B) -> nn.Module:
         base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
     return peft.get_peft_model(base, lora)
+
+
+# -- logits that dominate a step (what ChunkedCrossEntropy is for) -------------------------------
+class LossHead(nn.Module):
+    """The loss phase alone: hidden states through a gain and the output projection.
+
+    Args:
+        width: Hidden size.
+        vocab: Vocabulary (the projection's outputs).
+    """
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+        self.proj = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h * self.gain)
+
+
+class GPTLike(nn.Module):
+    """A plain GPT-like module: embedding, one block, norm, an untied head ``width -> vocab``.
+
+    Args:
+        vocab: Vocabulary (embedding rows and head outputs).
+        width: Hidden size (two heads, feed-forward 4x, no dropout).
+    """
+
+    def __init__(self, vocab: int = 64000, width: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.block = nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.emb(x))))
+
+
+def llama_128k() -> nn.Module:
+    """A Hugging Face Llama of one block (width 64, grouped-query attention 2:1, 256 positions)
+    with Llama 3's vocabulary of 128,256 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def logits_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Cross-entropy of ``model(inputs)``'s logits against ``targets`` (``batch`` is the pair)."""
+    x, y = batch
+    logits = model(x)
+    if not isinstance(logits, torch.Tensor):  # a Hugging Face model's output
+        logits = logits.logits
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
 # -- documents ------------------------------------------------------------------------------------

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from helpers import fit
 from torch import nn
 
-from benchmarks.workloads import tiny_model
+from benchmarks.workloads import LossHead, logits_loss, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.demos.logits import LossHead, logits_loss
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.workloads import tiny_model
-from lightning_efficient.demos.logits import GPTLike, llama_128k, logits_loss
+from benchmarks.workloads import GPTLike, llama_128k, logits_loss, tiny_model
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (

@@ -170,6 +170,16 @@ def test_caps_fit_the_budget(suite) -> None:
     assert {int(x) for x in args.parts.split(",")} == {p.number for p in suite.PARTS}
 
 
+def test_part1_collects_the_files_with_the_gpu_mark(part1) -> None:
+    """Part 1 hands pytest the repository's test files that carry the mark (in any folder of
+    tests/), not the whole folder: from benchmarks/gpu/ the repository is two folders up (one up,
+    the suite found no tests/ there and collected every file, a minute's imports)."""
+    files = part1.gpu_test_files()
+    assert files != ["tests"] and all(f.startswith("tests/") for f in files), files
+    assert "tests/test_precision.py" in files
+    assert all("mark.gpu" in (ROOT / f).read_text() for f in files)
+
+
 def test_parse_junit_and_collect_only(part1, tmp_path) -> None:
     xml = tmp_path / "r.xml"
     xml.write_text(

@@ -13,7 +13,8 @@ from code or from ``transformers`` configs (no download), one definition each.
 - Documents (the packing benchmarks' workload, CPU and GPU alike): the paragraphs of the text
   that ships with Python (``pydoc_data.topics``), bytes as tokens (vocabulary 256), cut to at most
   ``ROW`` tokens (a longer paragraph becomes pieces), shuffled with a fixed seed: most are short, a
-  few are long (2,729 in all, median 115 tokens); ``pad_batch`` and the byte-token ``llama``.
+  few are long (2,729 in all, median 115 tokens); ``pad_batch``, the byte-token ``llama`` and
+  ``docs_llama``, the one the packing and accumulation benchmarks train.
 - The gallery: the model families "auto" must handle (``GALLERY``): ResNet-, ConvNeXt-, U-Net- and
   DenseNet-like CNNs written here (no torchvision: its wheels in the registry are CUDA builds) and
   ViT, T5, Llama (SDPA) and BERT built from tiny ``transformers`` configs.

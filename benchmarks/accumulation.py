@@ -20,8 +20,8 @@ trained by a Lightning Trainer.
    per micro-batch, the rescale and the logged window loss at the step), and the one-off probe
    (a few forward passes on the first batch, before the first step's timer starts).
 
-Run:  python benchmarks/accumulation.py          (a few minutes on 2 busy cores)
-      python benchmarks/accumulation.py --quick  (fewer windows and steps)
+Run:  python -m benchmarks.accumulation          (a few minutes on 2 busy cores)
+      python -m benchmarks.accumulation --quick  (fewer windows and steps)
 Writes benchmarks/results/accumulation{,_quick}.{md,json}.
 """
 
@@ -40,14 +40,11 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import docs_llama, pad_batch, paragraphs
+from lightning_efficient.techniques.accumulation import ExactAccumulation
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-from packing import model, pad_batch, paragraphs  # noqa: E402
-
-from lightning_efficient.techniques.accumulation import ExactAccumulation  # noqa: E402
 
 MICRO, ACCUMULATION, SEED, LONGEST = 4, 4, 0, 256
 
@@ -166,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     train = [d[:LONGEST] for d in train]
     held = [d[:LONGEST] for d in held]
     lengths = sorted(len(d) for d in train)
-    net = model(quick=True)
+    net = docs_llama(quick=True)
 
     rows, errors = [], {}
     for order in ("random", "length-bucketed"):
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     hook_share = min(hooks) / plain_step  # the callback's own work per step, against a step
 
     env = environment()
-    command = "python benchmarks/accumulation.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.accumulation" + (" --quick" if args.quick else "")
     text = "\n".join(
         [
             f"# ExactAccumulation: {len(train)} pydoc paragraphs of {lengths[0]}..{lengths[-1]} "

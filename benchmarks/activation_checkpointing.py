@@ -13,8 +13,8 @@ Two workloads, every mode measured in the same run:
 Modes: plain, full (every block), every_n=2, selective (matmul/attention outputs kept) and
 budget (the fewest blocks whose estimated peak is under a budget halfway between plain and full).
 
-    python benchmarks/activation_checkpointing.py            # default (about 2 minutes)
-    python benchmarks/activation_checkpointing.py --quick    # smaller TinyGPT, GPT-2 at seq 256 batch 2
+    python -m benchmarks.activation_checkpointing            # default (about 2 minutes)
+    python -m benchmarks.activation_checkpointing --quick    # smaller TinyGPT, GPT-2 at seq 256 batch 2
 
 Prints a table and saves benchmarks/results/activation_checkpointing{,_quick}.{md,json}.
 """
@@ -23,29 +23,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import environment as base_environment  # noqa: E402
-from _results import save_results  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes  # noqa: E402
-from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.functional import (  # noqa: E402
+from benchmarks._results import environment as base_environment
+from benchmarks._results import save_results
+from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.functional import (
     apply_activation_checkpointing,
     blocks_for_budget,
 )
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
-from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
-from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.measure.speed.timing import time_fn
+from lightning_efficient.techniques.activation_checkpointing import (
     remove_activation_checkpointing,
 )
 
@@ -240,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         gpt2_seq, gpt2_batch = 1024, 8
     rows = tinygpt(cfg, batch_size, rounds) + gpt2_small(gpt2_seq, gpt2_batch)
-    command = "python benchmarks/activation_checkpointing.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.activation_checkpointing" + (" --quick" if args.quick else "")
     if args.threads != 1:
         command += f" --threads {args.threads}"
     env = environment()

@@ -8,8 +8,8 @@ usable, the bf16-mixed ones included): for each rung the largest exact divisor o
 batch whose estimate fits, ranked by the goal. No trial steps (no GPU here): on a GPU the pick is
 then confirmed by two real steps under the budget, which this table does not time.
 
-Run:  python benchmarks/auto.py           (effective batches 64 and 512, both goals)
-      python benchmarks/auto.py --quick   (sequence 256, budget 3 GiB, effective batch 16)
+Run:  python -m benchmarks.auto           (effective batches 64 and 512, both goals)
+      python -m benchmarks.auto --quick   (sequence 256, budget 3 GiB, effective batch 16)
 Writes benchmarks/results/auto{,_quick}.{md,json}.
 """
 
@@ -17,28 +17,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-from planner import gpt2, lm_loss  # noqa: E402  (the planner benchmark's GPT-2 and its loss)
-
-from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
-from lightning_efficient.measure.memory.targets import resolve_target  # noqa: E402
-from lightning_efficient.planning.fit import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import gpt2, hf_loss
+from lightning_efficient.core.validate import format_bytes, parse_bytes
+from lightning_efficient.measure.memory.targets import resolve_target
+from lightning_efficient.planning.fit import (
     estimate_measure,
     ladder_for,
     own_accumulation,
 )
-from lightning_efficient.planning.search import decide  # noqa: E402
+from lightning_efficient.planning.search import decide
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def decision_row(model, seq: int, budget: str, effective: int, goal: str, target) -> dict:
@@ -46,7 +42,7 @@ def decision_row(model, seq: int, budget: str, effective: int, goal: str, target
     budget_bytes = parse_bytes("budget", budget)
     start = time.perf_counter()
     rungs = ladder_for(model, budget_bytes, precision="32-true", bf16=True)
-    settings = {"precision": "32-true", "optimizer": "adamw", "loss_fn": lm_loss, "device": target}
+    settings = {"precision": "32-true", "optimizer": "adamw", "loss_fn": hf_loss, "device": target}
     measure = estimate_measure(
         model,
         lambda n: torch.zeros(n, seq, dtype=torch.long),
@@ -129,7 +125,7 @@ def main() -> None:
         "",
         "No trial steps here (no GPU): on a GPU two real steps under the budget confirm the pick.",
         "",
-        provenance(env, f"python benchmarks/auto.py{' --quick' if args.quick else ''}"),
+        provenance(env, f"python -m benchmarks.auto{' --quick' if args.quick else ''}"),
     ]
     stem = args.out or ROOT / "benchmarks" / "results" / ("auto_quick" if args.quick else "auto")
     save_results(stem, "\n".join(lines), {"title": title, "rows": rows, "env": env})

@@ -8,7 +8,7 @@ not usable). Every rung is estimated as AutoEfficient trains it: the rungs that 
 without the cache, "as configured" with it (and its estimate names the cache). No trial steps (no
 GPU here). Estimated on this CPU with fake tensors: nothing of the model is allocated.
 
-Run:  python benchmarks/auto_cache.py      (a few minutes on 2 busy cores)
+Run:  python -m benchmarks.auto_cache      (a few minutes on 2 busy cores)
 Writes benchmarks/results/auto_cache.{md,json}.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -24,20 +23,17 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
-from lightning_efficient.measure.memory.targets import resolve_target  # noqa: E402
-from lightning_efficient.planning.fit import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_results, table
+from lightning_efficient.core.validate import format_bytes, parse_bytes
+from lightning_efficient.measure.memory.targets import resolve_target
+from lightning_efficient.planning.fit import (
     estimate_measure,
     fixed_by_trainer,
     ladder_for,
 )
-from lightning_efficient.planning.search import decide  # noqa: E402
+from lightning_efficient.planning.search import decide
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PRECISION = "bf16-mixed"
 SEQ = 1024
@@ -147,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache; 'as configured' keeps it, and its estimate names it. Estimates on a CPU for a "
         "CUDA target, not measured on a GPU; no trial steps.",
         "",
-        provenance(env, "python benchmarks/auto_cache.py"),
+        provenance(env, "python -m benchmarks.auto_cache"),
     ]
     save_results(args.out, "\n".join(lines), {"title": title, "rows": rows, "env": env})
     return 0

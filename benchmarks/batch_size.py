@@ -14,8 +14,8 @@ under that cap: ``MemoryEstimate.fits``) for fp32, bf16-mixed and bf16-mixed wit
 checkpointed (ActivationCheckpointing), found by ``largest_fitting_batch``; with the number of
 estimates the search needed and its seconds.
 
-Run:  python benchmarks/batch_size.py          (~3 minutes on 2 cores)
-      python benchmarks/batch_size.py --quick  (TinyGPT up to 16; GPT-2 at sequence 256 in 6 GiB)
+Run:  python -m benchmarks.batch_size          (~3 minutes on 2 cores)
+      python -m benchmarks.batch_size --quick  (TinyGPT up to 16; GPT-2 at sequence 256 in 6 GiB)
 Writes benchmarks/results/batch_size{,_quick}.{md,json}.
 """
 
@@ -23,30 +23,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes, parse_bytes  # noqa: E402
-from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
-from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
-from lightning_efficient.measure.step import loss_of  # noqa: E402
-from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
-from lightning_efficient.techniques.batch_size.sizing import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_results
+from lightning_efficient.core.validate import format_bytes, parse_bytes
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.measure.speed.timing import time_fn
+from lightning_efficient.measure.step import loss_of
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.batch_size.sizing import (
     candidate_sizes,
     choose_micro_batch,
     largest_fitting_batch,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
 
@@ -238,7 +234,7 @@ def main() -> None:
             f"{r['rounded_cuda']} | {r['estimates']} | {r['search_s']:.0f} |"
         )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cmd = "python benchmarks/batch_size.py" + (" --quick" if args.quick else "")
+    cmd = "python -m benchmarks.batch_size" + (" --quick" if args.quick else "")
     env = {
         **environment(("torch", "lightning", "transformers")),
         "torch threads": str(torch.get_num_threads()),

@@ -18,8 +18,8 @@ chunked loss) for each form.
 torchao's stochastic rounding compiles its step per parameter shape (``torch.compile`` on the
 CPU); the compile time is measured and reported apart from the steady step time.
 
-    python benchmarks/bf16_weights.py            # ~5 minutes on 2 CPU cores
-    python benchmarks/bf16_weights.py --quick    # fewer steps
+    python -m benchmarks.bf16_weights            # ~5 minutes on 2 CPU cores
+    python -m benchmarks.bf16_weights --quick    # fewer steps
 """
 
 from __future__ import annotations
@@ -34,16 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import environment, save_results, table, version_of  # noqa: E402
-
-from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
-from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
-from lightning_efficient.techniques.optimizers import OptimizerSwap, build_optimizer  # noqa: E402
+from benchmarks._results import environment, save_results, table, version_of
+from lightning_efficient.demos import TextDataModule, TinyGPT
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.targets import DeviceTarget
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.techniques.optimizers import OptimizerSwap, build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
@@ -299,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     print("memory ...", file=sys.stderr)
     memory_rows = memory()
     env = environment((*__import__("_results").PACKAGES, "torchao", "torch-optimi"))
-    command = "python benchmarks/bf16_weights.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.bf16_weights" + (" --quick" if args.quick else "")
     md = to_markdown(env, quality_rows, memory_rows, command)
     stem = args.out or RESULTS / ("bf16_weights_quick" if args.quick else "bf16_weights")
     save_results(

@@ -26,9 +26,9 @@ Part 4, moderate logits (2 x 256 rows, fp32), the whole step's peak: a plain GPT
 with a 64 -> 64,000 head (131 MB of logits; the tracker, two real steps) and a tiny Llama with
 vocabulary 128,256 (the estimate, fake tensors), with SGD and AdamW.
 
-Run:  python benchmarks/chunked_loss.py          (~25 minutes on 2 busy cores)
-      python benchmarks/chunked_loss.py --quick  (smaller shapes, a few minutes)
-      python benchmarks/chunked_loss.py --moderate  (part 4 only, a few minutes)
+Run:  python -m benchmarks.chunked_loss          (~25 minutes on 2 busy cores)
+      python -m benchmarks.chunked_loss --quick  (smaller shapes, a few minutes)
+      python -m benchmarks.chunked_loss --moderate  (part 4 only, a few minutes)
 Writes benchmarks/results/chunked_loss{,_quick,_moderate}.{md,json}.
 """
 
@@ -38,7 +38,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -47,29 +46,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import GPTLike, LossHead, llama_128k, logits_loss
+from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.measure.memory.allocator import allocator_step_peak
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.measure.speed.timing import time_fn
+from lightning_efficient.measure.step import loss_of
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch
+from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
+from lightning_efficient.techniques.optimizers import OptimizerSwap
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes  # noqa: E402
-from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.demos.logits import (  # noqa: E402
-    GPTLike,
-    LossHead,
-    llama_128k,
-    logits_loss,
-)
-from lightning_efficient.measure.memory.allocator import allocator_step_peak  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
-from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
-from lightning_efficient.measure.step import loss_of  # noqa: E402
-from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
-from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch  # noqa: E402
-from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy  # noqa: E402
-from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E402
 
 GIB = 2**30
 SGD = "torch.optim.SGD"  # no optimizer state: the step's memory is the loss phase's
@@ -281,7 +272,7 @@ def _gpt2(seq: int) -> nn.Module:
     import lightning.pytorch as pl
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    class HFGPT2(pl.LightningModule):  # as benchmarks/_gpu_common.py's
+    class HFGPT2(pl.LightningModule):  # as benchmarks/gpu/common.py's
         def __init__(self) -> None:
             super().__init__()
             cfg = GPT2Config(n_positions=seq, use_cache=False, bos_token_id=0, eos_token_id=0)
@@ -450,7 +441,7 @@ def render(p1: list, p2: list, p3: dict, args: argparse.Namespace, wall: float) 
         "torch threads": str(torch.get_num_threads()),
         "load average": f"{load:.1f}",
     }
-    cmd = "python benchmarks/chunked_loss.py" + (" --quick" if args.quick else "")
+    cmd = "python -m benchmarks.chunked_loss" + (" --quick" if args.quick else "")
     lines += [
         f"Machine load average at the end: {load:.1f} on {os.cpu_count()} cores (wall times "
         f"shift with it; process CPU seconds are this process's own). Total {wall:.0f} s.",
@@ -509,7 +500,7 @@ def main() -> None:
             + "\n"
             + provenance(
                 environment(("torch", "lightning", "transformers")),
-                "python benchmarks/chunked_loss.py --moderate",
+                "python -m benchmarks.chunked_loss --moderate",
             )
         )
         stem = args.out or ROOT / "benchmarks" / "results" / "chunked_loss_moderate"

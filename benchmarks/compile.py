@@ -8,10 +8,10 @@ on a shared machine hits all variants alike; the steady step is the median over 
 speed ratio regional/whole is also given as the median of the per-round ratios (paired). Inductor's
 on-disk caches are disabled so every compile is a cold one.
 
-    python benchmarks/compile.py            # TinyGPT 6 x 128, seq 128, batch 8
-    python benchmarks/compile.py --quick    # 4 x 64, seq 64
-    python benchmarks/compile.py --threads 1 --out benchmarks/results/compile_1thread
-    python benchmarks/compile.py --variants whole regional --n-embd 256 \
+    python -m benchmarks.compile            # TinyGPT 6 x 128, seq 128, batch 8
+    python -m benchmarks.compile --quick    # 4 x 64, seq 64
+    python -m benchmarks.compile --threads 1 --out benchmarks/results/compile_1thread
+    python -m benchmarks.compile --variants whole regional --n-embd 256 \
         --out benchmarks/results/compile_width256    # wider blocks (n_head = n_embd / 32)
 
 Prints a table and saves benchmarks/results/compile.{md,json} (through ``_results.save_results``).
@@ -29,13 +29,9 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import environment, save_results, table  # noqa: E402
-
-from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.techniques.compile import CompileWatch, apply_compile  # noqa: E402
+from benchmarks._results import environment, save_results, table
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.techniques.compile import CompileWatch, apply_compile
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("eager", "whole", "regional", "regional+outer")
@@ -202,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = f"TinyGPT n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} seq_len={cfg['seq_len']} batch={bsz}"
     meta = {
         "command": " ".join(
-            ["python benchmarks/compile.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python -m benchmarks.compile", *(argv if argv is not None else sys.argv[1:])]
         ),
         "model": model,
         "backend": args.backend,

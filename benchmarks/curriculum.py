@@ -24,9 +24,9 @@ idle machine).
 The compile part runs a short warm-up (4 distinct lengths) under regional ``TorchCompile`` and
 counts Dynamo's recompilations during it, against the number of distinct lengths.
 
-    python benchmarks/curriculum.py              # 400 steps, 1 seed (~4 minutes, 2 shared cores)
-    python benchmarks/curriculum.py --seeds 3    # the card's run (~12 minutes)
-    python benchmarks/curriculum.py --quick      # a smoke run (~1 minute)
+    python -m benchmarks.curriculum              # 400 steps, 1 seed (~4 minutes, 2 shared cores)
+    python -m benchmarks.curriculum --seeds 3    # the card's run (~12 minutes)
+    python -m benchmarks.curriculum --quick      # a smoke run (~1 minute)
 
 Prints a table and saves ``benchmarks/results/curriculum{,_quick}.{md,json}``.
 """
@@ -38,7 +38,6 @@ import contextlib
 import io
 import logging
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -48,17 +47,14 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback
 
+from benchmarks._results import QUIET_TRAINER, environment, save_results
+from lightning_efficient.core.report import report_for
+from lightning_efficient.demos import TextDataModule, TinyGPT
+from lightning_efficient.measure.speed.timing import time_fn
+from lightning_efficient.techniques.compile import TorchCompile
+from lightning_efficient.techniques.curriculum import Curriculum, SequenceLengthWarmup
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
-
-from lightning_efficient.core.report import report_for  # noqa: E402
-from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
-from lightning_efficient.techniques.compile import TorchCompile  # noqa: E402
-from lightning_efficient.techniques.curriculum import Curriculum, SequenceLengthWarmup  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -188,7 +184,7 @@ def compile_only(cfg: dict, args) -> dict:
     comp = compile_part(cfg, args.backend)
     env = bench_environment()
     meta = {
-        "command": f"python benchmarks/curriculum.py --compile-only --backend {args.backend}",
+        "command": f"python -m benchmarks.curriculum --compile-only --backend {args.backend}",
         "model": "TinyGPT n_layer={n_layer} n_embd={n_embd} seq_len={seq_len}".format(
             **cfg["model"]
         ),
@@ -289,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     env = bench_environment()
     meta = {
-        "command": "python benchmarks/curriculum.py"
+        "command": "python -m benchmarks.curriculum"
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds != 1 else ""),
         "model": "TinyGPT n_layer={n_layer} n_embd={n_embd} seq_len={seq_len}".format(

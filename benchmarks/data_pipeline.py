@@ -17,8 +17,8 @@ in the same order as the plain run. It then measures the padding that ``LengthBu
 saves when the corpus's paragraphs (variable-length text, up to 512 bytes) are batched and
 padded to the longest sample of each batch.
 
-    python benchmarks/data_pipeline.py            # default (about 8 minutes on 2 busy CPU cores)
-    python benchmarks/data_pipeline.py --quick    # a smoke run
+    python -m benchmarks.data_pipeline            # default (about 8 minutes on 2 busy CPU cores)
+    python -m benchmarks.data_pipeline --quick    # a smoke run
 
 Prints a table and saves ``benchmarks/results/data_pipeline.{md,json}``.
 """
@@ -41,26 +41,23 @@ import torch
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
-
-from lightning_efficient.core.report import report_for  # noqa: E402
-from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.demos.text import ByteChunks, EpochShuffle, load_corpus  # noqa: E402
+from benchmarks._results import QUIET_TRAINER, environment, save_results
+from lightning_efficient.core.report import report_for
+from lightning_efficient.demos import TinyGPT
+from lightning_efficient.demos.text import ByteChunks, EpochShuffle, load_corpus
 from lightning_efficient.functional import (
     LengthBucketSampler,
     padding_stats,
 )
-from lightning_efficient.measure.speed.input_stall import InputStallMonitor  # noqa: E402
-from lightning_efficient.measure.speed.timing import StepTimer  # noqa: E402
-from lightning_efficient.techniques.dataloading import (  # noqa: E402
+from lightning_efficient.measure.speed.input_stall import InputStallMonitor
+from lightning_efficient.measure.speed.timing import StepTimer
+from lightning_efficient.techniques.dataloading import (
     DataLoaderTuning,
     DevicePreload,
     auto_num_workers,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -321,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     io_rows, _ = results["input-bound"]
     pad = padding(args)
     env = {
-        "command": "python benchmarks/data_pipeline.py "
+        "command": "python -m benchmarks.data_pipeline "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         **environment(("torch", "lightning")),
         "device": rows[0]["device"],

@@ -12,8 +12,8 @@ with the learning rate multiplied by 300 for 3 steps; each without a guard, and 
 ``DivergenceGuard`` (skip / rollback). Figure: the validation loss after fit, against the clean
 run's.
 
-    python benchmarks/early_stopping.py            # 64 training samples, 300 + 120 steps
-    python benchmarks/early_stopping.py --quick    # 32 training samples, 240 + 60 steps
+    python -m benchmarks.early_stopping            # 64 training samples, 300 + 120 steps
+    python -m benchmarks.early_stopping --quick    # 32 training samples, 240 + 60 steps
 
 Prints tables and saves benchmarks/results/early_stopping{,_quick}.{md,json}.
 """
@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
-
-from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
+from benchmarks._results import QUIET_TRAINER, environment, save_results
+from lightning_efficient.demos import TextDataModule, TinyGPT
 from lightning_efficient.functional import PlateauTracker
-from lightning_efficient.techniques import DivergenceGuard, EarlyStopper  # noqa: E402
+from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
 from lightning_efficient.techniques.early_stopping import (
     scale_lr,
     set_lr,
@@ -235,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         plat, div = plateau(64, 300, 10), divergence(120)
     env = {**environment(("torch", "lightning")), "torch threads": str(torch.get_num_threads())}
     meta = {
-        "command": "python benchmarks/early_stopping.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.early_stopping" + (" --quick" if args.quick else ""),
         "model": "TinyGPT n_layer=2 n_embd=32 seq_len=32 batch=4, AdamW lr 3e-3 (cosine)",
         "hardware": f"{env['host']}, {env['torch threads']} torch threads (shared)",
         "versions": ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning", "python")),

@@ -13,8 +13,8 @@ worth of work is measured: one AdamW step on a fresh model, run for real on the 
   do on fake tensors ("tracing": the batch x 1 x seq x seq mask is built), i.e. before this
   package answered them from the batch's values.
 
-Run:  python benchmarks/estimate_accuracy.py          (~2 minutes on 2 cores)
-      python benchmarks/estimate_accuracy.py --quick  (sequence 128)
+Run:  python -m benchmarks.estimate_accuracy          (~2 minutes on 2 cores)
+      python -m benchmarks.estimate_accuracy --quick  (sequence 128)
 Writes benchmarks/results/estimate_accuracy{,_quick}.{md,json}.
 """
 
@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import copy
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,15 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks._results import environment, provenance, save_results, table
+from lightning_efficient.measure import estimate_memory
+from lightning_efficient.measure.memory import estimate as estimate_module
+from lightning_efficient.measure.memory.allocator import allocator_step_peak
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient.measure import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory import estimate as estimate_module  # noqa: E402
-from lightning_efficient.measure.memory.allocator import allocator_step_peak  # noqa: E402
 
 MIB = 2**20
 
@@ -245,7 +241,7 @@ def main() -> None:
             ),
             "",
             provenance(env),
-            "Command: `python benchmarks/estimate_accuracy.py"
+            "Command: `python -m benchmarks.estimate_accuracy"
             + (" --quick`." if args.quick else "`."),
         ]
     )

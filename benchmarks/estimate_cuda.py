@@ -1,13 +1,13 @@
 """The estimate for a CUDA target, computed on this CPU, against what a real GPU measured.
 
 The GPU's figures are read from ``benchmarks/recorded/h200_2026-12-04.json`` (written down from
-``gpu_suite.py`` parts 2 and 3 run on an NVIDIA H200); the estimates are computed here, each
+``gpu/suite.py`` parts 2 and 3 run on an NVIDIA H200); the estimates are computed here, each
 for the CPU's own kernels (the old estimate) and for the CUDA target of that run (sm90, torch
 2.11 rules). Then the caching allocator's replay of two part-3 runs: plain fp32 GPT-2 at
 micro-batch 6 (allocated and reserved) and the planner's pick at micro-batch 37 under a 24 GiB
 cap (which ran out of memory).
 
-Run:  python benchmarks/estimate_cuda.py     (~1 minute on 2 cores)
+Run:  python -m benchmarks.estimate_cuda     (~1 minute on 2 cores)
 Writes benchmarks/results/estimate_cuda.{md,json}.
 """
 
@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.gpu.common import AC, SWAP8, build_technique
+from benchmarks.workloads import build_model, meta_batch
+from lightning_efficient.measure.memory.caching_allocator import replay
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.targets import DeviceTarget
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _gpu_common import AC, SWAP8, build_model, build_technique, meta_batch  # noqa: E402
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient.measure.memory.caching_allocator import replay  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
 
 RECORDED = ROOT / "benchmarks" / "recorded" / "h200_2026-12-04.json"
 GPT2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 replay_rows,
             ),
             "",
-            provenance(env, "python benchmarks/estimate_cuda.py"),
+            provenance(env, "python -m benchmarks.estimate_cuda"),
         ]
     )
     data = {

@@ -7,8 +7,8 @@ bytes per category at the peak and the seconds the estimate took (fake tensors, 
 A last row checks accuracy on a GPT-2-shaped model small enough to train for real on the CPU:
 the estimate against the same steps tracked on real tensors (their ratio).
 
-Run:  python benchmarks/estimate_speed.py          (default, ~1 minute on 2 cores)
-      python benchmarks/estimate_speed.py --quick  (sequence 256, batch 2)
+Run:  python -m benchmarks.estimate_speed          (default, ~1 minute on 2 cores)
+      python -m benchmarks.estimate_speed --quick  (sequence 256, batch 2)
 Writes benchmarks/results/estimate_speed{,_quick}.{md,json}.
 """
 
@@ -17,21 +17,17 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks._results import environment, save_results
+from lightning_efficient.measure import estimate_memory, measure_step
+from lightning_efficient.measure.memory.estimate import CATEGORIES
+from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, save_results  # noqa: E402
-
-from lightning_efficient.measure import estimate_memory, measure_step  # noqa: E402
-from lightning_efficient.measure.memory.estimate import CATEGORIES  # noqa: E402
-from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 
 GIB = 2**30
 
@@ -152,7 +148,7 @@ def main() -> None:
     md += [
         f"Hardware/versions: {env['host']}, {env['threads']} torch threads, Python {env['python']}, "
         f"torch {env['torch']}, transformers {env['transformers']}. Command: "
-        f"`python benchmarks/estimate_speed.py{' --quick' if args.quick else ''}`."
+        f"`python -m benchmarks.estimate_speed{' --quick' if args.quick else ''}`."
     ]
     print()
     stem = args.out or ROOT / "benchmarks" / "results" / (

@@ -10,70 +10,36 @@
    1024, micro-batch 30, bf16-mixed + adamw8bit + checkpointing + chunked loss (the stack of
    issue 39): the techniques switch the cache off for training, so both estimate the same peak.
 
-Run:  python benchmarks/finetune.py     (about 15 minutes on 2 busy cores)
+Run:  python -m benchmarks.finetune     (about 15 minutes on 2 busy cores)
 Writes benchmarks/results/finetune.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import torch  # noqa: E402
-from _gpu_common import build_model, meta_batch  # noqa: E402
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import TARGET, build_model, hf_loss, llama3_8b_lora, meta_batch
+from lightning_efficient import (
     ActivationCheckpointing,
     ChunkedCrossEntropy,
     FrozenWeights4bit,
     OptimizerSwap,
 )
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
-TARGET = DeviceTarget("cuda", (9, 0), (2, 11), name="H100")
-LLAMA3_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-)
 SEQ = 2048
 STACKS: list[tuple[str, list[str]]] = [
     ("LoRA (no technique)", []),
     ("LoRA + 4-bit frozen weights + checkpointing + chunked loss", ["4bit", "ac", "cce"]),
 ]
 BUILD = {"4bit": FrozenWeights4bit, "ac": ActivationCheckpointing, "cce": ChunkedCrossEntropy}
-
-
-def llama3_8b_lora(dims: dict[str, Any] = LLAMA3_8B) -> torch.nn.Module:
-    """The Llama-3-8B shape on ``meta`` in bf16, with PEFT LoRA r=16 on every block's linear."""
-    import peft
-    import transformers
-
-    config = transformers.LlamaConfig(**dims, use_cache=True)  # the default a user loads
-    with torch.device("meta"):
-        base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
-    return peft.get_peft_model(base, lora)
-
-
-def hf_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    return model(input_ids=batch[0], labels=batch[0]).loss
 
 
 def llama_rows() -> tuple[list[list[str]], list[dict[str, Any]]]:
@@ -194,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             table(["use_cache", "Stack", "Peak GiB", "Cache named"], gpt2),
             "",
-            provenance(environment(), "python benchmarks/finetune.py"),
+            provenance(environment(), "python -m benchmarks.finetune"),
         ]
     )
     save_results(

@@ -1,6 +1,6 @@
 """Which blocks "auto" checkpoints, and what they free, on the gallery of model families.
 
-The gallery (``tests/gallery_models.py``): ResNet-, ConvNeXt-, U-Net- and DenseNet-like CNNs with
+The gallery (``workloads.GALLERY``): ResNet-, ConvNeXt-, U-Net- and DenseNet-like CNNs with
 BatchNorm/LayerNorm written for the tests, and ViT, T5, Llama (SDPA) and BERT built from tiny
 ``transformers`` configs, at the test shapes. For each, the instrument's fake-tensor estimate
 (nothing runs, nothing is allocated: the figures do not depend on this machine) of one training
@@ -14,14 +14,13 @@ step's forward/backward peak:
 - best class: the single block class whose checkpointing frees the most, every non-container
   block class of the model tried.
 
-    python benchmarks/gallery_blocks.py
+    python -m benchmarks.gallery_blocks
 
 Prints a table and saves benchmarks/results/gallery_blocks.{md,json}.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,21 +28,17 @@ from typing import Any
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import environment, fmt_bytes, save_results, table  # noqa: E402
-from gallery_models import GALLERY  # noqa: E402
-
-from lightning_efficient.functional import find_repeated_blocks  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
+from benchmarks._results import environment, fmt_bytes, save_results, table
+from benchmarks.workloads import GALLERY
+from lightning_efficient.functional import find_repeated_blocks
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.techniques.activation_checkpointing import (
     apply_activation_checkpointing,
     rank_blocks,
     remove_activation_checkpointing,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -150,7 +145,7 @@ def main() -> None:
         " one step, stateless SGD), as a share of the plain run's activations. Ranking time:"
         " `rank_blocks` (the plain estimate and one per group, 1 torch thread; the machine was"
         " shared with other jobs).\n\n"
-        "Command: `python benchmarks/gallery_blocks.py`\n\nEnvironment: "
+        "Command: `python -m benchmarks.gallery_blocks`\n\nEnvironment: "
         + ", ".join(f"{k} {v}" for k, v in env.items())
         + "\n"
     )

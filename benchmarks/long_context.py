@@ -16,12 +16,12 @@ estimator for a CUDA target, with today's stack and with the long-context option
    with checkpointing alone and with each option, side by side in one process, interleaved (CPU
    seconds of the process on one thread: the 2 cores are shared).
 
-Run:  python benchmarks/long_context.py     (about 15-30 minutes on 2 busy cores)
-      python benchmarks/long_context.py --quick   (the time part only, a minute)
+Run:  python -m benchmarks.long_context     (about 15-30 minutes on 2 busy cores)
+      python -m benchmarks.long_context --quick   (the time part only, a minute)
   or the two searches side by side, then the rest:
-      python benchmarks/long_context.py --stack today --partial a.json &
-      python benchmarks/long_context.py --stack "long context" --partial b.json
-      python benchmarks/long_context.py --from-partials a.json b.json
+      python -m benchmarks.long_context --stack today --partial a.json &
+      python -m benchmarks.long_context --stack "long context" --partial b.json
+      python -m benchmarks.long_context --from-partials a.json b.json
 Writes benchmarks/results/long_context.{md,json}.
 """
 
@@ -30,26 +30,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
 
-import torch  # noqa: E402
-from _gpu_common import meta_batch  # noqa: E402
-from _results import environment, provenance, save_json, save_results, table  # noqa: E402
-from finetune import TARGET, hf_loss, llama3_8b_lora  # noqa: E402
-
-from lightning_efficient import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_json, save_results, table
+from benchmarks.workloads import TARGET, hf_loss, llama3_8b_lora, meta_batch
+from lightning_efficient import (
     ActivationCheckpointing,
     ChunkedCrossEntropy,
     FrozenWeights4bit,
 )
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
 BUDGETS_GIB = (16, 24, 48, 80)
@@ -396,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             table(["Variant", "s / step", "x checkpointing"], [list(r.values()) for r in timing]),
             "",
-            provenance(environment(), "python benchmarks/long_context.py"),
+            provenance(environment(), "python -m benchmarks.long_context"),
         ]
     )
     save_results(

@@ -16,10 +16,10 @@ Everything is measured in the same run on this machine:
   bitsandbytes' ``AdamW32bit``: the same update as AdamW with 32-bit states, so it differs from
   AdamW by rounding only; ``--seeds N`` repeats every run for seeds 0..N-1 (model init).
 
-    python benchmarks/optimizers.py            # default (about 3 minutes on 2 idle cores)
-    python benchmarks/optimizers.py --quick    # fewer timing rounds and training steps
-    python benchmarks/optimizers.py --seeds 5 --convergence-only  # the adamw8bit question
-    python benchmarks/optimizers.py --seeds 3 --convergence-only --gradient-clip 1.0
+    python -m benchmarks.optimizers            # default (about 3 minutes on 2 idle cores)
+    python -m benchmarks.optimizers --quick    # fewer timing rounds and training steps
+    python -m benchmarks.optimizers --seeds 5 --convergence-only  # the adamw8bit question
+    python -m benchmarks.optimizers --seeds 3 --convergence-only --gradient-clip 1.0
 
 Prints a table and saves benchmarks/results/optimizers{,_quick}{,_convergence}{,_clipped}.{md,json}.
 """
@@ -36,17 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import QUIET_TRAINER, save_results  # noqa: E402
-from _results import environment as base_environment  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes  # noqa: E402
-from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.memory.track import measure_step  # noqa: E402
-from lightning_efficient.measure.speed.timing import time_fn  # noqa: E402
-from lightning_efficient.techniques.optimizers import (  # noqa: E402
+from benchmarks._results import QUIET_TRAINER, save_results
+from benchmarks._results import environment as base_environment
+from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.demos import TextDataModule, TinyGPT
+from lightning_efficient.measure.memory.track import measure_step
+from lightning_efficient.measure.speed.timing import time_fn
+from lightning_efficient.techniques.optimizers import (
     EIGHT_BIT_NAMES,
     OptimizerSwap,
     attach_optimizer_in_backward,
@@ -321,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         conv_cfg, steps, conv_batch, list(range(args.seeds)), labels, args.gradient_clip
     )
     env = environment()
-    command = "python benchmarks/optimizers.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.optimizers" + (" --quick" if args.quick else "")
     command += f" --seeds {args.seeds}" if args.seeds != 1 else ""
     command += " --convergence-only" if args.convergence_only else ""
     command += f" --gradient-clip {args.gradient_clip}" if args.gradient_clip else ""

@@ -1,6 +1,6 @@
 """SequencePacking: tokens/s of packed rows against padded batches, and the loss of both.
 
-The documents (``_documents.py``, the workload the GPU suite's packing rows train on too): the
+The documents (``workloads.py``, the workload the GPU suite's packing rows train on too): the
 paragraphs of the text that ships with Python (``pydoc_data.topics``), bytes as tokens
 (vocabulary 256), cut to at most ``ROW`` tokens (a longer paragraph becomes pieces), shuffled with
 a fixed seed; ``--docs`` of them train, 64 others are held out. A long-tail distribution: most
@@ -24,15 +24,14 @@ process (the cores are shared, CPU time is steadier), the share of slots that ho
 the loss: the training loss against the tokens seen (in tenths of the epoch) and the token-mean
 loss on the held-out documents after the epoch (each document alone).
 
-Run:  python benchmarks/packing.py          (a few minutes on 2 busy cores)
-      python benchmarks/packing.py --quick  (fewer documents, a smaller model)
+Run:  python -m benchmarks.packing          (a few minutes on 2 busy cores)
+      python -m benchmarks.packing --quick  (fewer documents, a smaller model)
 Writes benchmarks/results/packing{,_quick}.{md,json} (``--out STEM``: STEM.{md,json}).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,22 +39,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _documents import ROW, ROWS, SEED, Items, llama, pad_batch, paragraphs  # noqa: E402
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient.techniques.packing import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import ROW, ROWS, SEED, Items, docs_llama, pad_batch, paragraphs
+from lightning_efficient.techniques.packing import (
     apply_document_attention,
     pack_dataloader,
 )
 
-
-def model(quick: bool) -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    return llama(64 if quick else 128)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def targets(batch: dict[str, torch.Tensor]) -> int:
@@ -131,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     packed_loader = pack_dataloader(DataLoader(data, batch_size=ROWS), ROW, seed=SEED, shuffle=True)
     same_steps = round(count / len(packed_loader))  # documents a packed step holds, on average
     for name, size in (("padded", ROWS), ("packed", ROWS), ("padded, same steps", same_steps)):
-        net = model(args.quick)
+        net = docs_llama(args.quick)
         g = torch.Generator().manual_seed(SEED)
         loader = DataLoader(data, batch_size=size, shuffle=True, generator=g, collate_fn=pad_batch)
         if name == "packed":
@@ -163,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     ]
     env = environment(("torch", "lightning", "transformers"))
-    command = "python benchmarks/packing.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.packing" + (" --quick" if args.quick else "")
     median = sorted(lengths)[len(lengths) // 2]
     text = "\n".join(
         [

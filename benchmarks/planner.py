@@ -12,48 +12,33 @@ With ``--ranks 2,8`` the plans are for several ranks: the batch is one rank's, e
 one rank's, and the ladder shards the state across the ranks (FSDP) before it offloads; the
 results add the whole ladder at 8 ranks (every rung estimated) for the last budget.
 
-Run:  python benchmarks/planner.py          (GPT-2 small, seq 1024, batch 8)
-      python benchmarks/planner.py --quick  (sequence 256, batch 2)
-      python benchmarks/planner.py --ranks 2,8
+Run:  python -m benchmarks.planner          (GPT-2 small, seq 1024, batch 8)
+      python -m benchmarks.planner --quick  (sequence 256, batch 2)
+      python -m benchmarks.planner --ranks 2,8
 Writes benchmarks/results/planner{,_quick,_ranks}.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import gpt2, hf_loss
+from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.planning import plan_stack
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes  # noqa: E402
-from lightning_efficient.planning import plan_stack  # noqa: E402
 
 
 def _bytes_cells(row: dict) -> tuple[str, str, str]:
     """A row's device peak, reserved and host bytes as table cells ("-" where none)."""
     keys = ("peak_bytes", "reserved_bytes", "host_bytes")
     return tuple(format_bytes(row[k]) if row.get(k) else "-" for k in keys)
-
-
-def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(use_cache=False)
-    with torch.device("meta"):
-        return GPT2LMHeadModel(config)
-
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=batch, labels=batch).loss
 
 
 def main() -> None:
@@ -78,7 +63,7 @@ def main() -> None:
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = plan_stack(model, ids, budget, optimizer="adamw", loss_fn=lm_loss)
+            result = plan_stack(model, ids, budget, optimizer="adamw", loss_fn=hf_loss)
         seconds = time.perf_counter() - start
         chosen = result.chosen
         est = next((e for r, e, _ in result.tried if r is chosen), None)
@@ -113,7 +98,7 @@ def main() -> None:
             align="llrrrrr",
         ),
         "",
-        provenance(env, f"python benchmarks/planner.py{' --quick' if args.quick else ''}"),
+        provenance(env, f"python -m benchmarks.planner{' --quick' if args.quick else ''}"),
     ]
     stem = args.out or ROOT / "benchmarks" / "results" / (
         "planner_quick" if args.quick else "planner"
@@ -135,7 +120,7 @@ def ranks_main(args: argparse.Namespace) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 result = plan_stack(
-                    model, ids, budget, optimizer="adamw", loss_fn=lm_loss, world_size=world
+                    model, ids, budget, optimizer="adamw", loss_fn=hf_loss, world_size=world
                 )
             seconds = time.perf_counter() - start
             chosen = result.chosen
@@ -165,7 +150,7 @@ def ranks_main(args: argparse.Namespace) -> None:
             ids,
             budgets[-1],
             optimizer="adamw",
-            loss_fn=lm_loss,
+            loss_fn=hf_loss,
             world_size=world,
             try_all=True,
         )
@@ -190,7 +175,7 @@ def ranks_main(args: argparse.Namespace) -> None:
         ),
     ]
     env = {**environment(("torch", "transformers")), "threads": torch.get_num_threads()}
-    command = f"python benchmarks/planner.py --ranks {args.ranks}{' --quick' if args.quick else ''}"
+    command = f"python -m benchmarks.planner --ranks {args.ranks}{' --quick' if args.quick else ''}"
     lines += [
         "",
         f"#### Every rung at {world} ranks, budget {budgets[-1]} per rank",

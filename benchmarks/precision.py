@@ -6,8 +6,8 @@ Each precision trains the same TinyGPT (same seed, same batches) with the Lightn
 exact peak bytes of a training step on fake tensors, per category); the losses are the last training
 loss and the validation loss after training. Ratios are against fp32 in the same run.
 
-    python benchmarks/precision.py            # TinyGPT 4 x 128, seq 128, batch 16, 60 steps
-    python benchmarks/precision.py --quick    # 2 x 64, seq 64, 20 steps
+    python -m benchmarks.precision            # TinyGPT 4 x 128, seq 128, batch 16, 60 steps
+    python -m benchmarks.precision --quick    # 2 x 64, seq 64, 20 steps
 
 Prints a table and saves benchmarks/results/precision.{md,json}.
 """
@@ -16,22 +16,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
-
-from lightning_efficient.core.validate import format_bytes  # noqa: E402
-from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.speed.timing import StepTimer  # noqa: E402
-from lightning_efficient.techniques.precision import best_precision  # noqa: E402
+from benchmarks._results import QUIET_TRAINER, environment, save_results
+from lightning_efficient.core.validate import format_bytes
+from lightning_efficient.demos import TextDataModule, TinyGPT
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.speed.timing import StepTimer
+from lightning_efficient.techniques.precision import best_precision
 
 RESULTS = Path(__file__).parent / "results"
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -106,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["val_loss_vs_fp32"] = r["val_loss"] / ref["val_loss"] - 1
     env = {**environment(("torch", "lightning")), "torch threads": str(torch.get_num_threads())}
     meta = {
-        "command": "python benchmarks/precision.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.precision" + (" --quick" if args.quick else ""),
         "model": f"TinyGPT n_layer={model_cfg['n_layer']} n_embd={model_cfg['n_embd']} seq_len={model_cfg['seq_len']} "
         f"batch={data_cfg['batch_size']}, {steps} steps, AdamW",
         "hardware": f"{env['host']}, {env['torch threads']} torch threads, "

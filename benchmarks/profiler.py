@@ -22,9 +22,9 @@ In one run:
    dominates memory (with a memory budget just above its peak), and a balanced run; the advice
    each one gets.
 
-    python benchmarks/profiler.py                    # default (about 5 minutes on 2 CPU cores)
-    python benchmarks/profiler.py --only overhead    # the start-to-start overhead alone
-    python benchmarks/profiler.py --quick            # a smoke run
+    python -m benchmarks.profiler                    # default (about 5 minutes on 2 CPU cores)
+    python -m benchmarks.profiler --only overhead    # the start-to-start overhead alone
+    python -m benchmarks.profiler --quick            # a smoke run
 
 Prints the tables and saves ``benchmarks/results/profiler.{md,json}``.
 """
@@ -38,7 +38,6 @@ import io
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -49,16 +48,13 @@ from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks._results import QUIET_TRAINER, environment, save_results
+from lightning_efficient.demos import TextDataModule, TinyGPT
+from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory
+from lightning_efficient.measure.speed.fetch_watch import FetchWatch
+from lightning_efficient.measure.speed.flops import count_flops
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import QUIET_TRAINER, environment, save_results  # noqa: E402
-
-from lightning_efficient.demos import TextDataModule, TinyGPT  # noqa: E402
-from lightning_efficient.measure import MemoryBreakdown, StepProfiler, estimate_memory  # noqa: E402
-from lightning_efficient.measure.speed.fetch_watch import FetchWatch  # noqa: E402
-from lightning_efficient.measure.speed.flops import count_flops  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = dict(seq_len=128, n_layer=4, n_embd=128, n_head=4, dropout=0.1)
@@ -396,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = flops_rows(args.quick)
         verdict = verdicts()
 
-    command = "python benchmarks/profiler.py" + " ".join(
+    command = "python -m benchmarks.profiler" + " ".join(
         [""]
         + (["--quick"] if args.quick else [])
         + ([f"--only {args.only}"] if args.only else [])
@@ -518,7 +514,7 @@ def render(env: dict, overhead: dict, flops: list[dict] | None, verdict: list[di
             "",
             *[f"- {v['run']}: {v['first_reason']}" for v in verdict if v["first_reason"]],
         ]
-    lines += ["", "MFU on a GPU: not measured here (`benchmarks/gpu_suite.py` part 5 does)."]
+    lines += ["", "MFU on a GPU: not measured here (`benchmarks/gpu/suite.py` part 5 does)."]
     return "\n".join(lines)
 
 

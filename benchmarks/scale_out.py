@@ -5,7 +5,7 @@
 FullyShardedStrategy runs of two tiny GPT sizes, FULL_SHARD and SHARD_GRAD_OP, on this CPU
 (tests/_fsdp_fit.py): the tracked peak per rank against the per-rank estimate of the same step.
 
-    PYTHONPATH=. python benchmarks/scale_out.py [--measure]
+    PYTHONPATH=. python -m benchmarks.scale_out [--measure]
 
 Prints a table and saves benchmarks/results/scale_out.{md,json}.
 """
@@ -21,18 +21,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, fmt_bytes, save_results, table  # noqa: E402
-
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.memory.per_rank import (  # noqa: E402
+from benchmarks._results import environment, fmt_bytes, save_results, table
+from benchmarks.workloads import tiny_model
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.per_rank import (
     parameter_bytes,
     per_rank_estimate,
     root_parameter_bytes,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHARDINGS = {
     "DDP": "ddp",
@@ -104,9 +102,6 @@ def measured() -> dict:
     """Real 2-process FullyShardedStrategy fits (CPU, gloo) of two sizes with activation
     checkpointing and the small one without, under FULL_SHARD and SHARD_GRAD_OP: the tracked peak of step 1 on each rank, and the
     per-rank estimate of the same step."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import tiny_model
-
     from lightning_efficient.techniques.activation_checkpointing import (
         apply_activation_checkpointing,
     )
@@ -256,7 +251,7 @@ def main() -> None:
         ]
     env = data["environment"]
     text += ["", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
-    text += ["", "Command: `PYTHONPATH=. python benchmarks/scale_out.py --measure`"]
+    text += ["", "Command: `PYTHONPATH=. python -m benchmarks.scale_out --measure`"]
     save_results(ROOT / "benchmarks" / "results" / "scale_out", "\n".join(text), data)
 
 

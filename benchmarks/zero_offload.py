@@ -20,9 +20,9 @@ GPU mode (--gpu; needs CUDA): the same ladder trained for real, 2 steps each, wi
   subprocess and the largest that trains (no OOM) is reported. Host RAM bounds the largest
   offloaded model (about 20-24 bytes per parameter on the host at fp32, table 3).
 
-Run:  python benchmarks/zero_offload.py           (CPU estimates, a few minutes on 2 cores)
-      python benchmarks/zero_offload.py --quick   (TinyGPT table, GPT-2 124M only, host table)
-      python benchmarks/zero_offload.py --gpu     (real training on a CUDA device)
+Run:  python -m benchmarks.zero_offload           (CPU estimates, a few minutes on 2 cores)
+      python -m benchmarks.zero_offload --quick   (TinyGPT table, GPT-2 124M only, host table)
+      python -m benchmarks.zero_offload --gpu     (real training on a CUDA device)
 Writes benchmarks/results/zero_offload{,_quick,_gpu}.{md,json}.
 """
 
@@ -40,14 +40,11 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import QUIET_TRAINER, save_results
+from benchmarks._results import environment as base_environment
+from lightning_efficient.core.validate import parse_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import QUIET_TRAINER, save_results  # noqa: E402
-from _results import environment as base_environment  # noqa: E402
-
-from lightning_efficient.core.validate import parse_bytes  # noqa: E402
 
 GIB = 2**30
 #: GPT-2 / GPT-3 shapes: (name, n_layer, n_embd); head size 64
@@ -518,7 +515,7 @@ def main() -> None:
     cap = parse_bytes("--cap", args.cap)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     command = (
-        "python benchmarks/zero_offload.py"
+        "python -m benchmarks.zero_offload"
         + (" --quick" if args.quick else "")
         + (" --gpu" if args.gpu else "")
     )

@@ -11,9 +11,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from gallery_models import GALLERY, ResNetLike
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.workloads import GALLERY, ResNetLike
 from lightning_efficient.demos import TinyGPT
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from _batch_size_helpers import OOMGPT
-from helpers import TINY_MODEL, fit, params_of
+from helpers import fit, params_of
 
+from benchmarks.workloads import TINY_MODEL
 from lightning_efficient.techniques.batch_size import EfficientBatchSize
 
 

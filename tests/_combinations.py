@@ -22,10 +22,11 @@ import json
 from pathlib import Path
 
 import torch
-from helpers import TINY_MODEL, fit, tiny_data
+from helpers import fit
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
+from benchmarks.workloads import TINY_MODEL, tiny_data
 from lightning_efficient.core.report import report_for
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.techniques import (

@@ -8,9 +8,10 @@ rank 1's at step 14, their mean at step 10. A NaN is injected into rank 1's batc
 import json
 from pathlib import Path
 
-from helpers import fit, tiny_model
+from helpers import fit
 from test_early_stopping import NaNAt
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.techniques import DivergenceGuard, EarlyStopper
 
 

@@ -23,8 +23,9 @@ import lightning.pytorch as pl
 import torch
 from _batch_size_helpers import OOMGPT
 from _early_stopping_ddp import run
-from helpers import TINY_MODEL, fit, interleaved_data, tiny_model
+from helpers import fit
 
+from benchmarks.workloads import TINY_MODEL, interleaved_data, tiny_model
 from lightning_efficient.core import _internals
 from lightning_efficient.core.report import report_for
 from lightning_efficient.techniques import ActivationCheckpointing

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers import SaveAt, fit, interleaved_data, tiny_model
+from helpers import SaveAt, fit
 from lightning.pytorch import Callback
 
+from benchmarks.workloads import interleaved_data, tiny_model
 from lightning_efficient import techniques
 from lightning_efficient.core.report import report_for
 from lightning_efficient.techniques import fsdp

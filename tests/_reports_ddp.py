@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 
 import torch
-from helpers import fit, tiny_model
+from helpers import fit
 from lightning.pytorch import Callback
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.measure import MemoryBreakdown, StepProfiler
 from lightning_efficient.techniques import DivergenceGuard, EarlyStopper

@@ -1,4 +1,5 @@
-"""Tiny models, data and trainers shared by the tests (CPU, seconds per fit)."""
+"""Trainers and fits shared by the tests (CPU, seconds per fit); the tiny models and data they
+train are ``benchmarks.workloads``'."""
 
 from __future__ import annotations
 
@@ -11,18 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
 
-from lightning_efficient.demos import TextDataModule, TinyGPT
-
-TINY_MODEL = dict(seq_len=32, n_layer=2, n_embd=32, n_head=2, dropout=0.0, warmup_steps=2)
-TINY_DATA = dict(batch_size=4, seq_len=32, max_train_samples=64)
-
-
-def tiny_model(**overrides: Any) -> TinyGPT:
-    return TinyGPT(**{**TINY_MODEL, **overrides})
-
-
-def tiny_data(**overrides: Any) -> TextDataModule:
-    return TextDataModule(**{**TINY_DATA, **overrides})
+from benchmarks.workloads import tiny_data, tiny_model
 
 
 class LossRecorder(Callback):
@@ -87,28 +77,6 @@ def fit(
     return trainer, model, recorder
 
 
-class HFGPT2(pl.LightningModule):
-    """A tiny Hugging Face GPT-2 built from its default config (``use_cache=True``) unless told,
-    trained with SGD (no 8-bit rung, so a planner's stacks are exact)."""
-
-    def __init__(self, use_cache: bool = True, *, n_embd: int = 64, momentum: float = 0.0) -> None:
-        super().__init__()
-        import transformers
-
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=n_embd, n_layer=2, n_head=2, use_cache=use_cache
-        )
-        self.model = transformers.GPT2LMHeadModel(config)
-        self.momentum = momentum
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum)
-
-
 @contextlib.contextmanager
 def no_collector() -> Iterator[None]:
     """Keep Python's cyclic collector out of a timed fit: late in a full run a worker's heap is
@@ -136,43 +104,6 @@ def subprocess_timeout(seconds: float) -> float:
     except OSError:  # pragma: no cover - platforms without a load average
         load = 1.0
     return seconds * max(1.0, load) * float(os.environ.get("LE_TEST_TIMEOUT_SCALE", "1"))
-
-
-class _Interleaved(torch.utils.data.Sampler):
-    """Rank r of w reads samples r, r + w, r + 2w, ... (the world read when iterated)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        return len(range(0, self.n, world))
-
-    def __iter__(self):
-        import torch.distributed as dist
-
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        return iter(range(rank, self.n, world))
-
-
-def interleaved_data(batch_size: int, **overrides: Any) -> Any:
-    """``tiny_data`` in a fixed order, each rank reading every world-size-th sample: with
-    ``use_distributed_sampler=False``, w ranks at ``batch_size`` read together what one process
-    reads at ``w * batch_size`` (the same samples, step by step)."""
-    from torch.utils.data import DataLoader
-
-    data = tiny_data(batch_size=batch_size, **overrides)
-
-    def train_dataloader() -> DataLoader:
-        n = len(data.train_set)
-        return DataLoader(
-            data.train_set, batch_size=batch_size, sampler=_Interleaved(n), drop_last=True
-        )
-
-    data.train_dataloader = train_dataloader
-    return data
 
 
 def launch(

@@ -12,9 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fit, tiny_model
+from helpers import fit
 from torch import nn
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.demos.tinygpt import Block

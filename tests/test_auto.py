@@ -13,8 +13,9 @@ import torch
 import yaml
 from _auto_families import FAMILIES, FamilyData, family
 from _batch_size_helpers import OOMGPT
-from helpers import HFGPT2, TINY_MODEL, SaveAt, fit, tiny_data
+from helpers import SaveAt, fit
 
+from benchmarks.workloads import TINY_MODEL, TinyHFGPT2, tiny_data
 from lightning_efficient import AutoEfficient, MemoryBreakdown
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import SettingsError
@@ -453,7 +454,7 @@ def test_every_rung_estimated_as_autoefficient_trains_it() -> None:
     from lightning_efficient.planning.ladder import ADAMW8BIT
 
     def bytes_of(use_cache: bool, rung: Rung) -> tuple[float, Any]:
-        model = HFGPT2(use_cache, momentum=0.9)
+        model = TinyHFGPT2(use_cache, momentum=0.9)
         ids = torch.zeros(8, 32, dtype=torch.long)
         settings = {"precision": "32-true", "device": "cpu", "optimizer": "adamw"}
         measure = auto_fit.estimate_measure(model, lambda n: (ids[:n],), 2**40, 8, settings)
@@ -475,12 +476,12 @@ def test_default_gpt2_config_gets_the_same_micro_batch_and_losses(tmp_path) -> N
     cache matters for (the cache-off model's own step at the whole batch), the same micro-batch
     as with ``use_cache=False``, and the same losses."""
     off = AutoEfficient(budget="1TiB", trial=False)
-    _, _, rec_off = fit(tmp_path / "off", [off], model=HFGPT2(False, momentum=0.9), data=_gpt2_data(),
+    _, _, rec_off = fit(tmp_path / "off", [off], model=TinyHFGPT2(False, momentum=0.9), data=_gpt2_data(),
                         max_steps=3, limit_val_batches=0)  # fmt: skip
     assert (off.decision.rung.name, off.decision.micro) == ("as configured", 8)
     budget = int(off.decision.estimate_bytes)  # the cache-off step at the whole batch fits it
     on = AutoEfficient(budget=budget, trial=False)
-    _, module, rec_on = fit(tmp_path / "on", [on], model=HFGPT2(True, momentum=0.9), data=_gpt2_data(),
+    _, module, rec_on = fit(tmp_path / "on", [on], model=TinyHFGPT2(True, momentum=0.9), data=_gpt2_data(),
                             max_steps=3, limit_val_batches=0)  # fmt: skip
     assert dict(on.decision.tried)["as configured"].startswith("does not fit")  # the cache's cost
     assert on.decision.micro == off.decision.micro == 8

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 from _auto_families import FAMILIES, FamilyData, family
-from helpers import TINY_MODEL, SaveAt, fit, params_of
+from helpers import SaveAt, fit, params_of
 
+from benchmarks.workloads import TINY_MODEL
 from lightning_efficient import AutoEfficient
 from lightning_efficient.planning import fit as auto_fit
 from lightning_efficient.planning.decision import Decision
@@ -215,7 +216,7 @@ class ManualGPT(SGDGPT):
     ],
 )
 def test_the_real_error_is_said(cls: type, error: type, match: str, tmp_path) -> None:
-    from helpers import tiny_data
+    from benchmarks.workloads import tiny_data
 
     with pytest.raises(error, match=match) as info:
         fit(tmp_path, [AutoEfficient(budget="1GiB")], model=cls(**TINY_MODEL),

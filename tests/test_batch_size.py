@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _batch_size_helpers import OOMGPT
-from helpers import TINY_MODEL, fit, params_of, tiny_data, tiny_model
+from helpers import fit, params_of
 from lightning.pytorch import Callback, LightningDataModule
 
+from benchmarks.workloads import TINY_MODEL, tiny_data, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.functional import (
     largest_fitting_batch,

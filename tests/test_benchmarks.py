@@ -17,15 +17,17 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: Files allowed to write JSON themselves, and why.
 ALLOWED = {
     "_results.py": "the one place the .md/.json pair is written",
-    "_gpu_common.py": "device-side part files handed back to gpu_suite.py (the Recorder)",
-    "_gpu_run.py": "a real run's spec and result files, between a part and its run process",
-    "_gpu_processes.py": "the context file handed to a device-side child, DeepSpeed's build flag "
+    "gpu/common.py": "device-side part files handed back to gpu/suite.py (the Recorder)",
+    "gpu/run.py": "a real run's spec and result files, between a part and its run process",
+    "gpu/processes.py": "the context file handed to a device-side child, DeepSpeed's build flag "
     "(the suite's results go through _results)",
-    "make_index.py": "reads the results files and writes docs/index.md (no results of its own)",
-    "charts.py": "reads the results files and draws docs/img (no results of its own)",
+    "site/make_index.py": "reads the results files and writes docs/index.md (no results of its own)",
+    "site/charts.py": "reads the results files and draws docs/img (no results of its own)",
 }
 
-SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name not in ALLOWED)
+SCRIPTS = sorted(
+    p for p in BENCHMARKS.rglob("*.py") if p.relative_to(BENCHMARKS).as_posix() not in ALLOWED
+)
 
 
 def _mentions(node: ast.AST, test) -> bool:
@@ -88,11 +90,13 @@ def test_there_are_scripts_to_check():
     assert {"batch_size.py", "optimizers.py", "zero_offload.py"} <= names
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(BENCHMARKS).as_posix())
 def test_benchmark_saves_through_results_module(script: Path):
     source = script.read_text()
     assert result_writes(source) == [], (
         f"{script.name} writes results itself; use _results.save_results(path, text, data)"
     )
     if "benchmarks/results" in source:
-        assert "from _results import" in source, f"{script.name} saves results without _results"
+        assert "from benchmarks._results import" in source, (
+            f"{script.name} saves results without _results"
+        )

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SaveAt, fit, params_of, tiny_model
+from helpers import SaveAt, fit, params_of
 from lightning.pytorch import Callback
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers import fit, tiny_data, tiny_model
+from helpers import fit
 
+from benchmarks.workloads import tiny_data, tiny_model
 from lightning_efficient.core.change import Change, ChangeLog, changes_for, patch_attribute
 from lightning_efficient.core.technique import Technique
 

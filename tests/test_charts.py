@@ -1,18 +1,18 @@
 """The pictures of the README and the method cards (issue 42): each is drawn by
-``benchmarks/charts.py`` from the committed ``benchmarks/results/*.json`` (``python
-benchmarks/make_index.py`` writes them all), so a chart a page links exists, is what its JSON draws
+``benchmarks/site/charts.py`` from the committed ``benchmarks/results/*.json`` (``python
+benchmarks/site/make_index.py`` writes them all), so a chart a page links exists, is what its JSON draws
 now (byte for byte: a stale or missing chart fails), says whether it is measured or estimated and
 on what, and stays small. Every card with a result table links at least one chart; the README's
 picture comes before the install command."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.site import charts
 
 pytest.importorskip(
     "matplotlib", reason="the charts need matplotlib: pip install 'lightning-efficient[plot]'"
@@ -24,15 +24,6 @@ IMG = DOCS / "img"
 MAX_CHART_BYTES, MAX_ALL_BYTES = 300_000, 5_000_000
 
 
-def _charts():
-    spec = importlib.util.spec_from_file_location("charts", ROOT / "benchmarks" / "charts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["charts"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-charts = _charts()
 CHARTS = {c.name: c for c in charts.CHARTS}
 
 
@@ -44,10 +35,10 @@ def _linked(page: Path) -> list[str]:
 @pytest.mark.parametrize("name", sorted(CHARTS))
 def test_chart_is_regenerated_from_its_json(name: str) -> None:
     chart = CHARTS[name]
-    assert chart.path.exists(), f"{chart.path} missing: run python benchmarks/make_index.py"
+    assert chart.path.exists(), f"{chart.path} missing: run python -m benchmarks.site.make_index"
     drawn = charts.render_chart(chart)
     assert chart.path.read_bytes() == drawn, (
-        f"{chart.path.name} is stale (its JSON changed): run python benchmarks/make_index.py"
+        f"{chart.path.name} is stale (its JSON changed): run python -m benchmarks.site.make_index"
     )
     text = drawn.decode()
     assert re.search(r"measured|estimated", text), "says neither measured nor estimated"

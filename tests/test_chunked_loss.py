@@ -15,13 +15,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fit, tiny_model
+from helpers import fit
 from torch import nn
 
+from benchmarks.workloads import LossHead, logits_loss, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.core.validate import SettingsError
-from lightning_efficient.demos.logits import LossHead, logits_loss
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (
@@ -386,7 +386,7 @@ def test_fit_with_a_metric_on_the_logits_falls_back_and_says_so_once(tmp_path) -
 
 
 def _with_accuracy() -> _WithAccuracy:
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     torch.manual_seed(0)
     return _WithAccuracy(**TINY_MODEL)
@@ -463,7 +463,9 @@ def test_under_fsdp_the_loss_comes_from_chunks_and_equals_the_plain_run(tmp_path
     import sys
     from pathlib import Path
 
-    from helpers import interleaved_data, subprocess_timeout
+    from helpers import subprocess_timeout
+
+    from benchmarks.workloads import interleaved_data
 
     here = Path(__file__).parent
     run = {"callbacks": {"ChunkedCrossEntropy": {"chunk_bytes": "64KiB"}}, "steps": 3}

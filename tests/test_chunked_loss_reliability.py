@@ -8,10 +8,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
 from torch import nn
 
-from lightning_efficient.demos.logits import GPTLike, llama_128k, logits_loss
+from benchmarks.workloads import GPTLike, llama_128k, logits_loss, tiny_model
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.chunked_loss import (

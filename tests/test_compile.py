@@ -14,10 +14,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch._dynamo
-from helpers import fit, tiny_model
+from helpers import fit
 from torch import nn
 from torch.utils.data import DataLoader
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core._internals import compiled_call
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning

@@ -18,12 +18,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from given import Snapshot
-from helpers import SaveAt, fit, launch, params_of, tiny_data, tiny_model
+from helpers import SaveAt, fit, launch, params_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping
 
+from benchmarks.workloads import tiny_data, tiny_model
 from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.core.change import changes_for
 from lightning_efficient.core.report import report_for

@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
-from helpers import SaveAt, fit, tiny_data, tiny_model
+from helpers import SaveAt, fit
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Subset
 
+from benchmarks.workloads import tiny_data, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.functional import (

@@ -11,10 +11,11 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, no_collector, tiny_data, tiny_model
+from helpers import fit, no_collector
 from lightning.pytorch import Callback
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
+from benchmarks.workloads import tiny_data, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.functional import (
     LengthBucketSampler,
@@ -292,7 +293,7 @@ class Counted(type(tiny_model())):
 def test_tuning_runs_no_training_step_of_its_own(tmp_path) -> None:
     """Issue 33 item 9: the step rate that bounds the worker search comes from the fit's own
     steps; no training_step runs out of band (a metric it updates counts the real steps)."""
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     model = Counted(**TINY_MODEL)
     trainer, rec, _ = _fit_batches(
@@ -309,7 +310,7 @@ def test_tuning_runs_no_training_step_of_its_own(tmp_path) -> None:
 def test_tuning_on_cuda_pins_times_the_fit_and_keeps_the_batches(tmp_path) -> None:
     """On CUDA: steps timed with CUDA events, pinned batches, the switch to workers mid-epoch on
     the plain run's batches, and no training_step of its own."""
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     def run(callbacks):
         pl.seed_everything(0, verbose=False)  # the same initial weights in both runs
@@ -759,7 +760,7 @@ def test_stall_monitor_counts_the_fetch_a_step_makes_itself(tmp_path) -> None:
     40 ms-a-batch loader against 1 ms of compute read 0.4% and no warning (the fetch was the
     step's). The in-step fetch is the wait now, as in the plain loop (400 ms a batch here: on a
     loaded machine the tiny model's steps took 1-1.6 s)."""
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     model = StepFetchesItsBatch(**TINY_MODEL)
     msgs, monitor, _ = _stall_warnings(tmp_path, 0.1, model=model, step_s=0.001)

@@ -94,19 +94,12 @@ def test_every_card_lists_the_bad_inputs_each_argument_refuses() -> None:
 
 
 def test_index_is_generated() -> None:
-    """docs/index.md is what `python benchmarks/make_index.py` writes from the registry and the
+    """docs/index.md is what `python -m benchmarks.site.make_index` writes from the registry and the
     benchmark results now (re-run the script after a benchmark or a new technique)."""
-    import importlib.util
-    import sys
+    from benchmarks.site import make_index
 
-    spec = importlib.util.spec_from_file_location(
-        "make_index", DOCS.parent / "benchmarks" / "make_index.py"
-    )
-    make_index = importlib.util.module_from_spec(spec)
-    sys.modules["make_index"] = make_index  # dataclasses look their module up there
-    spec.loader.exec_module(make_index)
     assert (DOCS / "index.md").read_text() == make_index.render(), (
-        "docs/index.md is stale: run python benchmarks/make_index.py"
+        "docs/index.md is stale: run python -m benchmarks.site.make_index"
     )
     from lightning_efficient import TECHNIQUES
 
@@ -114,3 +107,50 @@ def test_index_is_generated() -> None:
     assert all(f"`{t.__name__}`" in text for t in TECHNIQUES)
     for link in re.findall(r"\]\(([^)#]+)\)", text):  # every card, notebook and results file
         assert (DOCS / link).resolve().exists(), link
+
+
+#: A benchmark's command as the docs write it, and the old way (a script path) that no longer runs.
+BENCHMARK_COMMAND = re.compile(r"python3? -m (benchmarks(?:\.\w+)+)(\.<\w+>)?")
+SCRIPT_COMMAND = re.compile(r"python3? benchmarks/[\w/]+\.py")
+
+
+def benchmark_command_faults(text: str, root: Path) -> list[str]:
+    """The benchmark commands in ``text`` that would not run from ``root``: a module that is not
+    there, or a script path (benchmarks run as modules, ``python -m benchmarks.<name>``)."""
+    faults = [f"{m}: run it as python -m benchmarks.<name>" for m in SCRIPT_COMMAND.findall(text)]
+    for module, placeholder in BENCHMARK_COMMAND.findall(text):
+        if placeholder:  # `python -m benchmarks.gpu.<part>`: a pattern, not a command
+            continue
+        path = root.joinpath(*module.split("."))
+        if not path.with_suffix(".py").exists():
+            faults.append(f"python -m {module}: no {path.relative_to(root)}.py")
+    return faults
+
+
+def test_benchmark_commands_name_modules_that_exist(tmp_path) -> None:
+    """Every benchmark command in the cards, the READMEs, the notebooks and the benchmarks'
+    own docstrings names a module of ``benchmarks/`` (checked to fail on a moved script)."""
+    root = DOCS.parent
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "here.py").write_text("")
+    assert benchmark_command_faults(
+        "python -m benchmarks.here\npython -m benchmarks.gone --quick\npython benchmarks/x.py\n"
+        "python -m benchmarks.here.<name>",
+        tmp_path,
+    ) == [
+        "python benchmarks/x.py: run it as python -m benchmarks.<name>",
+        "python -m benchmarks.gone: no benchmarks/gone.py",
+    ]
+    files = [
+        *DOCS.glob("*.md"),
+        root / "README.md",
+        root / "benchmarks" / "README.md",
+        *(root / "notebooks").glob("*.ipynb"),
+        *(root / "benchmarks").rglob("*.py"),
+    ]
+    found = {
+        f.relative_to(root).as_posix(): benchmark_command_faults(f.read_text(), root) for f in files
+    }
+    assert sum(len(BENCHMARK_COMMAND.findall(f.read_text())) for f in files) > 30, "commands read"
+    faults = [f"{name}: {fault}" for name, faults in found.items() for fault in faults]
+    assert not faults, "\n".join(faults)

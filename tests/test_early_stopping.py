@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_MODEL, fit, params_of, tiny_data, tiny_model
+from helpers import fit, params_of
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from benchmarks.workloads import TINY_MODEL, tiny_data, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.functional import (

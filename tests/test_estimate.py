@@ -10,10 +10,11 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, tiny_model
+from helpers import fit
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.validate import parse_bytes
 from lightning_efficient.measure import (
@@ -367,8 +368,7 @@ def test_estimate_renders() -> None:
 
 
 def test_training_step_without_batch_idx() -> None:
-    from helpers import TINY_MODEL
-
+    from benchmarks.workloads import TINY_MODEL
     from lightning_efficient.demos import TinyGPT
 
     class NoIdx(TinyGPT):
@@ -393,7 +393,7 @@ class SingleTensorAdamW(type(tiny_model())):
 def test_estimate_uses_the_configured_optimizer() -> None:
     """Without ``optimizer=``, the estimate builds what configure_optimizers returns (issue:
     a single-tensor AdamW was estimated with foreach's parameter-sized temporaries)."""
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     model = SingleTensorAdamW(**TINY_MODEL)
     est = estimate_memory(model, _batch())
@@ -409,8 +409,7 @@ def test_estimate_uses_the_configured_optimizer() -> None:
 
 
 def test_estimate_configured_optimizer_keeps_the_groups() -> None:
-    from helpers import TINY_MODEL
-
+    from benchmarks.workloads import TINY_MODEL
     from lightning_efficient.measure.memory.settings import configured_optimizer
 
     model = SingleTensorAdamW(**TINY_MODEL)
@@ -428,7 +427,7 @@ class NeedsTrainer(type(tiny_model())):
 
 
 def test_estimate_falls_back_when_configure_needs_a_trainer() -> None:
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     model = NeedsTrainer(**TINY_MODEL)
     est = estimate_memory(model, _batch())

@@ -2,7 +2,7 @@
 
 The fixture (``benchmarks/recorded/h200_2026-12-04.json``): ``torch.cuda.max_memory_allocated``
 of 2 Lightning training steps (batch 8 x 1024, AdamW, dropout 0.1) on an NVIDIA H200 (torch
-2.11.0+cu130, lightning 2.6.6, transformers 5.17; ``benchmarks/gpu_suite.py`` parts 2 and 3 at
+2.11.0+cu130, lightning 2.6.6, transformers 5.17; ``benchmarks/gpu/suite.py`` parts 2 and 3 at
 commit 40ad106). The CPU-side estimate was 1.98-2.78x these peaks without checkpointing; a CUDA
 target must reproduce each within 5%.
 """
@@ -10,20 +10,17 @@ target must reproduce each within 5%.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
 
 pytest.importorskip("transformers")
 
-from _gpu_common import AC, SWAP8, build_model, meta_batch  # noqa: E402
-
+from benchmarks.gpu.common import AC, SWAP8  # noqa: E402
+from benchmarks.workloads import build_model, meta_batch  # noqa: E402
 from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
 from lightning_efficient.measure.memory.targets import DeviceTarget  # noqa: E402
 

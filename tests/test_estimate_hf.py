@@ -105,8 +105,7 @@ def test_the_estimate_reads_trains_without_cache_once() -> None:
     (``Technique.trains_without_cache``); the estimate's plan reads the flag: a technique that
     declares it and changes nothing else estimates GPT-2 (``use_cache=True``) as without the
     cache, once for two of them, the config and the module untouched."""
-    from helpers import HFGPT2
-
+    from benchmarks.workloads import TinyHFGPT2
     from lightning_efficient.core.technique import Technique
     from lightning_efficient.techniques import (
         ActivationCheckpointing,
@@ -119,7 +118,7 @@ def test_the_estimate_reads_trains_without_cache_once() -> None:
 
     def estimate(use_cache: bool, *callbacks: Technique) -> object:
         return estimate_memory(
-            HFGPT2(use_cache), (torch.zeros(4, 32, dtype=torch.long),), callbacks=callbacks
+            TinyHFGPT2(use_cache), (torch.zeros(4, 32, dtype=torch.long),), callbacks=callbacks
         )
 
     cached, plain = estimate(True), estimate(False)

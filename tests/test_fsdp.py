@@ -19,16 +19,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import (
-    fit,
-    interleaved_data,
-    launch,
-    once_per_session,
-    subprocess_timeout,
-    tiny_model,
-)
+from helpers import fit, launch, once_per_session, subprocess_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from benchmarks.workloads import interleaved_data, tiny_model
 from lightning_efficient.core import compat
 from lightning_efficient.core.change import changes_for
 from lightning_efficient.core.environ import LauncherEnviron

@@ -7,10 +7,10 @@ import inspect
 
 import pytest
 import torch
-from helpers import tiny_model
 from torch.utils.data import DataLoader
 
 import lightning_efficient.functional as F
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core.change import Change
 
 

@@ -1,5 +1,5 @@
 """Auto block choice on models this project did not write: CNNs with BatchNorm (ResNet-, ConvNeXt-,
-U-Net- and DenseNet-like, written in gallery_models.py) and transformers models built from tiny
+U-Net- and DenseNet-like, written in benchmarks/workloads.py) and transformers models built from tiny
 configs (ViT, T5, Llama with SDPA, BERT).
 
 For each: the blocks "auto" chooses by measured saving cut the estimated activation memory by a
@@ -15,10 +15,10 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from gallery_models import GALLERY
-from helpers import fit, tiny_model, tiny_trainer
+from helpers import fit, tiny_trainer
 from torch import nn
 
+from benchmarks.workloads import GALLERY, tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
 from lightning_efficient.measure.memory.estimate import estimate_memory

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_suite.py: its dry run works end to end (so the GPU run is known to start), and
+"""benchmarks/gpu/suite.py: its dry run works end to end (so the GPU run is known to start), and
 its parsers, lookups and output are right. The dry run is the same script on the CPU."""
 
 from __future__ import annotations
@@ -18,23 +18,19 @@ KEYS = ["pytest", "estimate", "batch", "ladder", "speed", "compile", "finetune"]
 
 
 def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    """The suite's module ``benchmarks/gpu/<name>.py``."""
+    return importlib.import_module(f"benchmarks.gpu.{name}")
 
 
 @pytest.fixture(scope="module")
 def suite():
-    return _load("gpu_suite")
+    return _load("suite")
 
 
 @pytest.fixture(scope="module")
 def part1(suite):
-    """``_gpu_pytest.py``, part 1 (``pytest -m gpu``), as the suite imported it."""
-    return sys.modules["_gpu_pytest"]
+    """``pytest_part.py``, part 1 (``pytest -m gpu``), as the suite imported it."""
+    return sys.modules["benchmarks.gpu.pytest_part"]
 
 
 # -- the dry run -------------------------------------------------------------------------------
@@ -44,7 +40,7 @@ def test_dry_run_writes_every_part(suite, tmp_path) -> None:
     before = sorted(p.name for p in (BENCH / "results").glob("gpu_*"))
     # the caps scale with the budget: 4x the default leaves room for a machine whose cores are
     # shared (idle, the dry run takes about 2 minutes)
-    cmd = [sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.suite", "--dry-run", "--out", str(tmp_path)]
     cmd += ["--budget-s", "2160"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -160,7 +156,7 @@ def test_caps_fit_the_budget(suite) -> None:
     DeepSpeed's build runs alongside; part 4 waits for it within its cap. A part that overruns
     is taken from the last timed part, which the suite gives what is left (or skips)."""
     assert suite.TOTAL_S == 540
-    registry = sys.modules["_gpu_registry"]  # what the suite imported
+    registry = sys.modules["benchmarks.gpu.registry"]  # what the suite imported
     assert suite.PARTS is registry.PARTS  # the suite starts the registry's parts
     assert registry.critical_path_s() <= suite.TOTAL_S, registry.critical_path_s()
     assert [p.key for p in suite.PARTS] == KEYS
@@ -172,6 +168,16 @@ def test_caps_fit_the_budget(suite) -> None:
     # every part runs unless --parts says otherwise
     args = suite._parser().parse_args([])
     assert {int(x) for x in args.parts.split(",")} == {p.number for p in suite.PARTS}
+
+
+def test_part1_collects_the_files_with_the_gpu_mark(part1) -> None:
+    """Part 1 hands pytest the repository's test files that carry the mark (in any folder of
+    tests/), not the whole folder: from benchmarks/gpu/ the repository is two folders up (one up,
+    the suite found no tests/ there and collected every file, a minute's imports)."""
+    files = part1.gpu_test_files()
+    assert files != ["tests"] and all(f.startswith("tests/") for f in files), files
+    assert "tests/test_precision.py" in files
+    assert all("mark.gpu" in (ROOT / f).read_text() for f in files)
 
 
 def test_parse_junit_and_collect_only(part1, tmp_path) -> None:
@@ -363,7 +369,7 @@ def test_markdown_renders_every_part_shape(suite) -> None:
             "capability": "9.0",
             "total_memory_bytes": 141 * 10**9,
         },
-        "command": "python benchmarks/gpu_suite.py",
+        "command": "python -m benchmarks.gpu.suite",
         "started": "now",
         "total_s": 400.0,
         "budget_s": 480.0,
@@ -410,7 +416,7 @@ def test_mfu_uses_the_package_peaks_and_flops() -> None:
 
     from lightning_efficient.measure.speed.flops import GPU_PEAKS, count_flops, gpu_peak
 
-    common = _load("_gpu_common")
+    common = _load("common")
     for key, peaks in GPU_PEAKS.items():
         name = f"NVIDIA {key}"
         got, source = common.bf16_peak(name)
@@ -433,7 +439,7 @@ def test_every_part_runs_a_script_of_its_own() -> None:
     import ast
     import inspect
 
-    registry = _load("_gpu_registry")
+    registry = _load("registry")
     scripts = [p for p in registry.PARTS if p.script]
     assert [p.key for p in registry.PARTS if not p.script] == ["pytest"]
     assert len({p.script for p in scripts}) == len(scripts)
@@ -462,8 +468,8 @@ def test_finetune_part_says_peft_is_missing(suite, tmp_path, monkeypatch) -> Non
     package's name, instead of failing."""
     import time
 
-    common = _load("_gpu_common")
-    finetune = _load("_gpu_finetune")
+    common = _load("common")
+    finetune = _load("finetune")
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     ctx = common.Ctx(
         dry_run=True,
@@ -550,7 +556,7 @@ def _search(suite_search, pick: int, largest: int, k: int, top: int = 256, **dev
 
 @pytest.fixture(scope="module")
 def search_mod():
-    return _load("_gpu_search")
+    return _load("search")
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -589,31 +595,30 @@ def test_search_stops_at_an_error_and_when_nothing_fits(search_mod) -> None:
 
 
 def test_suite_runs_where_the_package_is_not_installed(tmp_path) -> None:
-    """On the GPU machine the project is not installed and the documented command has no
-    PYTHONPATH: the parent put only benchmarks/ on its path and stopped in _results.py with
-    ModuleNotFoundError. Run here with every installed copy of the package hidden, from
-    another folder: it finds the repository's own."""
+    """On the GPU machine the project is not installed and the documented command
+    (``python -m benchmarks.gpu.suite`` at the repository root) has no PYTHONPATH: run here with
+    every installed copy of the package hidden, it finds the repository's own (``-m`` puts the
+    working folder on the path), and so do its parts' processes."""
     shim = (
-        "import importlib.machinery, runpy, sys\n"
+        "import importlib.machinery, os, runpy, sys\n"
         f"ROOT = {str(ROOT)!r}\n"
         "class NotInstalled:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name != 'lightning_efficient':\n"
         "            return None\n"
-        "        here = [p for p in sys.path if p == ROOT]\n"
+        "        here = [p for p in sys.path if os.path.abspath(p or '.') == ROOT]\n"
         "        spec = importlib.machinery.PathFinder.find_spec(name, here) if here else None\n"
         "        if spec is None:\n"
         "            raise ModuleNotFoundError(\"No module named 'lightning_efficient'\")\n"
         "        return spec\n"
         "sys.meta_path.insert(0, NotInstalled())\n"
-        "sys.argv = ['gpu_suite.py', *sys.argv[1:]]\n"
-        f"runpy.run_path({str(BENCH / 'gpu_suite.py')!r}, run_name='__main__')\n"
+        "runpy.run_module('benchmarks.gpu.suite', run_name='__main__', alter_sys=True)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-c", shim, "--dry-run", "--parts", "0", "--out", str(out)],
-        cwd=tmp_path,
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -630,7 +635,7 @@ def _ctx(suite, tmp_path, seconds: float):
     """A dry run's context for a part run here, with ``seconds`` before its deadline."""
     import time
 
-    common = _load("_gpu_common")
+    common = _load("common")
     return common, common.Ctx(
         dry_run=True,
         device="cpu",
@@ -650,8 +655,8 @@ def test_packing_pair_dry_run(suite, tmp_path) -> None:
     of the long-tail documents, then SequencePacking's rows; tokens/s counts the documents' own
     tokens, so the ratio is the packer's gain (the fill of the timed steps shows why)."""
     common, ctx = _ctx(suite, tmp_path, 120)
-    speed = _load("_gpu_speed")
-    run = sys.modules["_gpu_run"]
+    speed = _load("speed")
+    run = sys.modules["benchmarks.gpu.run"]
     rec = common.Recorder(ctx.result_file)
     pool = run.RunPool(ctx)
     for name, spec in speed._packing_specs(ctx):
@@ -680,7 +685,7 @@ def test_ablation_keeps_the_packing_pairs_time(suite, tmp_path) -> None:
     """A row of the ablation that would eat into the packing pair's time is skipped, saying so;
     the pair itself is skipped only when less than half of its time is left for a run."""
     common, ctx = _ctx(suite, tmp_path, 25)
-    speed = _load("_gpu_speed")
+    speed = _load("speed")
     rec = common.Recorder(ctx.result_file)
     keep = ctx.profile["packing"]["need_s"]
     assert 0 < keep < 25 < 20 + keep
@@ -723,8 +728,8 @@ def test_allocator_row_dry_run(suite, tmp_path) -> None:
     setting before torch starts (on the CPU too, where it changes nothing): the run says it saw
     it. Its reserved bytes against the default's: the ratio of the same stack's two rows."""
     common, ctx = _ctx(suite, tmp_path, 240)
-    finetune = _load("_gpu_finetune")
-    run = sys.modules["_gpu_run"]
+    finetune = _load("finetune")
+    run = sys.modules["benchmarks.gpu.run"]
     f = ctx.profile["finetune"]
     dims = {k: f[k] for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate")}
     dims.update(vocab=f["vocab"], seq=f["seq"], dtype=f["dtype"], lora_r=f["lora_r"])
@@ -756,7 +761,12 @@ def test_packing_script_takes_out(tmp_path) -> None:
     before = results.stat().st_mtime_ns if results.exists() else None
     threads = torch.get_num_threads()
     try:
-        assert _load("packing").main(["--quick", "--docs", "16", "--out", str(tmp_path / "p")]) == 0
+        assert (
+            importlib.import_module("benchmarks.packing").main(
+                ["--quick", "--docs", "16", "--out", str(tmp_path / "p")]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)  # the script takes one thread
     data = json.loads((tmp_path / "p.json").read_text())
@@ -788,7 +798,7 @@ def test_a_stopped_suite_leaves_every_part_that_ended(suite, tmp_path) -> None:
     import time
 
     out = tmp_path / "out"
-    cmd = [sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--parts", "1,6"]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.suite", "--dry-run", "--parts", "1,6"]
     cmd += ["--budget-s", "2160", "--out", str(out)]  # 4x caps: cores shared (as above)
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the suite's work folder: its parts' files
     printed = open(tmp_path / "printed.txt", "wb")  # noqa: SIM115 (closed below)
@@ -833,7 +843,7 @@ def test_speed_part_runs_the_named_figures_before_optional_rows(
     its time. Before, CUDA graphs came before the profiler's cost, which was the row skipped;
     the profiler's cost needs its stack's time (it runs the same stack), not 1.2x as a new lever."""
     common, ctx = _ctx(suite, tmp_path, 142)
-    speed = _load("_gpu_speed")
+    speed = _load("speed")
     ctx.device, ctx.device_name, ctx.profile = (
         "cuda",
         "NVIDIA H100 80GB HBM3",
@@ -877,7 +887,7 @@ def test_speed_part_runs_the_named_figures_before_optional_rows(
     assert figures["profiler_overhead_row"] == last and figures["packing_speedup"] == 1.0
     assert rows[0]["mfu"] > 0  # P3: MFU on a device of the package's table
     assert rec.data["status"] == "partial" and "optional" in rec.data["reason"]
-    text = sys.modules["_gpu_markdown"].RENDER["speed"]({"key": "speed", **rec.data})
+    text = sys.modules["benchmarks.gpu.markdown"].RENDER["speed"]({"key": "speed", **rec.data})
     assert f"on {last}: **1.005x**" in text and "optional, run last" in text
 
 
@@ -893,7 +903,7 @@ def test_ladder_waits_for_the_build_within_its_cap(suite, tmp_path) -> None:
     ctx.cap_bytes = suite.DRY_CAPS["ladder"]
     ctx.host_ram_bytes = 16 * 2**30
     ctx.prebuild_done = str(tmp_path / "prebuild.json")  # a build that never ends
-    ladder = _load("_gpu_ladder")
+    ladder = _load("ladder")
     rec = common.Recorder(ctx.result_file)
     ladder.part_ladder(ctx, rec)
     assert time.time() < ctx.deadline  # within the cap, no time added to it

@@ -316,7 +316,9 @@ def test_fit_loader_source() -> None:
     """The fit loop's source of the loaders given to ``trainer.fit``: the loader itself from its
     ``dataloader()``; ``None`` for a module's hooks."""
     import lightning.pytorch as pl
-    from helpers import tiny_data, tiny_model, tiny_trainer
+    from helpers import tiny_trainer
+
+    from benchmarks.workloads import tiny_data, tiny_model
 
     seen: dict[str, object] = {}
 

@@ -9,6 +9,7 @@ import ast
 import importlib
 import inspect
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -245,13 +246,13 @@ def test_demos_import_nothing_of_the_package() -> None:
     assert not outside, "\n".join(outside)
 
 
-def _cycles() -> list[list[str]]:
+def _cycles(graph: dict[str, set[str]] = GRAPH) -> list[list[str]]:
     cycles, state, stack = [], {}, []
 
     def visit(node: str) -> None:
         state[node] = "open"
         stack.append(node)
-        for dep in sorted(GRAPH[node]):
+        for dep in sorted(graph[node]):
             if state.get(dep) == "open":
                 cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
@@ -259,7 +260,7 @@ def _cycles() -> list[list[str]]:
         stack.pop()
         state[node] = "done"
 
-    for node in sorted(GRAPH):
+    for node in sorted(graph):
         if node not in state:
             visit(node)
     return cycles
@@ -496,3 +497,120 @@ def test_the_users_step_runs_through_one_function_inside_scratch() -> None:
         if where in ("scratch", "faked") and not any(w == where for w, _, _ in uses[m])
     ]
     assert not unscratched, f"these run the step outside their scratch: {unscratched}"
+
+
+# -- benchmarks/: a package of scripts over shared modules (issue 50) ------------------------------
+BENCHMARKS = ROOT.parent / "benchmarks"
+#: What a benchmark must not import: tests/ and every module in it (``helpers``, ...).
+TEST_MODULES = {p.stem for p in Path(__file__).resolve().parent.rglob("*.py")} | {"tests"}
+SYS_PATH_EDIT = re.compile(
+    r"\bsys\.path\s*(\.\s*(insert|append|extend|remove)\b|\[[^\]]*\]\s*=(?!=)|\+?=(?!=))"
+)
+
+
+def _bench_sources() -> dict[str, str]:
+    return {_module_name(p): p.read_text() for p in sorted(BENCHMARKS.rglob("*.py"))}
+
+
+def _is_script(source: str) -> bool:
+    """A runnable script: it has an ``if __name__ == "__main__":`` block."""
+    return any(
+        isinstance(n, ast.If)
+        and {"__name__", "__main__"} <= set(re.findall(r"\w+", ast.unparse(n.test)))
+        for n in ast.parse(source).body
+    )
+
+
+def _imported_names(source: str, known: Iterable[str]) -> set[str]:
+    """Every module ``source`` imports, inside functions too (``from a import b`` as ``a.b``
+    where that is a module in ``known``; a relative import keeps its dots)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            found |= {
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            }
+    return found
+
+
+def benchmark_rule_breaks(sources: dict[str, str]) -> list[str]:
+    """What breaks the rules of ``benchmarks/`` (``sources``: dotted name -> code): an edit of
+    ``sys.path`` (in a string run as a child's code too), a relative import, an import of
+    ``tests/``, of a module by its file name (what only a ``sys.path`` edit finds), or of
+    another runnable script (shared code lives in a module that is no script)."""
+    scripts = {m for m, s in sources.items() if _is_script(s)}
+    stems = {m.rpartition(".")[2] for m in sources}
+    breaks = []
+    for module, source in sorted(sources.items()):
+        lines = source.splitlines()
+        breaks += [
+            f"{module}: line {i} edits sys.path"
+            for i, ln in enumerate(lines, 1)
+            if SYS_PATH_EDIT.search(ln)
+        ]
+        for name in sorted(_imported_names(source, sources)):
+            top = name.split(".")[0]
+            if name.startswith("."):
+                breaks.append(f"{module} imports {name}: relative (import benchmarks.<module>)")
+            elif top in TEST_MODULES:
+                breaks.append(f"{module} imports {name} from tests/")
+            elif top in stems and top != "benchmarks":
+                breaks.append(f"{module} imports {name} by its file name (a sys.path import)")
+            elif name in scripts and name != module:
+                breaks.append(f"{module} imports {name}, a runnable script")
+    return breaks
+
+
+def test_benchmark_rules_see_what_they_look_for() -> None:
+    sources = {
+        "benchmarks.a": (
+            "import sys\nsys.path.insert(0, 'x')\nfrom benchmarks.b import f\n"
+            "if __name__ == '__main__':\n    f()\n"
+        ),
+        "benchmarks.b": "def f():\n    from helpers import tiny_model\n    from benchmarks import a\n",
+        "benchmarks.c": "import _results\nfrom . import b\nCODE = 'import sys; sys.path[:0] = [x]'\n",
+        "benchmarks._results": "PATHS = sys.path == []\n",
+    }
+    assert benchmark_rule_breaks(sources) == [
+        "benchmarks.a: line 2 edits sys.path",
+        "benchmarks.b imports benchmarks.a, a runnable script",
+        "benchmarks.b imports helpers from tests/",
+        "benchmarks.c: line 3 edits sys.path",
+        "benchmarks.c imports .: relative (import benchmarks.<module>)",
+        "benchmarks.c imports _results by its file name (a sys.path import)",
+    ]
+    graph = {m: _imported_names(s, sources) & set(sources) - {m} for m, s in sources.items()}
+    assert _cycles(graph) == [["benchmarks.a", "benchmarks.b", "benchmarks.a"]]
+
+
+def test_benchmarks_follow_their_rules() -> None:
+    sources = _bench_sources()
+    assert {"benchmarks.workloads", "benchmarks.gpu.suite", "benchmarks.site.make_index"} <= set(
+        sources
+    )
+    breaks = benchmark_rule_breaks(sources)
+    assert not breaks, "\n".join(breaks)
+
+
+def test_benchmarks_have_no_import_cycle() -> None:
+    sources = _bench_sources()
+    graph = {m: _imported_names(s, sources) & set(sources) - {m} for m, s in sources.items()}
+    assert graph["benchmarks.gpu.speed"] and graph["benchmarks.gpu.suite"], "the graph is read"
+    cycles = _cycles(graph)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_package_imports_no_benchmark_nor_test() -> None:
+    """The package sits below ``benchmarks/`` and ``tests/``: it imports neither."""
+    upward = [
+        f"{m} imports {n}"
+        for m, path in MODULES.items()
+        for n in sorted(_imported_names(path.read_text(), ()))
+        if n.split(".")[0] in TEST_MODULES | {"benchmarks"}
+    ]
+    assert not upward, "\n".join(upward)

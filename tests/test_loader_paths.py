@@ -13,10 +13,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TINY_MODEL, no_collector, tiny_data, tiny_model, tiny_trainer
+from helpers import no_collector, tiny_trainer
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader
 
+from benchmarks.workloads import TINY_MODEL, tiny_data, tiny_model
 from lightning_efficient import Curriculum, DataLoaderTuning, DevicePreload
 from lightning_efficient.core.report import report_for
 from lightning_efficient.techniques.curriculum.difficulty import difficulty_scores, easiest_first

@@ -9,9 +9,10 @@ import itertools
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, params_of, tiny_model
+from helpers import fit, params_of
 from torch import nn
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient import ActivationCheckpointing
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step

@@ -6,11 +6,12 @@ import csv
 
 import pytest
 import torch
-from helpers import fit, tiny_model
+from helpers import fit
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient import MemoryBreakdown, estimate_memory
 from lightning_efficient.core.report import report_for
 from lightning_efficient.measure import CATEGORIES, StorageTracker

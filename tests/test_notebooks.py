@@ -6,15 +6,13 @@ the committed outputs from a fresh kernel per notebook), from a working folder t
 repository's (a notebook finds the repository's files from the package's location, not from where
 it is started), leaves no file in the repository or in the temporary folder, and draws at least
 one chart, which its full mode saves as a PNG. The committed notebooks hold the outputs of that
-short run (``python benchmarks/make_notebooks.py`` writes them): every chart cell an image, small
+short run (``python -m benchmarks.site.make_notebooks`` writes them): every chart cell an image, small
 PNGs, no stderr or widget state, and the same outputs, cell by cell, as a run of the current code
 gives. Without the `notebooks` extra the file is skipped, with the reason."""
 
 import ast
 import base64
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,13 +50,9 @@ MAX_PNG_BYTES, MAX_NOTEBOOK_BYTES = 150_000, 1_000_000
 
 
 def _make_notebooks():
-    spec = importlib.util.spec_from_file_location(
-        "make_notebooks", ROOT / "benchmarks" / "make_notebooks.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_notebooks"] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks.site import make_notebooks
+
+    return make_notebooks
 
 
 def _files(root: Path) -> set[Path]:
@@ -91,7 +85,7 @@ def test_tutorial_shape(path: Path) -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_committed_with_the_short_runs_outputs(path: Path) -> None:
-    """Committed as `benchmarks/make_notebooks.py` writes it: every cell that calls `show(fig`
+    """Committed as `benchmarks/site/make_notebooks.py` writes it: every cell that calls `show(fig`
     holds a PNG (at least one per notebook), each under the size limit, every other code cell run
     (an execution count), the parameters cell's note, no stderr, no widget state."""
     nb, params = _cells(path)
@@ -183,5 +177,5 @@ def test_notebook_runs_short(path: Path, tmp_path: Path, kernel) -> None:
     committed = nbformat.read(path, as_version=4)
     assert [c.source for c in ran.cells] == [c.source for c in committed.cells]
     assert make_notebooks.output_kinds(ran) == make_notebooks.output_kinds(committed), (
-        f"{path.name}'s outputs are stale: run python benchmarks/make_notebooks.py {path.stem}"
+        f"{path.name}'s outputs are stale: run python -m benchmarks.site.make_notebooks {path.stem}"
     )

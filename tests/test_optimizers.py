@@ -9,9 +9,10 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import SaveAt, fit, params_of, tiny_model
+from helpers import SaveAt, fit, params_of
 from torch import nn
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.techniques.optimizers import (
     BF16_NAMES,
@@ -128,7 +129,7 @@ class PlateauGPT(type(tiny_model())):
 
 
 def test_lightning_scheduler_config_kept(tmp_path) -> None:
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     plain, swapped = LrRecorder(), LrRecorder()
     fit(tmp_path / "p", [plain], model=PlateauGPT(**TINY_MODEL), max_steps=8)
@@ -179,7 +180,7 @@ class TwoOptimizerGPT(type(tiny_model())):
 
 
 def test_multiple_optimizers_swapped(tmp_path) -> None:
-    from helpers import TINY_MODEL
+    from benchmarks.workloads import TINY_MODEL
 
     plain, swapped = LrRecorder(), LrRecorder()
     fit(tmp_path / "p", [plain], model=TwoOptimizerGPT(**TINY_MODEL), max_steps=6)

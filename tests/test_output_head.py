@@ -8,9 +8,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
 from torch import nn
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core.report import report_for
 from lightning_efficient.measure.memory.heads import find_output_head
 from lightning_efficient.measure.profiling.profile_summary import output_head

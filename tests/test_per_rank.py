@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.per_rank import (
     SHARDINGS,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import tiny_model
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.commands import main
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.measure import estimate_memory

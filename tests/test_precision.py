@@ -9,8 +9,9 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import fit, tiny_data, tiny_model
+from helpers import fit
 
+from benchmarks.workloads import tiny_data, tiny_model
 from lightning_efficient.commands.cli import EfficientCLI
 from lightning_efficient.core import technique as _base
 from lightning_efficient.core.report import report_for

@@ -11,12 +11,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from helpers import HFGPT2, fit, no_collector, tiny_data, tiny_model, tiny_trainer
+from helpers import fit, no_collector, tiny_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.workloads import TinyHFGPT2, tiny_data, tiny_model
 from lightning_efficient.commands import EXTRA_COMMANDS, main
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
@@ -847,7 +848,7 @@ def test_verdict_names_a_key_value_cache_built_while_training(tmp_path) -> None:
     from lightning_efficient.measure.memory.kv_cache import cache_bytes
     from lightning_efficient.techniques.activation_checkpointing import ActivationCheckpointing
 
-    module = HFGPT2(n_embd=32)
+    module = TinyHFGPT2(n_embd=32)
     cache = module.model(torch.zeros(4, 32, dtype=torch.long)).past_key_values
     real = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     assert cache_bytes(module, 4 * 32, 4) == real  # fp32, 4 x 32 tokens
@@ -867,5 +868,7 @@ def test_verdict_names_a_key_value_cache_built_while_training(tmp_path) -> None:
     assert format_bytes(real) in said["reason"]
     assert "model.config.use_cache = False" in said["yaml"]
     assert "ActivationCheckpointing" in said["yaml"]
-    assert verdict(HFGPT2(n_embd=32), ActivationCheckpointing()) == []  # switched off for training
-    assert verdict(HFGPT2(use_cache=False, n_embd=32)) == []
+    assert (
+        verdict(TinyHFGPT2(n_embd=32), ActivationCheckpointing()) == []
+    )  # switched off for training
+    assert verdict(TinyHFGPT2(use_cache=False, n_embd=32)) == []

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 from command_runner import run_command
-from helpers import fit, tiny_data, tiny_model
+from helpers import fit
 
+from benchmarks.workloads import tiny_data, tiny_model
 from lightning_efficient import (
     ActivationCheckpointing,
     EfficientBatchSize,
@@ -147,7 +148,8 @@ class NeedsReal(type(tiny_model())):
 
 def test_plan_says_when_the_model_cannot_be_estimated() -> None:
     import torch
-    from helpers import TINY_MODEL
+
+    from benchmarks.workloads import TINY_MODEL
 
     x = torch.zeros(2, 32, dtype=torch.long)
     result = plan_stack(NeedsReal(**TINY_MODEL), (x, x), "1GiB", try_all=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
 from torch import nn
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.measure.speed.step_rate import STEP_PER_FORWARD, estimated_step_rate
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import params_of, tiny_model
+from helpers import params_of
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.memory.track import measure_step
 from lightning_efficient.measure.trials.trial import is_out_of_memory, throughput, trial_step

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SaveAt, fit, params_of, tiny_model
+from helpers import SaveAt, fit, params_of
 
+from benchmarks.workloads import tiny_model
 from lightning_efficient.core.environ import LAUNCHER_VARIABLES
 from lightning_efficient.techniques import zero_offload as F
 from lightning_efficient.techniques.zero_offload import (
@@ -513,9 +514,9 @@ def test_host_estimate_matches_a_real_deepspeed_run(setting: str) -> None:
 
     from helpers import subprocess_timeout
 
-    root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "zero_offload.py"), "--child-host", setting],
+        [sys.executable, "-m", "benchmarks.zero_offload", "--child-host", setting],
+        cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=subprocess_timeout(600),

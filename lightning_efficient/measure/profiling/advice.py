@@ -490,7 +490,7 @@ def gpu_batch(f: Findings) -> list[Advice]:
             + (f" ({effective} samples; raise target_batch_size to grow it)" if effective else ""),
             _callback_yaml("EfficientBatchSize", init),
             "more tokens per kernel launch and per optimizer step; the same maths per effective "
-            "batch (measured per device by part 5 of benchmarks/gpu_suite.py)",
+            "batch (measured per device by part 5 of benchmarks/gpu/suite.py)",
         )
     ]
 

@@ -1,17 +1,17 @@
 """The GPU suite's one registry of parts: what each part is, its caps, and the file its process
 runs.
 
-Standard library only: ``gpu_suite.py`` (the parent) reads it without importing torch before it
-starts its children. A part with a ``script`` runs as ``python benchmarks/<script> --ctx FILE``
-(the script's ``__main__`` hands its part function to ``_gpu_common.child_main``); part 1 runs
-pytest instead. Modules import downward only:
+Standard library only: ``suite.py`` (the parent) reads it without importing torch before it
+starts its children. A part with a ``script`` runs as ``python -m benchmarks.gpu.<script> --ctx
+FILE`` (the script's ``__main__`` hands its part function to ``common.child_main``); part 1 runs
+pytest instead. The modules of ``benchmarks/gpu/`` import downward only:
 
-    _gpu_registry, _gpu_search, _results        (standard library / no package)
-    _gpu_common   context, recorder, models, the suite's MFU peak, a part's process
-    _gpu_run      a real training run and the pool of processes that run them
-    _gpu_estimate, _gpu_batch, _gpu_ladder      parts 2-4 (memory)
-    _gpu_speed, _gpu_compile, _gpu_finetune     parts 5-7 (timed)
-    gpu_suite                                   the parent: starts, caps, writes the results
+    registry, search, ../_results               (standard library / no package)
+    common        context, recorder, models, the suite's MFU peak, a part's process
+    run           a real training run and the pool of processes that run them
+    estimate, batch, ladder                     parts 2-4 (memory)
+    speed, compile, finetune                    parts 5-7 (timed)
+    suite                                       the parent: starts, caps, writes the results
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Part:
     min_s: float  # a part is skipped when less than this is left
     lane: str  # parts in one lane run one after the other; lanes of phase A side by side
     basis: str  # what the cap is sized from (measured on an H200, issue 30)
-    script: str | None = None  # the file in benchmarks/ a part's process runs (None: pytest)
+    script: str | None = None  # the file in benchmarks/gpu/ a part's process runs (None: pytest)
     # more seconds the part may take where the suite's budget has them left once the later
     # parts' caps are kept (its rows that run only then); not in the critical path
     spare_s: float = 0.0
@@ -55,6 +55,11 @@ class Part:
     def path(self) -> Path | None:
         """The script's path, or ``None`` for the pytest part."""
         return HERE / self.script if self.script else None
+
+    @property
+    def module(self) -> str | None:
+        """The script as a module, what ``python -m`` runs, or ``None`` for the pytest part."""
+        return f"{__package__}.{self.script.removesuffix('.py')}" if self.script else None
 
 
 #: Phase A: lanes side by side (memory and correctness: no part times anything); phase B: the
@@ -71,7 +76,7 @@ PARTS = [
         25,
         "memory",
         "8 rows of 2 estimates and 2 real steps; rows skipped at 70 s",
-        "_gpu_estimate.py",
+        "estimate.py",
     ),
     Part(
         3,
@@ -81,7 +86,7 @@ PARTS = [
         40,
         "memory",
         "estimates finished within 140 s (doubled cap); probes side by side, while estimating",
-        "_gpu_batch.py",
+        "batch.py",
     ),
     Part(
         4,
@@ -91,7 +96,7 @@ PARTS = [
         60,
         "ladder",
         "estimates and the plain run about 60 s, a ZeRO run more than 83 s (stopped there)",
-        "_gpu_ladder.py",
+        "ladder.py",
     ),
     Part(
         5,
@@ -102,7 +107,7 @@ PARTS = [
         "timed",
         "2 rows finished within 140 s with a 12 s window; 9 rows with 3 s windows estimated "
         "at about 130 s (not yet run on a GPU)",
-        "_gpu_speed.py",
+        "speed.py",
         spare_s=30,  # issue 52: with the packing pair (24 s), where time is left
     ),
     Part(
@@ -113,7 +118,7 @@ PARTS = [
         30,
         "timed",
         "finished within 75 s",
-        "_gpu_compile.py",
+        "compile.py",
     ),
     Part(
         7,
@@ -124,7 +129,7 @@ PARTS = [
         "timed",
         "not yet run on a GPU: 2 real runs of a few seconds of steps each, the estimates "
         "computed while they train",
-        "_gpu_finetune.py",
+        "finetune.py",
         spare_s=30,  # issue 52: the QLoRA stack again with expandable segments
     ),
 ]

@@ -1,9 +1,9 @@
-"""Part 2 of ``benchmarks/gpu_suite.py``: the estimate against reality.
+"""Part 2 of ``benchmarks/gpu/suite.py``: the estimate against reality.
 
 HF GPT-2 124M and TinyGPT at GPT-2 small shape, for fp32, bf16-mixed, + checkpointing,
 + adamw8bit: ``estimate_memory``'s peak (fake tensors) against the real peak of the same two
 Lightning steps (CUDA: ``max_memory_allocated``; CPU: the storage tracker). Run by the suite as
-``python benchmarks/_gpu_estimate.py --ctx FILE``.
+``python -m benchmarks.gpu.estimate --ctx FILE``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from _gpu_common import (
+from benchmarks.gpu.common import (
     AC,
     SWAP8,
     Ctx,
@@ -23,7 +23,7 @@ from _gpu_common import (
     missing_package,
     time_skip,
 )
-from _gpu_run import run_real, run_status
+from benchmarks.gpu.run import run_real, run_status
 
 __all__ = ["MODELS", "STACKS", "part_estimate"]
 

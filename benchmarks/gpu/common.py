@@ -1,9 +1,9 @@
-"""What every part process of ``benchmarks/gpu_suite.py`` shares: the context a part is given
-(``Ctx``), the ``Recorder`` that writes its rows, the models (TinyGPT, HF GPT-2 from its config,
-an HF Llama with PEFT LoRA, the packing benchmarks' Llama on documents), the instrument's estimate of a spec, the suite's MFU terms (the
-device's bf16 peak from the package's ``measure.speed.flops`` table, FLOPs per token), and
-``child_main``, which runs one part in its own process (``python benchmarks/<part script> --ctx
-FILE``; the scripts are named in ``_gpu_registry.PARTS``).
+"""What every part process of ``benchmarks/gpu/suite.py`` shares: the context a part is given
+(``Ctx``), the ``Recorder`` that writes its rows, the instrument's estimate of a spec (its
+models are ``benchmarks.workloads.build_model``'s), the suite's MFU terms (the device's bf16 peak
+from the package's ``measure.speed.flops`` table, FLOPs per token), and ``child_main``, which
+runs one part in its own process (``python -m benchmarks.gpu.<part> --ctx FILE``; the parts'
+scripts are named in ``registry.PARTS``).
 
 Each part takes a ``Ctx`` (device, profile of shapes, deadline) and a ``Recorder`` that saves
 its rows to a JSON file after every row, so a part stopped at its cap keeps what it measured.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,32 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import torch
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from _documents import llama  # noqa: E402
+import lightning_efficient as le
+from benchmarks.workloads import build_model, meta_batch
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.speed.flops import gpu_peak
 
-import lightning_efficient as le  # noqa: E402
-from lightning_efficient.demos import TinyGPT  # noqa: E402
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.measure.speed.flops import gpu_peak  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = [
     "AC",
     "CHUNKED",
     "SWAP8",
     "Ctx",
-    "HFGPT2",
-    "HFLlamaDocs",
-    "HFLlamaLoRA",
     "INCOMPLETE",
     "Recorder",
     "bf16_peak",
-    "build_model",
     "build_technique",
     "child_main",
     "describe",
@@ -56,7 +46,6 @@ __all__ = [
     "first_line",
     "flops_per_token",
     "gpt2_dims",
-    "meta_batch",
     "missing_package",
     "params_text",
     "pos_params",
@@ -196,142 +185,6 @@ def missing_package(err: BaseException) -> str | None:
     return None
 
 
-# -- models ----------------------------------------------------------------------------------------
-class _HFCausalLM(pl.LightningModule):
-    """A transformers causal LM in ``self.model``: next-token loss on the batch's inputs, AdamW
-    (``self.lr``) on the trainable parameters (all of them, unless the model froze some)."""
-
-    model: torch.nn.Module
-    lr: float
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if isinstance(batch, dict):  # documents: padded, or packed rows (SequencePacking)
-            keys = ("input_ids", "labels", "attention_mask")  # as a user's step passes them
-            loss = self.model(**{k: batch[k] for k in keys if k in batch}).loss
-        else:
-            x, _ = batch
-            loss = self.model(input_ids=x, labels=x).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-
-class HFGPT2(_HFCausalLM):
-    """A transformers GPT-2 built from its config (no download), trained on next-token loss."""
-
-    def __init__(
-        self,
-        n_layer: int = 12,
-        n_embd: int = 768,
-        n_head: int = 12,
-        vocab: int = 50257,
-        seq: int = 1024,
-        dropout: float = 0.1,
-        lr: float = 1e-4,
-    ) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=vocab,
-            n_positions=seq,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        self.model = GPT2LMHeadModel(config)
-        self.lr = lr
-
-
-class HFLlamaLoRA(_HFCausalLM):
-    """A transformers Llama built from its config (no download; its default ``use_cache=True``,
-    as a user loads it), its weights in ``dtype``, wrapped with PEFT LoRA (rank ``lora_r``,
-    alpha ``2 * lora_r``) on every linear layer of the blocks; next-token loss, AdamW on the
-    adapters only (the base is frozen by PEFT)."""
-
-    def __init__(
-        self,
-        n_layer: int = 16,
-        n_embd: int = 2048,
-        n_head: int = 32,
-        n_kv_head: int = 8,
-        intermediate: int = 8192,
-        vocab: int = 128256,
-        seq: int = 2048,
-        dtype: str = "bfloat16",
-        lora_r: int = 16,
-        lr: float = 1e-4,
-    ) -> None:
-        super().__init__()
-        import peft
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=n_embd,
-            intermediate_size=intermediate,
-            num_hidden_layers=n_layer,
-            num_attention_heads=n_head,
-            num_key_value_heads=n_kv_head,
-            max_position_embeddings=seq,
-            tie_word_embeddings=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        base = LlamaForCausalLM(config).to(getattr(torch, dtype))
-        lora = peft.LoraConfig(
-            r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear", lora_dropout=0.0
-        )
-        self.model = peft.get_peft_model(base, lora)
-        self.lr = lr
-
-
-class HFLlamaDocs(_HFCausalLM):
-    """The packing benchmarks' Llama for byte tokens (``_documents.llama``: hidden ``n_embd``,
-    intermediate 4x, GQA ``n_head``/``n_kv_head``), every weight trained, on dict batches of
-    documents (padded, or packed rows)."""
-
-    def __init__(
-        self, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_kv_head: int = 2,
-        lr: float = 1e-4,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.model = llama(n_embd, n_layer, n_head, n_kv_head)
-        self.lr = lr
-
-
-def build_model(kind: str, dims: dict[str, Any], device: str = "cpu") -> pl.LightningModule:
-    """``kind`` ``"tinygpt"`` (the demo module), ``"hf_gpt2"``, ``"llama_lora"``
-    (``HFLlamaLoRA``'s arguments) or ``"llama_docs"`` (``HFLlamaDocs``'s); ``dims``: n_layer,
-    n_embd, n_head, vocab, seq and optionally dropout (the Llamas: their own). Parameters are
-    created on ``device``."""
-    with torch.device(device):
-        if kind == "tinygpt":
-            return TinyGPT(
-                vocab_size=dims["vocab"],
-                seq_len=dims["seq"],
-                n_layer=dims["n_layer"],
-                n_embd=dims["n_embd"],
-                n_head=dims["n_head"],
-                dropout=dims.get("dropout", 0.1),
-            )
-        if kind == "hf_gpt2":
-            return HFGPT2(**dims)
-        if kind == "llama_lora":
-            return HFLlamaLoRA(**dims)
-        if kind == "llama_docs":
-            return HFLlamaDocs(**dims)
-    raise ValueError(f"unknown model kind {kind!r}")
-
-
 def unique_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
@@ -359,11 +212,6 @@ def build_technique(spec: dict[str, Any]) -> Any:
     """A technique (callback or strategy) of the package from ``{"class_path", "init_args"}``."""
     cls = getattr(le, spec["class_path"])
     return cls(**spec.get("init_args", {}))
-
-
-def meta_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return ids, ids
 
 
 def estimate(
@@ -401,7 +249,7 @@ def child_main(part: Callable[[Ctx, Recorder], None], argv: list[str] | None = N
 
     Started ahead of its turn (the imports done), the process waits for the context file the
     suite writes with the deadline, and ends if the suite is gone first."""
-    parser = argparse.ArgumentParser(description="one part of benchmarks/gpu_suite.py")
+    parser = argparse.ArgumentParser(description="one part of benchmarks/gpu/suite.py")
     parser.add_argument("--ctx", required=True, help="the context file the suite writes")
     ctx_file = parser.parse_args(argv).ctx
     parent, path = os.getppid(), Path(ctx_file)

@@ -1,10 +1,10 @@
-"""Part 4 of ``benchmarks/gpu_suite.py``: the largest GPT-2-shaped model at batch 1 within the cap.
+"""Part 4 of ``benchmarks/gpu/suite.py``: the largest GPT-2-shaped model at batch 1 within the cap.
 
 Plain Lightning against ZeRO-2 and ZeRO-3 with CPU offload (``ZeROOffload``): per setting the
 largest size whose estimate fits the cap and whose host memory fits, then real steps at it (one
 size down after an out-of-memory); the ZeRO-3 offload run goes before ZeRO-2's (``RUN_ORDER``).
 The ZeRO settings wait for DeepSpeed's extension build the suite started first. Run by the suite
-as ``python benchmarks/_gpu_ladder.py --ctx FILE``.
+as ``python -m benchmarks.gpu.ladder --ctx FILE``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _gpu_common import (
+from benchmarks.gpu.common import (
     Ctx,
     Recorder,
-    build_model,
     build_technique,
     child_main,
     estimate,
@@ -28,8 +27,8 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import Run, RunPool, run_status
-
+from benchmarks.gpu.run import Run, RunPool, run_status
+from benchmarks.workloads import build_model
 from lightning_efficient.core.validate import format_bytes
 
 __all__ = ["RUN_ORDER", "SETTINGS", "part_ladder", "wait_prebuild"]

@@ -5,7 +5,7 @@ A *real run* (``real_fit``) trains a model with Lightning's ``Trainer`` from a J
 strategy, a memory cap, timing) and returns the peak memory (the package's ``PeakMemory``:
 CUDA's ``max_memory_allocated``; on a CPU the instrument's storage tracker on the real tensors),
 step timing and whether it trained. On CUDA, runs that need a fresh allocator (a memory cap, an
-out-of-memory, DeepSpeed, cold compiles) run in their own process (this file run as a script),
+out-of-memory, DeepSpeed, cold compiles) run in their own process (``RUN_CHILD``: ``run_spec_main`` in a fresh interpreter),
 through a ``RunPool`` that starts those processes ahead of their turn. On the CPU a memory cap
 is emulated: a run whose tracked peak passes it counts as out of memory.
 """
@@ -26,19 +26,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _documents import Items, pad_batch, paragraphs
-from _gpu_common import (
+
+from benchmarks._results import QUIET_TRAINER
+from benchmarks.gpu.common import (
     ROOT,
     Ctx,
-    build_model,
     build_technique,
     first_line,
     missing_package,
     unique_params,
 )
-from _gpu_processes import kill_group
-from _results import QUIET_TRAINER
-
+from benchmarks.gpu.processes import kill_group
+from benchmarks.workloads import Items, build_model, pad_batch, paragraphs
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.memory.peak import PeakMemory
@@ -58,7 +57,8 @@ __all__ = [
     "timed_fields",
 ]
 
-RUN_SCRIPT = Path(__file__).resolve()
+#: A run's process: ``run_spec_main`` in a fresh interpreter (``-c``: this module is no script).
+RUN_CHILD = "import sys; from benchmarks.gpu.run import run_spec_main; sys.exit(run_spec_main(*sys.argv[1:3]))"
 
 
 class Clock(pl.Callback):
@@ -145,7 +145,7 @@ def make_loader(spec: dict[str, Any]) -> Any:
 
 
 class _Documents(pl.LightningDataModule):
-    """The packing benchmarks' documents (``_documents.paragraphs``: ``spec["documents"]`` of
+    """The packing benchmarks' documents (``workloads.paragraphs``: ``spec["documents"]`` of
     them), ``spec["batch"]`` a batch padded to the longest (shuffled, seeded), from
     ``train_dataloader()``, where ``SequencePacking`` finds the loader it packs."""
 
@@ -349,7 +349,7 @@ class Run:
 
 
 class RunPool:
-    """Real runs in fresh processes (``python benchmarks/_gpu_run.py SPEC RESULT``), several at once.
+    """Real runs in fresh processes (``python -m benchmarks.gpu.run SPEC RESULT``), several at once.
 
     ``warm`` processes are started ahead: each imports torch, Lightning, transformers and the
     package, then waits (no CUDA call yet) until its spec file is written, so a run starts in
@@ -370,7 +370,7 @@ class RunPool:
         tag = f"{os.getpid()}_{time.monotonic_ns()}"
         run = Run({}, spec_file=Path(self.ctx.work_dir) / f"spec_{tag}.json")
         run.result_file = Path(self.ctx.work_dir) / f"result_{tag}.json"
-        cmd = [sys.executable, str(RUN_SCRIPT), str(run.spec_file), str(run.result_file)]
+        cmd = [sys.executable, "-c", RUN_CHILD, str(run.spec_file), str(run.result_file)]
         env = {**os.environ, **self.env}
         run.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, start_new_session=True)
         return run
@@ -480,7 +480,7 @@ def _end_with(parent: int) -> None:
 
 
 def run_spec_main(spec_file: str, result_file: str) -> int:
-    """``python benchmarks/_gpu_run.py SPEC RESULT``: one real run in this fresh process. Started ahead of its
+    """One real run in this fresh process. Started ahead of its
     turn (``RunPool``), it waits for its spec file with the imports done."""
     parent, path = os.getppid(), Path(spec_file)
     _end_with(parent)
@@ -495,7 +495,3 @@ def run_spec_main(spec_file: str, result_file: str) -> int:
     res.setdefault("wall_s", time.perf_counter() - t0)
     Path(result_file).write_text(json.dumps(res, default=str))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_spec_main(sys.argv[1], sys.argv[2]))

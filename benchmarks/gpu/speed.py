@@ -1,4 +1,4 @@
-"""Part 5 of ``benchmarks/gpu_suite.py``: speed, one lever at a time.
+"""Part 5 of ``benchmarks/gpu/suite.py``: speed, one lever at a time.
 
 An ablation (issue 29) on TinyGPT at GPT-2 124M shape, micro-batch 8 x 1024: each row adds one
 lever of the package to the row before it, as Lightning runs it, and records tokens/s, step
@@ -10,8 +10,8 @@ larger micro-batch row (16, no accumulation) keeps the maths. Then the profiler'
 ablation's last stack without ``StepProfiler``, against the same stack with it (start-to-start:
 the synchronised wall time of the timed steps, every hook included).
 
-Last, packing (issue 52; its goal is in ``_gpu_markdown.GOALS``): the workload of
-``benchmarks/packing.py`` (``_documents.py``: long-tail paragraphs as byte tokens, a Hugging Face
+Last, packing (issue 52; its goal is in ``markdown.GOALS``): the workload of
+``benchmarks/packing.py`` (``workloads.py``: long-tail paragraphs as byte tokens, a Hugging Face
 Llama, here at the profile's size), padded batches against ``SequencePacking``'s rows, each a
 Lightning run in a fresh process on CUDA; tokens/s counts the documents' own tokens (padding left
 out). The ablation keeps the pair's time (the profile's ``packing.need_s``) out of its own.
@@ -19,7 +19,7 @@ out). The ablation keeps the pair's time (the profile's ``packing.need_s``) out 
 Last, where the part's time is left, the optional rows (``OPTIONAL``: CUDA graphs, on the
 ablation's last stack): every figure issue 52 names comes first, so the part's cap cuts these.
 
-Run by the suite as ``python benchmarks/_gpu_speed.py --ctx FILE``.
+Run by the suite as ``python -m benchmarks.gpu.speed --ctx FILE``.
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from _documents import ROW, SEED
-from _gpu_common import (
+from benchmarks.gpu.common import (
     Ctx,
     Recorder,
     bf16_peak,
-    build_model,
     child_main,
     describe,
     flops_per_token,
@@ -41,7 +39,8 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import RunPool, run_status, timed_fields
+from benchmarks.gpu.run import RunPool, run_status, timed_fields
+from benchmarks.workloads import ROW, SEED, build_model
 
 __all__ = ["ABLATION", "OPTIONAL", "part_speed"]
 

@@ -1,9 +1,9 @@
-"""Part 3 of ``benchmarks/gpu_suite.py``: the largest micro-batch within the cap.
+"""Part 3 of ``benchmarks/gpu/suite.py``: the largest micro-batch within the cap.
 
 Plain fp32 against the planner's stack (``plan_stack``) and the same stack with and without the
 chunked loss: the estimate's pick, and the real largest found by real steps (each size in its own
 process under ``torch.cuda.set_per_process_memory_fraction``, several side by side), then
-AutoEfficient under the same cap. Run by the suite as ``python benchmarks/_gpu_batch.py --ctx
+AutoEfficient under the same cap. Run by the suite as ``python -m benchmarks.gpu.batch --ctx
 FILE``.
 """
 
@@ -14,22 +14,20 @@ import sys
 import time
 from typing import Any
 
-from _gpu_common import (
+from benchmarks.gpu.common import (
     AC,
     CHUNKED,
     Ctx,
     Recorder,
-    build_model,
     child_main,
     describe,
     estimate,
     gpt2_dims,
-    meta_batch,
     missing_package,
 )
-from _gpu_run import RunPool, run_status
-from _gpu_search import LargestSearch, Probe
-
+from benchmarks.gpu.run import RunPool, run_status
+from benchmarks.gpu.search import LargestSearch, Probe
+from benchmarks.workloads import build_model, meta_batch
 from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.functional import largest_fitting_batch
 

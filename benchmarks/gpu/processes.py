@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _gpu_registry import HERE, Part
+from benchmarks.gpu.registry import Part
 
 __all__ = ["Build", "Child", "child_env", "finish_part", "kill_group", "tail"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -115,13 +115,12 @@ class Build:
 LOG_LOCK = threading.Lock()
 
 #: The dry run's process shared by the parts of one lane (they run one after the other): it
-#: imports torch, Lightning and the package once, then runs each part's own script, as its own
-#: process would (``python SCRIPT --ctx FILE``), in the order their context files come.
+#: imports torch, Lightning and the package once, then runs each part's own module, as its own
+#: process would (``python -m MODULE --ctx FILE``), in the order their context files come.
 SHARED = """
 import os, runpy, sys, time
-sys.path.insert(0, sys.argv[1])
-import _gpu_run  # torch, Lightning, the package: imported while the parts wait for their turn
-parent, todo = os.getppid(), list(zip(sys.argv[2::2], sys.argv[3::2]))
+import benchmarks.gpu.run  # torch, Lightning, the package: imported while the parts wait for their turn
+parent, todo = os.getppid(), list(zip(sys.argv[1::2], sys.argv[2::2]))
 while todo and os.getppid() == parent:
     ready = [t for t in todo if os.path.exists(t[1])]
     if not ready:
@@ -130,7 +129,7 @@ while todo and os.getppid() == parent:
     todo.remove(ready[0])
     sys.argv = [ready[0][0], "--ctx", ready[0][1]]
     try:
-        runpy.run_path(ready[0][0], run_name="__main__")
+        runpy.run_module(ready[0][0], run_name="__main__", alter_sys=True)
     except SystemExit:
         pass  # the part's end: child_main wrote its result and its exit code
 """
@@ -171,17 +170,17 @@ class Child:
 
     @classmethod
     def part(cls, part: Part, work: Path) -> Child:
-        """The process of ``part``: its script (``_gpu_registry.PARTS``), waiting for its context."""
+        """The process of ``part``: its script (``registry.PARTS``), waiting for its context."""
         ctx_file = work / f"ctx_{part.key}.json"
-        return cls(part.key, [sys.executable, str(part.path), "--ctx", str(ctx_file)], work)
+        return cls(part.key, [sys.executable, "-m", part.module, "--ctx", str(ctx_file)], work)
 
     @classmethod
     def shared_by(cls, parts: list[Part], work: Path) -> list[Child]:
         """One process for ``parts`` (the dry run: the parts of a lane, one after the other):
         each part's script runs in it as in a process of its own, once its context is written.
         Saves a process's imports (~11 CPU-s) per part after the first."""
-        args = [str(a) for p in parts for a in (p.path, work / f"ctx_{p.key}.json")]
-        first = cls(parts[0].key, [sys.executable, "-c", SHARED, str(HERE), *args], work)
+        args = [str(a) for p in parts for a in (p.module, work / f"ctx_{p.key}.json")]
+        first = cls(parts[0].key, [sys.executable, "-c", SHARED, *args], work)
         return [first, *(cls(p.key, [], work, shared_with=first) for p in parts[1:])]
 
     def go(self, ctx: dict[str, Any] | None, timeout: float) -> None:

@@ -1,8 +1,8 @@
-"""Part 6 of ``benchmarks/gpu_suite.py``: compile, regional against whole model.
+"""Part 6 of ``benchmarks/gpu/suite.py``: compile, regional against whole model.
 
 Compiles TinyGPT cold three ways (regional, whole model, eager) in one process: compile time,
 first and steady step time, and what ``scope="auto"`` would choose from those figures
-(``choose_scope``). Run by the suite as ``python benchmarks/_gpu_compile.py --ctx FILE``.
+(``choose_scope``). Run by the suite as ``python -m benchmarks.gpu.compile --ctx FILE``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 from typing import Any
 
 import torch.nn.functional as F
-from _gpu_common import Ctx, Recorder, build_model, child_main, describe, gpt2_dims, time_skip
 
+from benchmarks.gpu.common import Ctx, Recorder, child_main, describe, gpt2_dims, time_skip
+from benchmarks.workloads import build_model
 from lightning_efficient.functional import apply_compile
 from lightning_efficient.measure.speed.timing import time_fn
 from lightning_efficient.techniques.compile import CompileWatch

@@ -1,6 +1,6 @@
 """The Markdown of a GPU suite run: one table per part, the summary, the environment.
 
-``markdown(data)`` renders the results ``gpu_suite.py`` writes (its ``.json``) as the ``.md``
+``markdown(data)`` renders the results ``suite.py`` writes (its ``.json``) as the ``.md``
 next to it; ``RENDER`` maps a part's key to the function that renders its rows. Standard
 library only (the suite's parent process imports no torch).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from _gpu_registry import UNFINISHED
-from _results import fmt_bytes, table
+from benchmarks._results import fmt_bytes, table
+from benchmarks.gpu.registry import UNFINISHED
 
 __all__ = ["GOALS", "RENDER", "markdown"]
 

@@ -8,8 +8,8 @@ line saying where the outputs come from. Stripped: stderr (warnings, progress), 
 widget state; the temporary folder's path is written ``$TMPDIR`` and the repository's path is
 dropped (``configs/tiny.yaml``, not ``/home/me/lightning-efficient/configs/tiny.yaml``).
 
-    python benchmarks/make_notebooks.py                  # every notebook (minutes on 2 cores)
-    python benchmarks/make_notebooks.py 03_speed 04_fewer_steps
+    python -m benchmarks.site.make_notebooks                  # every notebook (minutes on 2 cores)
+    python -m benchmarks.site.make_notebooks 03_speed 04_fewer_steps
 
 Re-run it after a change to a notebook or to what it prints; the test checks that every chart
 cell holds an image and that the outputs have the structure a run gives now.
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 
 __all__ = ["NOTE", "RESET", "clean", "execute_short", "output_kinds", "main"]
@@ -32,7 +32,7 @@ __all__ = ["NOTE", "RESET", "clean", "execute_short", "output_kinds", "main"]
 #: The line the parameters cell shows in a committed notebook.
 NOTE = (
     "The outputs below come from the short mode (SHORT = True, small models on a CPU: "
-    "python benchmarks/make_notebooks.py); run with SHORT = False for the full figures.\n"
+    "python -m benchmarks.site.make_notebooks); run with SHORT = False for the full figures.\n"
 )
 
 

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from _gpu_processes import Child, tail
+from benchmarks.gpu.processes import Child, tail
 
 __all__ = [
     "PYTEST",
@@ -22,7 +22,7 @@ __all__ = [
     "start_pytest",
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_junit(path: Path) -> dict[str, Any]:
@@ -80,8 +80,8 @@ def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
     the repository; ``["tests"]`` when none does. ``-m gpu`` deselects every test of the other
     files, so collecting them only costs their imports (a minute for the whole folder)."""
     files = [
-        f"{tests.name}/{f.name}"
-        for f in sorted(tests.glob("test_*.py"))
+        f.relative_to(tests.parent).as_posix()
+        for f in sorted(tests.rglob("test_*.py"))
         if "mark.gpu" in f.read_text(errors="replace")
     ]
     return files or [tests.name]

@@ -1,7 +1,7 @@
 """The one prepared GPU run: the project's headline figures measured on one CUDA device.
 
-    python benchmarks/gpu_suite.py                 # on a CUDA machine, at most 9 minutes
-    python benchmarks/gpu_suite.py --dry-run       # the same script on the CPU, tiny shapes
+    python -m benchmarks.gpu.suite                 # on a CUDA machine, at most 9 minutes
+    python -m benchmarks.gpu.suite --dry-run       # the same script on the CPU, tiny shapes
 
 Seven parts, each in its own process with its own time cap (a part that would pass the suite's
 limit is skipped and says so; a failure in one does not stop the others; the dry run runs the
@@ -43,12 +43,12 @@ output format and the caps are described in ``benchmarks/README.md``.
 
 This parent process imports no torch for the parts: it starts them, enforces their caps and
 writes the results. The parts, their caps and the script each part's process runs are one
-registry, ``benchmarks/_gpu_registry.py`` (standard library only); the measuring code is in those
-scripts (``_gpu_estimate.py``, ``_gpu_batch.py``, ``_gpu_ladder.py``, ``_gpu_speed.py``,
-``_gpu_compile.py``, ``_gpu_finetune.py``) over ``_gpu_common.py`` and ``_gpu_run.py`` (a real
-run and its processes). This script is the runner; what it runs with is in ``_gpu_processes.py``
-(a part's process and its cap, DeepSpeed's build), ``_gpu_pytest.py`` (part 1) and
-``_gpu_markdown.py`` (the ``.md``), all standard library only.
+registry, ``benchmarks/gpu/registry.py`` (standard library only); the measuring code is in those
+scripts (``estimate.py``, ``batch.py``, ``ladder.py``, ``speed.py``,
+``compile.py``, ``finetune.py``) over ``common.py`` and ``run.py`` (a real
+run and its processes). This script is the runner; what it runs with is in ``processes.py``
+(a part's process and its cap, DeepSpeed's build), ``pytest_part.py`` (part 1) and
+``markdown.py`` (the ``.md``), all standard library only.
 """
 
 from __future__ import annotations
@@ -66,27 +66,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-# the package and the benchmarks' helpers, whether or not the package is installed (on the GPU
-# machine it is not: the repository is the package)
-for _path in (ROOT, HERE):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from _gpu_markdown import markdown  # noqa: E402
-from _gpu_processes import Build, Child, finish_part  # noqa: E402
-from _gpu_pytest import finish_pytest, start_pytest  # noqa: E402
-from _gpu_registry import (  # noqa: E402
+from benchmarks._results import environment, host_ram_bytes, save_results
+from benchmarks.gpu.markdown import markdown
+from benchmarks.gpu.processes import Build, Child, finish_part
+from benchmarks.gpu.pytest_part import finish_pytest, start_pytest
+from benchmarks.gpu.registry import (
     PARTS,
     PHASE_A,
     PHASE_B,
     UNFINISHED,
     Part,
 )
-from _results import environment, host_ram_bytes, save_results  # noqa: E402
 
-RESULTS = HERE / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
 FORMAT_VERSION = 2
 TOTAL_S = 540.0  # 9 minutes, on a cold GPU machine
 GIB = 2**30
@@ -125,7 +118,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "speed_steps": 300,
         "speed_warmup": 5,
         "speed_window_s": 3.0,
-        # part 5's packing rows: _documents' long-tail paragraphs, padded batches of "rows"
+        # part 5's packing rows: workloads' long-tail paragraphs, padded batches of "rows"
         # documents against SequencePacking's rows of 512 tokens, "rows" a batch; a Llama of
         # 16 x 1024 (16/4 heads, 244M parameters); "need_s": the time the ablation keeps for
         # the pair (expected: 2 runs of about 10 s, each in a process started ahead)
@@ -401,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "cap_bytes": args.cap,
         "prebuild_done": str(build.flag) if build else "",
     }
-    command = "python benchmarks/gpu_suite.py" + " ".join(
+    command = "python -m benchmarks.gpu.suite" + " ".join(
         [""] + [a for a in (argv if argv is not None else sys.argv[1:])]
     )
     data: dict[str, Any] = {

@@ -7,7 +7,7 @@
 # 7's LoRA; peft and accelerate are pure Python, psutil an abi3 wheel).
 # Versions are the ones installed here, so the GPU run uses what the tests passed with.
 #
-#   bash benchmarks/gpu_wheels.sh [DIR]      # default DIR: .whl (keep it out of git)
+#   bash benchmarks/gpu/wheels.sh [DIR]      # default DIR: .whl (keep it out of git)
 #
 # On the GPU machine, before the suite:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -14,15 +14,14 @@ ran on a GPU. Two stacks:
 For each: the largest micro-batch whose estimate fits 24 GiB (``largest_fitting_batch``), and the
 peak by category at micro-batch 8 and at that largest micro-batch.
 
-Run:  python benchmarks/readme_figure.py     (a few minutes on 2 cores)
-Writes benchmarks/results/readme_figure.{md,json}; ``python benchmarks/make_index.py`` draws
+Run:  python -m benchmarks.site.readme_figure     (a few minutes on 2 cores)
+Writes benchmarks/results/readme_figure.{md,json}; ``python -m benchmarks.site.make_index`` draws
 docs/img/readme_gpt2_24gib.svg from the JSON.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -30,25 +29,22 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _results import environment, provenance, save_results, table  # noqa: E402
-from planner import gpt2, lm_loss  # noqa: E402  (the planner benchmark's GPT-2 and its loss)
-
-from lightning_efficient.core.validate import (  # noqa: E402
+from benchmarks._results import environment, provenance, save_results, table
+from benchmarks.workloads import gpt2, hf_loss
+from lightning_efficient.core.validate import (
     SettingsError,
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.memory.estimate import estimate_memory  # noqa: E402
-from lightning_efficient.techniques.activation_checkpointing import (  # noqa: E402
+from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.techniques.activation_checkpointing import (
     ActivationCheckpointing,
 )
-from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch  # noqa: E402
-from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy  # noqa: E402
-from lightning_efficient.techniques.optimizers import OptimizerSwap  # noqa: E402
+from lightning_efficient.techniques.batch_size.sizing import largest_fitting_batch
+from lightning_efficient.techniques.chunked_loss import ChunkedCrossEntropy
+from lightning_efficient.techniques.optimizers import OptimizerSwap
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SEQ, BUDGET, AT, TOP = 1024, "24GiB", 8, 256
 
@@ -81,7 +77,7 @@ def main() -> None:
                 return estimate_memory(
                     model,
                     ids,
-                    loss_fn=lm_loss,
+                    loss_fn=hf_loss,
                     precision=precision,
                     callbacks=callbacks(),
                     optimizer="adamw",
@@ -136,7 +132,7 @@ def main() -> None:
             align="lrrr",
         ),
         "",
-        provenance(env, "python benchmarks/readme_figure.py"),
+        provenance(env, "python -m benchmarks.site.readme_figure"),
     ]
     data = {
         "title": title,

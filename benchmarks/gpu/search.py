@@ -1,6 +1,6 @@
 """The largest micro-batch that really trains under a memory cap, found by real steps.
 
-Standard library only (``benchmarks/gpu_suite.py`` part 3 drives it; the tests run it against a
+Standard library only (``benchmarks/gpu/suite.py`` part 3 drives it; the tests run it against a
 made-up device). A ``LargestSearch`` proposes sizes, a round at a time (the sizes of one round
 run side by side, each in its own process with its own cap), and is told how each run ended:
 ``ok`` (the steps ran; with the peak bytes) or ``oom`` (out of memory). Memory grows with the

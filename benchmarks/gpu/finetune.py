@@ -1,4 +1,4 @@
-"""Part 7 of ``benchmarks/gpu_suite.py``: fine-tuning, LoRA against the QLoRA stack (issue 39).
+"""Part 7 of ``benchmarks/gpu/suite.py``: fine-tuning, LoRA against the QLoRA stack (issue 39).
 
 A Llama shape smaller than ``benchmarks/finetune.py``'s Llama-3-8B estimate (on CUDA: the
 Llama-3.2-1B block shape, hidden 2048, intermediate 8192, GQA 32/8 heads, vocabulary 128,256,
@@ -15,7 +15,7 @@ warm-up (synchronised wall time). On CUDA the peak is the training steps' own (t
 models 2 steps); the peak before the first step is recorded beside it: the model moved to the
 device in bf16 and, for the stack, its frozen weights quantized there, layer by layer.
 
-Where time is left (issue 52, item 3; the part's ``spare_s`` in ``_gpu_registry``): the QLoRA
+Where time is left (issue 52, item 3; the part's ``spare_s`` in ``registry``): the QLoRA
 stack again with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the allocator reads
 when CUDA starts, so in processes of its own (a ``RunPool`` with that environment; also on the
 CPU, where it changes nothing, so the dry run checks that the setting reaches the run): its
@@ -23,7 +23,7 @@ reserved bytes against the default allocator's on the same stack (peers report -
 QLoRA, torchtune #1185).
 
 Without peft (or its accelerate) the rows say ``skipped: peft not installed``; without
-bitsandbytes the QLoRA row says so. Run by the suite as ``python benchmarks/_gpu_finetune.py
+bitsandbytes the QLoRA row says so. Run by the suite as ``python -m benchmarks.gpu.finetune
 --ctx FILE``.
 """
 
@@ -34,12 +34,12 @@ import threading
 import time
 from typing import Any
 
-from _gpu_common import (
+from benchmarks._results import fmt_bytes
+from benchmarks.gpu.common import (
     AC,
     CHUNKED,
     Ctx,
     Recorder,
-    build_model,
     child_main,
     estimate,
     first_line,
@@ -48,8 +48,8 @@ from _gpu_common import (
     time_skip,
     unique_params,
 )
-from _gpu_run import RunPool, run_status, timed_fields
-from _results import fmt_bytes
+from benchmarks.gpu.run import RunPool, run_status, timed_fields
+from benchmarks.workloads import build_model
 
 __all__ = ["ALLOCATOR", "STACKS", "part_finetune"]
 

@@ -1,6 +1,6 @@
 """The charts of the README and the method cards, drawn from ``benchmarks/results/*.json``.
 
-``benchmarks/make_index.py`` calls ``write_charts()`` (and ``--check`` calls ``stale_charts()``),
+``benchmarks/site/make_index.py`` calls ``write_charts()`` (and ``--check`` calls ``stale_charts()``),
 so one command writes ``docs/index.md`` and every ``docs/img/*.svg``; ``tests/test_charts.py``
 regenerates each chart from its JSON and compares it byte for byte with the committed file. The
 SVGs are deterministic: a fixed ``svg.hashsalt``, no date, text kept as text.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDED = ROOT / "benchmarks" / "recorded"
 IMG = ROOT / "docs" / "img"
@@ -767,7 +767,7 @@ class Chart:
 
 
 CHARTS = [
-    # readme_figure.json (python benchmarks/readme_figure.py) where it is committed, else the
+    # readme_figure.json (python -m benchmarks.site.readme_figure) where it is committed, else the
     # figures the planner, batch-size and chunked-loss benchmarks already hold
     Chart(
         "readme_gpt2_24gib",

@@ -176,7 +176,7 @@ def test_every_stack_the_planner_can_emit_fits(tmp_path) -> None:
     for rung in default_ladder(2**40, bf16=True):
         callbacks, strategy = rung.build()
         if isinstance(strategy, ZeROOffload):
-            continue  # DeepSpeed rungs: fitted in tests/test_zero_offload.py
+            continue  # DeepSpeed rungs: fitted in tests/techniques/test_zero_offload.py
         for cb in callbacks:
             if isinstance(cb, ActivationCheckpointing) and cb.budget is not None:
                 cb.budget = 2**20  # a budget the tiny model must work for

@@ -11,6 +11,7 @@ from command_runner import run_command
 
 from lightning_efficient import TECHNIQUES
 from lightning_efficient.commands import main
+from lightning_efficient.commands.cli import reason_first
 
 ROOT = Path(__file__).parents[2]
 
@@ -262,3 +263,28 @@ def test_an_error_note_never_prints_a_whole_model(capsys) -> None:
     assert capsys.readouterr().err == (
         "error: Sequential(...) argument after ** must be a mapping, not tuple\n"
     )
+
+
+def test_a_stateful_technique_twice_in_a_config_is_said_before_the_trainer(capsys) -> None:
+    from lightning_efficient.commands.cli import EfficientCLI
+
+    swap = "--trainer.callbacks+=OptimizerSwap"
+    with pytest.raises(SystemExit) as info:
+        EfficientCLI(
+            args=["--trainer.accelerator=cpu", swap, "--trainer.callbacks.name=adamw8bit", swap,
+                  "--trainer.callbacks.name=adamw_fused"],
+            run=False,
+        )  # fmt: skip
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "OptimizerSwap is given more than once" in error and "Keep one instance" in error
+    assert "Found more than one stateful callback" not in error  # not Lightning's generic one
+
+
+def test_the_reason_of_a_bad_callback_argument_comes_first() -> None:
+    message = (
+        "Does not validate against any of the Union subtypes\nErrors:\n"
+        "  - `every_n` must be >= 1; got -3.\n  - Not a valid subclass of Callback\n"
+    )
+    assert reason_first(message).splitlines()[0] == "`every_n` must be >= 1; got -3."
+    assert reason_first("plain message") == "plain message"

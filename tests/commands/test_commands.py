@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from command_runner import run_command
 
 from lightning_efficient.commands import EXTRA_COMMANDS, main
 from lightning_efficient.core.validate import format_bytes
@@ -129,3 +130,51 @@ def test_profile_json_is_not_the_config_profilers_trace(tmp_path, capsys) -> Non
         err = capsys.readouterr().err
         assert "StepProfiler writes as `trace`" in err and "Traceback" not in err
         assert not trace.exists()  # refused before the run
+
+
+def test_fit_without_a_logger_writes_no_config_in_the_working_folder(tmp_path, capsys) -> None:
+    """The command in the test's process (``main``), from ``tmp_path`` as its working folder."""
+    mine = tmp_path / "config.yaml"
+    mine.write_text("# my own notes\ntrainer: {max_steps: 1}\n")
+    proc = run_command(
+        capsys,
+        "fit",
+        "--config",
+        str(mine),
+        "--trainer.accelerator=cpu",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.limit_val_batches=0",
+        "--data.max_train_samples=16",
+        "--data.batch_size=4",
+        "--model.n_layer=1",
+        "--model.n_embd=16",
+        "--model.n_head=2",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert mine.read_text().startswith("# my own notes")  # not replaced by the saved config
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".yaml") == ["config.yaml"]
+
+
+def test_fit_with_a_budget_that_cannot_be_met_ends_with_a_short_error(tmp_path, capsys) -> None:
+    proc = run_command(
+        capsys,
+        "fit",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=1",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.callbacks+=ActivationCheckpointing",
+        "--trainer.callbacks.budget=1KiB",
+        "--data.max_train_samples=16",
+        "--data.batch_size=4",
+        "--model.n_layer=2",
+        "--model.n_embd=16",
+        "--model.n_head=2",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error:") or "\nerror: `budget`" in proc.stderr
+    assert "smallest achievable peak" in proc.stderr

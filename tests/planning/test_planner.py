@@ -1,11 +1,18 @@
 """The planner: the first stack of the ladder whose estimated peak fits the budget."""
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from command_runner import run_command
+from helpers import fit, tiny_data, tiny_model
 
+from lightning_efficient import (
+    ActivationCheckpointing,
+    OptimizerSwap,
+)
 from lightning_efficient.demos import TinyGPT
 from lightning_efficient.planning import Part, Rung, default_ladder, plan_stack
 
@@ -95,7 +102,6 @@ def test_bad_budget_named(workload) -> None:
 
 
 def test_plan_command(capsys) -> None:
-    from command_runner import run_command
 
     args = ["plan", "--config", "configs/demo_plain.yaml", "--trainer.accelerator=cpu"]
     ok = run_command(capsys, *args, "--budget", "1GiB", cwd=ROOT)
@@ -204,7 +210,7 @@ def test_one_yaml_writer_and_the_ladder_classes() -> None:
     """The plan, AutoEfficient's decision and the profiler's advice write their yaml with one
     ``Stack.to_yaml()``; the ladder names its technique classes from a table of imported classes
     (never a module path)."""
-    from lightning_efficient import ActivationCheckpointing, OptimizerSwap
+    from lightning_efficient import ActivationCheckpointing
     from lightning_efficient.measure.profiling.advice import Findings, advise
     from lightning_efficient.planning import Decision, PlanResult
     from lightning_efficient.planning.ladder import LADDER_CLASSES, technique_class
@@ -391,3 +397,54 @@ def test_bf16_weights_rung_on_full_weight_training_only() -> None:
     peak = plan_stack(full, (ids,), "1TiB", ladder=[eight], **kw).tried[0][1].peak_bytes
     plan = plan_stack(full, (ids,), peak - 1, ladder=[eight, *ladder[sr : sr + 2]], **kw)
     assert plan.chosen is not None and plan.chosen.name.startswith("bf16-true + adamw")
+
+
+class NeedsReal(type(tiny_model())):
+    def training_step(self, batch, batch_idx):
+        if float(batch[0].float().sum()) < 0:  # reads a value: fake tensors cannot
+            raise RuntimeError("unreachable")
+        return super().training_step(batch, batch_idx)
+
+
+def test_plan_says_when_the_model_cannot_be_estimated() -> None:
+    import torch
+    from helpers import TINY_MODEL
+
+    x = torch.zeros(2, 32, dtype=torch.long)
+    result = plan_stack(NeedsReal(**TINY_MODEL), (x, x), "1GiB", try_all=True)
+    assert result.chosen is None and result.not_estimable is not None
+    assert "item" in str(result.not_estimable) or "value" in str(result.not_estimable)
+
+
+def test_plan_as_configured_counts_the_configured_techniques() -> None:
+    import torch
+
+    model = tiny_model(n_layer=4)
+    x = torch.zeros(4, 32, dtype=torch.long)
+    bare = plan_stack(model, (x, x), "1TiB")
+    configured = plan_stack(model, (x, x), "1TiB", configured=[ActivationCheckpointing()])
+    assert bare.tried[0][0].name == configured.tried[0][0].name == "as configured"
+    assert configured.tried[0][1].peak_bytes < bare.tried[0][1].peak_bytes
+
+
+@pytest.mark.slow
+def test_every_stack_the_planner_can_emit_fits(tmp_path) -> None:
+    """Each rung of the default ladder, built as the planner would write it, trains 2 steps of
+    the demo (issue 21: the checkpointing budget next to an 8-bit optimizer crashed)."""
+    from lightning_efficient.planning import default_ladder
+    from lightning_efficient.techniques.zero_offload import ZeROOffload
+
+    for rung in default_ladder(2**40, bf16=True):
+        callbacks, strategy = rung.build()
+        if isinstance(strategy, ZeROOffload):
+            continue  # DeepSpeed rungs: fitted in tests/techniques/test_zero_offload.py
+        for cb in callbacks:
+            if isinstance(cb, ActivationCheckpointing) and cb.budget is not None:
+                cb.budget = 2**20  # a budget the tiny model must work for
+        precision = "bf16-mixed" if rung.precision != "32-true" else "32-true"
+        kwargs = {"strategy": strategy} if strategy is not None else {}
+        trainer, _, rec = fit(
+            tmp_path, callbacks, max_steps=2, precision=precision, data=tiny_data(), **kwargs
+        )
+        assert trainer.global_step == 2 and len(rec.losses) == 2, rung.name
+        assert all(math.isfinite(v) for v in rec.losses), rung.name

@@ -24,6 +24,7 @@ from lightning_efficient.measure import (
     measure_step,
 )
 from lightning_efficient.measure.memory.estimate import EstimateError, cuda_round
+from lightning_efficient.measure.memory.types import resolve_optimizer
 
 
 def _batch(b: int = 4, t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,3 +479,9 @@ def test_estimate_plan_keeps_its_changes_on_the_one_log() -> None:
     with pytest.raises(RuntimeError, match="b failed"):
         plan.undo()
     assert order == ["c", "b", "a"] and first.undone and not len(plan.changes)
+
+
+def test_an_optimizer_path_must_name_an_optimizer_class() -> None:
+    with pytest.raises(TypeError, match="Optimizer subclass"):
+        resolve_optimizer("os.system")
+    assert resolve_optimizer("torch.optim.SGD") is not None

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_efficient.core.report import report_for
 from lightning_efficient.core.technique import NoEffectWarning
+from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.demos.tinygpt import Block
 from lightning_efficient.functional import (
     apply_activation_checkpointing,
@@ -818,3 +819,8 @@ def test_frozen_backbone_said_to_free_nothing(tmp_path) -> None:
     assert len(said) == 1 and "frees 0 B of" in said[0], said
     entry = report_for(trainer)["ActivationCheckpointing"]
     assert entry.figures["activations_saved_bytes"] == 0 and "frees 0 B" in entry.change
+
+
+def test_an_unreachable_budget_is_a_short_error_with_the_smallest_peak(tmp_path) -> None:
+    with pytest.raises(SettingsError, match="smallest achievable peak"):
+        fit(tmp_path, [ActivationCheckpointing(budget="1KiB")], max_steps=1)

@@ -2,7 +2,8 @@
 
 Every technique registers a ``Case`` in ``CASES`` below. ``REFERENCE`` is a real Lightning
 callback (``EarlyStopping``) that runs through the same tests, so the tests are shown to work
-even for properties no technique of ours has yet.
+even for properties no technique of ours has yet. Adding a technique: the checklist in
+``tests/techniques/README.md`` (folder, registry, this case, tests, benchmark, card, CHANGELOG).
 """
 
 from __future__ import annotations

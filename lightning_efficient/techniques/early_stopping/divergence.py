@@ -8,9 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_efficient.techniques.early_stopping.smoothing import (
-    ema_update,
-)
+from lightning_efficient.techniques.early_stopping.smoothing import ema_update
 
 __all__ = ["is_spike", "divergence_reason", "DivergenceDetector"]
 

@@ -12,9 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lightning_efficient.techniques.early_stopping.budgets import steps_saved
-from lightning_efficient.techniques.early_stopping.smoothing import (
-    ema_update,
-)
+from lightning_efficient.techniques.early_stopping.smoothing import ema_update
 
 __all__ = [
     "MODES",

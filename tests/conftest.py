@@ -135,8 +135,8 @@ def ddp_case(request, tmp_path_factory) -> Path:
     """The folder of the test's ``ddp_case`` (``@pytest.mark.ddp_case(name)``), run on 2 CPU
     processes in the session's one launch of ``tests/multiprocess/ddp_cases.py``: every case the
     session collected, one after another in the same two processes, started by the first test
-    that asks (under pytest-xdist too: ``once_per_session``). Fails with the case's own error output, or
-    the launch's, where the case did not finish."""
+    that asks (under pytest-xdist too: ``once_per_session``). Fails with the case's own error
+    output, or the launch's, where the case did not finish."""
     from ddp_cases import CASES
     from helpers import once_per_session
 

@@ -1,6 +1,6 @@
 """Small models of the families "auto" must handle, written here (no torchvision: its wheels in
-the registry are CUDA builds) or built from transformers configs. Used by tests/techniques/activation_checkpointing/test_gallery.py
-and benchmarks/gallery_blocks.py."""
+the registry are CUDA builds) or built from transformers configs. Used by
+tests/techniques/activation_checkpointing/test_gallery.py and benchmarks/gallery_blocks.py."""
 
 from __future__ import annotations
 

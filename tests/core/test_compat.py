@@ -1,6 +1,7 @@
 """What the package refuses before training (``core/compat.py``'s rules, ``core/validate.py``):
 a budget under a byte or not finite, a technique given twice. The other bad-input cases of
-issue 21 live with their subject (commands/, planning/, measure/memory/, activation_checkpointing/)."""
+issue 21 live with their subject (commands/, planning/, measure/memory/,
+activation_checkpointing/)."""
 
 from __future__ import annotations
 

@@ -208,7 +208,8 @@ def test_zero_optimizer_state_linking() -> None:
     assert "self._hp_optimizer_states_linked = False" in inspect.getsource(
         DeepSpeedZeroOptimizer.__init__
     )
-    # a plain optimizer needs no linking (ZeRO-2 fits link for real: tests/techniques/test_zero_offload.py)
+    # a plain optimizer needs no linking (ZeRO-2 fits link for real:
+    # tests/techniques/test_zero_offload.py)
     assert not I.link_zero_optimizer_states(torch.optim.SGD([nn.Parameter(torch.zeros(1))], 0.1))
     assert deepspeed.__version__
 
@@ -267,7 +268,8 @@ def test_set_model_parallel_sizes() -> None:
 
 
 def test_fsdp_policies_refuses_a_plain_module() -> None:
-    # the policies of a sharded module are read in the 2-process FSDP run (tests/multiprocess/fsdp_checks.py)
+    # the policies of a sharded module are read in the 2-process FSDP run
+    # (tests/multiprocess/fsdp_checks.py)
     with pytest.raises(I.InternalsError, match="_get_fsdp_state"):
         I.fsdp_policies(torch.nn.Linear(2, 2))
 

@@ -1,7 +1,8 @@
 """One optimizer step of micro-batch 4 x accumulation 2 on each of 2 CPU processes (gloo), the
 ranks' samples of unequal tokens (padded, 4..95 tokens): Lightning's own accumulation, then
 ExactAccumulation. Rank zero saves the parameters after each to OUT/{plain,exact}.pt and the
-window loss logged to OUT/exact.json. Run by ``tests/multiprocess/ddp_cases.py`` (case ``accumulation``)."""
+window loss logged to OUT/exact.json. Run by ``tests/multiprocess/ddp_cases.py`` (case
+``accumulation``)."""
 
 import json
 from pathlib import Path

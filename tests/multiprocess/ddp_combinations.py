@@ -12,8 +12,8 @@ named (issue 33): all in the same 2 processes, two fits per strategy.
 DataLoaderTuning measures the worker count in both fits, from their own first steps (the module
 counts its training_step calls: none may run out of band).
 
-Each rank writes ``OUT/<strategy>-rank<r>.json`` with what tests/techniques/test_combinations.py checks;
-weights are compared here, gathered whole (``full_tensor``) under FSDP.
+Each rank writes ``OUT/<strategy>-rank<r>.json`` with what tests/techniques/test_combinations.py
+checks; weights are compared here, gathered whole (``full_tensor``) under FSDP.
 
 Run by ``tests/multiprocess/ddp_cases.py`` (case ``combinations``: ddp, then fsdp).
 """

@@ -5,7 +5,8 @@ other; each rank writes ``OUT/rank<r>.json`` with one section per check.
   the sharded parameters' dtype after the fit, the losses, the policies fully_shard stored.
 - ``offload``: ``cpu_offload=True``: the policy fully_shard stored, where the shards live, the
   losses (a CPU machine has nothing to offload to: the maths must be unchanged).
-- ``curriculum``: the ids each rank trained on per step (tests/multiprocess/ddp_curriculum.py's module).
+- ``curriculum``: the ids each rank trained on per step (tests/multiprocess/ddp_curriculum.py's
+  module).
 - ``early_stopping``: EarlyStopper and DivergenceGuard on a rank-dependent metric and a NaN on
   rank 1 only (tests/multiprocess/ddp_early_stopping.py's setup).
 - ``batch_size``: EfficientBatchSize(target_batch_size=16): micro-batch, accumulation, samples.

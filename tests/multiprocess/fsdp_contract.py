@@ -6,7 +6,8 @@ Left out: strategy cases (they bring their own strategy) and techniques that ref
 parameters (``sharding_conflict``: the refusal raises, and Lightning then stops every rank;
 tests/techniques/test_fsdp.py checks that refusal on its own).
 
-Usage: python tests/multiprocess/fsdp_contract.py OUT.json  (Lightning re-launches this script for rank 1)
+Usage: python tests/multiprocess/fsdp_contract.py OUT.json
+(Lightning re-launches this script for rank 1)
 """
 
 import json

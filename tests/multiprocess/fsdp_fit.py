@@ -2,8 +2,8 @@
 ``OUT/rank<r>.json``: its losses, what was sharded and checkpointed, its report (with
 MemoryBreakdown's tracked peak of each sampled step when asked). Options come as one JSON object.
 
-Usage: python tests/multiprocess/fsdp_fit.py '{"callbacks": {"ActivationCheckpointing": {}}, ...}' OUT
-(keys: callbacks, strategy, trainer, model (``tiny_model`` overrides), steps, save_at,
+Usage: python tests/multiprocess/fsdp_fit.py '{"callbacks": {"ActivationCheckpointing": {}}, ...}'
+OUT (keys: callbacks, strategy, trainer, model (``tiny_model`` overrides), steps, save_at,
 allocator_step: also the CPU allocator's peak over that step, from the profiler's events)
 (Lightning re-launches this script for rank 1.)
 

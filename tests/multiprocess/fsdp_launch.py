@@ -1,5 +1,5 @@
-"""Every 2-process check of tests/techniques/test_fsdp.py in ONE launch of 2 CPU processes (gloo): the
-imports and the process group are paid once instead of once per script. Parts, in order:
+"""Every 2-process check of tests/techniques/test_fsdp.py in ONE launch of 2 CPU processes (gloo):
+the imports and the process group are paid once instead of once per script. Parts, in order:
 
 - ``fit``: ``fsdp_fit.main(OPTIONS, OUT/fit)`` (checkpointing, MemoryBreakdown, a checkpoint);
 - ``checks``: ``fsdp_checks.main(OUT/checks)`` (mixed precision, offload, curriculum, early

@@ -366,7 +366,8 @@ def test_gives_up_at_micro_batch_one(tmp_path) -> None:
 @pytest.mark.ddp_case("batch_size")
 def test_ddp_two_processes_target_and_oom(ddp_case) -> None:
     results = {}
-    # both runs in the session's 2-process launch, one after the other (tests/multiprocess/ddp_batch_size.py)
+    # both runs in the session's 2-process launch, one after the other
+    # (tests/multiprocess/ddp_batch_size.py)
     for mode in ("plain", "oom"):
         results[mode] = [
             json.loads(Path(f"{ddp_case / mode}.rank{r}.json").read_text()) for r in (0, 1)

@@ -1,8 +1,8 @@
 """The new callbacks in real combinations (issue 33): EarlyStopper, DivergenceGuard and Curriculum
 (with DataLoaderTuning after it) with Lightning's ModelCheckpoint, OnExceptionCheckpoint and an
-LR scheduler, on 2 CPU processes under DDP and FullyShardedStrategy (tests/multiprocess/ddp_combinations.py,
-in the session's one 2-process launch), two fits per strategy (a fault at step 7, then a resume from the
-exception's checkpoint)."""
+LR scheduler, on 2 CPU processes under DDP and FullyShardedStrategy
+(tests/multiprocess/ddp_combinations.py, in the session's one 2-process launch), two fits per
+strategy (a fault at step 7, then a resume from the exception's checkpoint)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ STRATEGIES = ("ddp", "fsdp")
 
 @pytest.fixture
 def ranks(ddp_case) -> list[dict]:
-    """Both strategies' fits, in the session's 2-process launch (tests/multiprocess/ddp_combinations.py)."""
+    """Both strategies' fits, in the session's 2-process launch
+    (tests/multiprocess/ddp_combinations.py)."""
     return [json.loads((ddp_case / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

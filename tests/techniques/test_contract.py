@@ -373,8 +373,9 @@ CASES.append(
             "pin_memory": st.one_of(st.integers(), st.text(max_size=3)),
         },
         kind="strategy",
-        # no state of its own: the optimizer state is in the checkpoint (tests/techniques/test_zero_offload.py
-        # checks resume equality through ZeRO, plain -> ZeRO and ZeRO -> plain)
+        # no state of its own: the optimizer state is in the checkpoint
+        # (tests/techniques/test_zero_offload.py checks resume equality through ZeRO, plain -> ZeRO
+        # and ZeRO -> plain)
         stateful=False,
         rtol=1e-4,
         atol=1e-5,
@@ -384,7 +385,8 @@ CASES.append(
 )
 
 # -- scale out (issue 17): FSDP2 on an unmodified module; on one process the maths is the plain
-# run's; tests/techniques/test_fsdp.py checks 2 processes against the plain run and the techniques under it
+# run's; tests/techniques/test_fsdp.py checks 2 processes against the plain run and the techniques
+# under it
 from lightning_efficient.techniques.fsdp import (  # noqa: E402
     DTYPES,
     FullyShardedStrategy,
@@ -567,9 +569,10 @@ _OPTIMIZER_SWAP_FUZZ = {
     "embeddings_32bit": st.one_of(st.integers(), st.text(max_size=4), st.none()),
 }
 # 8-bit states are lossy: the first loss (same model, same batch) matches; later ones stay close
-# (tests/techniques/optimizers/test_optimizers.py checks 8 steps within 1% of AdamW). Resume is exact (rtol/atol).
-# A plain (AdamW) checkpoint has no 8-bit state to resume: on_mismatch="reset" starts it afresh
-# (the default, "error", stops with the choices; tested in tests/techniques/optimizers/test_optimizers.py).
+# (tests/techniques/optimizers/test_optimizers.py checks 8 steps within 1% of AdamW). Resume is
+# exact (rtol/atol). A plain (AdamW) checkpoint has no 8-bit state to resume: on_mismatch="reset"
+# starts it afresh (the default, "error", stops with the choices; tested in
+# tests/techniques/optimizers/test_optimizers.py).
 CASES.append(
     Case(
         OptimizerSwap,
@@ -690,7 +693,8 @@ CASES += [
 ]
 
 # -- one switch (issue 31): a budget that holds the tiny fit's batch, so the configured stack and
-# batch are kept (the maths is the plain run's); tests/planning/test_auto.py checks the other choices
+# batch are kept (the maths is the plain run's); tests/planning/test_auto.py checks the other
+# choices
 from lightning_efficient.planning import GOALS, AutoEfficient  # noqa: E402
 
 CASES.append(
@@ -960,9 +964,9 @@ def _comparable(x: Any) -> Any:
 
 # -- 7. DDP with 2 CPU processes (gloo) -------------------------------------------------------
 def _launch_ddp(case_ids: list[str], tmp_path: Path) -> tuple[list[dict], str, int | None]:
-    """One 2-process launch of ``tests/multiprocess/ddp_contract.py`` running ``case_ids`` in order: the JSON
-    lines rank zero wrote, the launch's stderr and exit code (None: timed out; both ranks'
-    processes are killed at the end)."""
+    """One 2-process launch of ``tests/multiprocess/ddp_contract.py`` running ``case_ids`` in
+    order: the JSON lines rank zero wrote, the launch's stderr and exit code (None: timed out; both
+    ranks' processes are killed at the end)."""
     out = tmp_path / f"ddp-{len(list(tmp_path.glob('ddp-*')))}.jsonl"
     cmd = [sys.executable, str(MULTIPROCESS / "ddp_contract.py"), ",".join(case_ids), str(out)]
     _, stderr, code = launch(cmd, tmp_path, 300 + 60 * len(case_ids), stdout=False)

@@ -445,7 +445,8 @@ def test_dataloader_tuning_with_preload_is_a_conflict(tmp_path) -> None:
 def test_loaders_given_to_fit_directly_are_rebuilt_and_put_back(tmp_path) -> None:
     """Issue 49: loaders given to ``trainer.fit`` (train and validation) are rebuilt as a
     module's are (they were left as given, with a NoEffectWarning); the fit loop reads them as
-    given again after the fit. The three ways of giving a loader: tests/techniques/test_loader_paths.py."""
+    given again after the fit. The three ways of giving a loader:
+    tests/techniques/test_loader_paths.py."""
     dm = tiny_data()
     dm.setup("fit")
     trainer = pl.Trainer(

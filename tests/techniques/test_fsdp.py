@@ -450,14 +450,16 @@ def test_demo_yaml_on_two_nodes_then_resumed_on_one(tmp_path) -> None:
 # -- the strategy's options and the techniques that change behaviour with ranks: one 2-process run
 @pytest.fixture(scope="module")
 def fsdp_checks(fsdp_launch) -> list[dict]:
-    """tests/multiprocess/fsdp_checks.py: five fits one after the other (part "checks" of the launch)."""
+    """tests/multiprocess/fsdp_checks.py: five fits one after the other (part "checks" of the
+    launch)."""
     out = _part(fsdp_launch, "checks") / "checks"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def fsdp_cases(fsdp_launch) -> dict:
-    """tests/multiprocess/fsdp_contract.py: every contract case (part "cases" of the launch), by case id."""
+    """tests/multiprocess/fsdp_contract.py: every contract case (part "cases" of the launch), by
+    case id."""
     return json.loads((_part(fsdp_launch, "cases") / "cases.json").read_text())
 
 

@@ -13,8 +13,8 @@ are in :mod:`lightning_efficient.functional`):
   and free its gradient at once (:mod:`.in_backward`).
 - :mod:`.checkpoint`: what a checkpoint holds and what a resumed run restores.
 
-:class:`OptimizerSwap` (:mod:`.callback`) is the thin callback that decides *when*. The estimate-only
-state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
+:class:`OptimizerSwap` (:mod:`.callback`) is the thin callback that decides *when*. The
+estimate-only state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
 :func:`optimizer_state_bytes` live in :mod:`lightning_efficient.measure.memory.optimizer_models`.
 """
 

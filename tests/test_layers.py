@@ -428,3 +428,24 @@ def test_no_class_over_200_lines(tmp_path) -> None:
     assert _classes_over(200, {"big": big}) == ["big.Big: 201 lines"]  # the rule sees one
     over = _classes_over(200, MODULES)
     assert not over, "classes over 200 lines:\n" + "\n".join(over)
+
+
+def _same_names(folder: Path) -> list[str]:
+    """Module names that two files under ``folder`` share (``conftest.py`` aside)."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        if path.name != "conftest.py":
+            names.setdefault(path.stem, []).append(str(path.relative_to(folder)))
+    return [f"{stem}: {', '.join(paths)}" for stem, paths in names.items() if len(paths) > 1]
+
+
+def test_test_modules_have_unique_names(tmp_path) -> None:
+    """The test folders mirror the package and every one is on the path (tests/conftest.py), so
+    that tests and the 2-process scripts import each other by name: a second file of the same
+    name would shadow the first."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test_x.py").write_text("")
+    assert _same_names(tmp_path) == ["test_x: a/test_x.py, b/test_x.py"]  # the rule sees one
+    same = _same_names(Path(__file__).parent)
+    assert not same, "rename one of each:\n" + "\n".join(same)

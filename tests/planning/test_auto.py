@@ -561,7 +561,7 @@ def test_fit_auto_refuses_a_target_the_data_cannot_hold(tmp_path, capsys, monkey
     from lightning_efficient.commands import main
 
     monkeypatch.chdir(tmp_path)
-    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
     common = ["--config", str(config), "--trainer.max_steps", "1", "--trainer.logger", "false"]
     with pytest.raises(SystemExit) as info:
         main(["fit", "--auto", "--budget", "1GiB", "--target-batch", "1000000", *common])

@@ -80,8 +80,8 @@ def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
     the repository; ``["tests"]`` when none does. ``-m gpu`` deselects every test of the other
     files, so collecting them only costs their imports (a minute for the whole folder)."""
     files = [
-        f"{tests.name}/{f.name}"
-        for f in sorted(tests.glob("test_*.py"))
+        f.relative_to(tests.parent).as_posix()
+        for f in sorted(tests.rglob("test_*.py"))  # the test folders mirror the package
         if "mark.gpu" in f.read_text(errors="replace")
     ]
     return files or [tests.name]

@@ -3,7 +3,8 @@
 (FULL_SHARD) and ZeRO-3 at 2, 4 and 8 ranks, from one fake-tensor estimate of the step
 (``estimate_memory(..., world_size=, sharding=)``). With ``--measure`` also real 2-process
 FullyShardedStrategy runs of two tiny GPT sizes, FULL_SHARD and SHARD_GRAD_OP, on this CPU
-(tests/_fsdp_fit.py): the tracked peak per rank against the per-rank estimate of the same step.
+(tests/multiprocess/fsdp_fit.py): the tracked peak per rank against the per-rank estimate of the
+same step.
 
     PYTHONPATH=. python -m benchmarks.scale_out [--measure]
 
@@ -125,7 +126,7 @@ def measured() -> dict:
                 subprocess.run(
                     [
                         sys.executable,
-                        str(ROOT / "tests" / "_fsdp_fit.py"),
+                        str(ROOT / "tests" / "multiprocess" / "fsdp_fit.py"),
                         json.dumps(options),
                         out,
                     ],

@@ -1,6 +1,7 @@
-"""Five model families as LightningModules with their data, for tests/test_auto.py: a decoder LM
-(TinyGPT), an encoder (HF BERT), a ViT (HF), a CNN with BatchNorm (written in the gallery) and
-T5 (HF). Samples are separate tensors (a dataset that hands out views of one large tensor would
+"""Five model families as LightningModules with their data, for tests/planning/test_auto.py: a
+decoder LM (TinyGPT), an encoder (HF BERT), a ViT (HF), a CNN with BatchNorm (written in the
+gallery) and T5 (HF). Samples are separate tensors (a dataset that hands out views of one large
+tensor would
 make the CPU tracker count that whole tensor when the next micro-batch is fetched inside a
 measured step)."""
 

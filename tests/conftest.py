@@ -7,10 +7,16 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-# subprocesses (DDP ranks, CLI runs) import this checkout's package and the test helpers
+#: the folder of the multi-process scripts (``<launch>_<subject>.py``: ``ddp_*`` a case of the
+#: session's DDP launch or the contract's, ``fsdp_*`` a part of the FSDP launch)
+MULTIPROCESS = HERE / "multiprocess"
+# the test folders mirror the package; their modules import each other and the support modules
+# of tests/ by their (unique) names, so every folder is on the path, in this process and in
+# subprocesses (DDP ranks, CLI runs), which import this checkout's package too
+FOLDERS = sorted({p.parent for p in HERE.rglob("*.py")})  # tests/ first
+sys.path[:0] = [str(p) for p in FOLDERS if str(p) not in sys.path]
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(HERE.parent), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    [str(HERE.parent), *map(str, FOLDERS), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 # under pytest-xdist each worker takes its share of the cores (2 workers on 2 cores: 1 each)
@@ -118,7 +124,7 @@ def deepspeed_extensions(tmp_path_factory) -> ExtensionsReady:
 def _launch_ddp_cases(folder: Path, names: list[str]) -> dict:
     from helpers import launch
 
-    cmd = [sys.executable, str(HERE / "_ddp_cases.py"), str(folder), ",".join(names)]
+    cmd = [sys.executable, str(MULTIPROCESS / "ddp_cases.py"), str(folder), ",".join(names)]
     # COLUMNS: the reports case reads its table's rows whole
     _, err, code = launch(cmd, folder, 300 * len(names), env={"COLUMNS": "200"}, stdout=False)
     return {"folder": str(folder), "returncode": code, "stderr": err[-4000:]}
@@ -127,11 +133,11 @@ def _launch_ddp_cases(folder: Path, names: list[str]) -> dict:
 @pytest.fixture
 def ddp_case(request, tmp_path_factory) -> Path:
     """The folder of the test's ``ddp_case`` (``@pytest.mark.ddp_case(name)``), run on 2 CPU
-    processes in the session's one launch of ``tests/_ddp_cases.py``: every case the session
-    collected, one after another in the same two processes, started by the first test that asks
-    (under pytest-xdist too: ``once_per_session``). Fails with the case's own error output, or
-    the launch's, where the case did not finish."""
-    from _ddp_cases import CASES
+    processes in the session's one launch of ``tests/multiprocess/ddp_cases.py``: every case the
+    session collected, one after another in the same two processes, started by the first test
+    that asks (under pytest-xdist too: ``once_per_session``). Fails with the case's own error
+    output, or the launch's, where the case did not finish."""
+    from ddp_cases import CASES
     from helpers import once_per_session
 
     name = request.node.get_closest_marker("ddp_case").args[0]

@@ -614,3 +614,74 @@ def test_package_imports_no_benchmark_nor_test() -> None:
         if n.split(".")[0] in TEST_MODULES | {"benchmarks"}
     ]
     assert not upward, "\n".join(upward)
+
+
+def _folders_without_callback(techniques: Path) -> list[str]:
+    """Technique folders (public packages under ``techniques``) without a ``callback.py``."""
+    return sorted(
+        p.name
+        for p in techniques.iterdir()
+        if (p / "__init__.py").exists() and not p.name.startswith("_")
+        if not (p / "callback.py").exists()
+    )
+
+
+def test_every_technique_folder_keeps_its_callback_in_callback_py(tmp_path) -> None:
+    """One place to open a technique: ``techniques/<name>/callback.py`` holds its callback (or
+    strategy) class; the maths lives in the folder's other modules, named by idea."""
+    from lightning_efficient.techniques import TECHNIQUES
+
+    (tmp_path / "new_idea").mkdir()
+    (tmp_path / "new_idea" / "__init__.py").write_text("")
+    assert _folders_without_callback(tmp_path) == ["new_idea"]  # the rule sees a missing one
+    assert not _folders_without_callback(ROOT / "techniques")
+    folder = f"{PACKAGE}.techniques."
+    in_folders = [c for c in TECHNIQUES if c.__module__.startswith(folder)]
+    in_folders = [c for c in in_folders if "." in c.__module__.removeprefix(folder)]
+    assert len(in_folders) >= 12
+    elsewhere = [f"{c.__name__}: {c.__module__}" for c in in_folders]
+    elsewhere = [line for line in elsewhere if not line.endswith(".callback")]
+    assert not elsewhere, "move the class to its folder's callback.py:\n" + "\n".join(elsewhere)
+
+
+def _classes_over(limit: int, modules: dict[str, Path]) -> list[str]:
+    """Classes (nested ones too, decorators included) of ``modules`` longer than ``limit`` lines."""
+    found = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (n := node.end_lineno - start + 1) > limit:
+                    found.append(f"{module}.{node.name}: {n} lines")
+    return found
+
+
+def test_no_class_over_200_lines(tmp_path) -> None:
+    """Every class of the package, not only the callbacks and strategies: a class that grows past
+    200 lines holds two responsibilities; move its pure parts to module functions."""
+    big = tmp_path / "big.py"
+    big.write_text("class Big:\n" + "    x = 1\n" * 200)
+    assert _classes_over(200, {"big": big}) == ["big.Big: 201 lines"]  # the rule sees one
+    over = _classes_over(200, MODULES)
+    assert not over, "classes over 200 lines:\n" + "\n".join(over)
+
+
+def _same_names(folder: Path) -> list[str]:
+    """Module names that two files under ``folder`` share (``conftest.py`` aside)."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        if path.name != "conftest.py":
+            names.setdefault(path.stem, []).append(str(path.relative_to(folder)))
+    return [f"{stem}: {', '.join(paths)}" for stem, paths in names.items() if len(paths) > 1]
+
+
+def test_test_modules_have_unique_names(tmp_path) -> None:
+    """The test folders mirror the package and every one is on the path (tests/conftest.py), so
+    that tests and the 2-process scripts import each other by name: a second file of the same
+    name would shadow the first."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test_x.py").write_text("")
+    assert _same_names(tmp_path) == ["test_x: a/test_x.py, b/test_x.py"]  # the rule sees one
+    same = _same_names(Path(__file__).parent)
+    assert not same, "rename one of each:\n" + "\n".join(same)

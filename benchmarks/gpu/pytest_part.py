@@ -81,7 +81,7 @@ def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
     files, so collecting them only costs their imports (a minute for the whole folder)."""
     files = [
         f.relative_to(tests.parent).as_posix()
-        for f in sorted(tests.rglob("test_*.py"))
+        for f in sorted(tests.rglob("test_*.py"))  # the test folders mirror the package
         if "mark.gpu" in f.read_text(errors="replace")
     ]
     return files or [tests.name]

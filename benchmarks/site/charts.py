@@ -1,9 +1,10 @@
 """The charts of the README and the method cards, drawn from ``benchmarks/results/*.json``.
 
 ``benchmarks/site/make_index.py`` calls ``write_charts()`` (and ``--check`` calls ``stale_charts()``),
-so one command writes ``docs/index.md`` and every ``docs/img/*.svg``; ``tests/test_charts.py``
-regenerates each chart from its JSON and compares it byte for byte with the committed file. The
-SVGs are deterministic: a fixed ``svg.hashsalt``, no date, text kept as text.
+so one command writes ``docs/index.md`` and every ``docs/img/*.svg``;
+``tests/project/test_charts.py`` regenerates each chart from its JSON and compares it byte for byte
+with the committed file. The SVGs are deterministic: a fixed ``svg.hashsalt``, no date, text kept as
+text.
 
 Every chart says in its footer the hardware its figures come from, whether they were measured or
 estimated, and the results file it reads. Nothing is typed by hand.

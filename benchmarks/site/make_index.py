@@ -3,8 +3,8 @@
 The figures are read from ``benchmarks/results/*.json`` (never typed by hand); each row names its
 results file, and the page links the method cards and the tutorials. The README's and the cards'
 charts (``docs/img/*.svg``) are drawn from the same files by ``benchmarks/site/charts.py``.
-``tests/test_docs.py`` and ``tests/test_charts.py`` check that the committed page and charts are
-what this script writes now, so re-run it after a benchmark:
+``tests/project/test_docs.py`` and ``tests/project/test_charts.py`` check that the committed page
+and charts are what this script writes now, so re-run it after a benchmark:
 
     python -m benchmarks.site.make_index            # writes docs/index.md and docs/img/*.svg
     python -m benchmarks.site.make_index --check    # exit 1 when either is stale

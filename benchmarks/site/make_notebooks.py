@@ -1,9 +1,10 @@
 """Run the tutorials in their short mode and commit them with their outputs (charts included).
 
 Each ``notebooks/*.ipynb`` runs from a clean kernel with ``SHORT = True`` (as
-``tests/test_notebooks.py`` runs it), from a temporary working folder, and is written back with
-its outputs: text, and each chart as a PNG at 100 dpi (the notebooks' ``show``). The ``parameters``
-cell keeps its source (``SHORT = False``: a reader who runs it gets the full mode) and shows one
+``tests/project/test_notebooks.py`` runs it), from a temporary working folder, and is written back
+with its outputs: text, and each chart as a PNG at 100 dpi (the notebooks' ``show``). The
+``parameters`` cell keeps its source (``SHORT = False``: a reader who runs it gets the full mode)
+and shows one
 line saying where the outputs come from. Stripped: stderr (warnings, progress), timing metadata,
 widget state; the temporary folder's path is written ``$TMPDIR`` and the repository's path is
 dropped (``configs/tiny.yaml``, not ``/home/me/lightning-efficient/configs/tiny.yaml``).

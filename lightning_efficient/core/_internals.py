@@ -1,7 +1,7 @@
 """The one module that touches private names of torch, Lightning, DeepSpeed and jsonargparse.
 
 Every use is a small named function (or a name imported once, here) so that a release that moves
-one breaks in one place, loudly: ``tests/test_internals.py`` calls each of them against the
+one breaks in one place, loudly: ``tests/core/test_internals.py`` calls each of them against the
 installed versions. ``TESTED`` states the ranges the project is tested with (setup.cfg pins the
 same); outside them a use that fails raises ``InternalsError`` naming the private name, the
 installed version and the tested range, instead of a bare ``AttributeError``.

@@ -13,6 +13,7 @@ figures, and whether all ranks took the same decisions.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -86,6 +87,26 @@ def format_figure(name: str, value: Any) -> str:
 
 def _or_dash(name: str, value: Any) -> str:
     return "-" if value is None else format_figure(name, value)
+
+
+def _bars(entries: Iterable[ReportEntry], figure: str | None) -> tuple[list, list, list, list]:
+    """What :meth:`EfficiencyReport.to_png` draws: a label, a value (GiB for ``*_bytes``) and a
+    unit per numeric figure whose name contains ``figure`` (all where ``None``), and the spans
+    ``(bar, low, high)`` of the figures that differ between ranks."""
+    labels, values, units, spans = [], [], [], []
+    for e in entries:
+        for k, v in e.figures.items():
+            if figure is not None and figure not in k:
+                continue
+            if is_number(v):
+                scale, unit = (2**30, "GiB") if k.endswith("_bytes") else (1, "")
+                labels.append(f"{e.technique}\n{k}")
+                values.append(v / scale)
+                units.append(unit)
+                spread = spread_of(e.ranks_of(k) or []) if spread_kind(k) else None
+                if spread is not None and not spread.equal:  # the ranks' min to max
+                    spans.append((len(values) - 1, spread.low / scale, spread.high / scale))
+    return labels, values, units, spans
 
 
 class EfficiencyReport:
@@ -241,19 +262,7 @@ class EfficiencyReport:
             from lightning_efficient.core.validate import missing_extra
 
             raise missing_extra("matplotlib", "plot", "EfficiencyReport.to_png") from err
-        labels, values, units, spans = [], [], [], []
-        for e in self._entries.values():
-            for k, v in e.figures.items():
-                if figure is not None and figure not in k:
-                    continue
-                if is_number(v):
-                    scale, unit = (2**30, "GiB") if k.endswith("_bytes") else (1, "")
-                    labels.append(f"{e.technique}\n{k}")
-                    values.append(v / scale)
-                    units.append(unit)
-                    spread = spread_of(e.ranks_of(k) or []) if spread_kind(k) else None
-                    if spread is not None and not spread.equal:  # the ranks' min to max
-                        spans.append((len(values) - 1, spread.low / scale, spread.high / scale))
+        labels, values, units, spans = _bars(self._entries.values(), figure)
         fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(values)), 3.5))
         ax.bar(range(len(values)), values, color="#4c72b0")
         if spans:

@@ -17,7 +17,8 @@ after; ``tests/test_layers.py`` reads it):
 - ``profiling/``: ``StepProfiler`` and its parts, the advice.
 
 A module is imported from its room (``lightning_efficient.measure.memory.estimate``); the public
-names from here. ``tests/test_measure_paths.py`` checks that no other path to a module exists.
+names from here. ``tests/measure/test_measure_paths.py`` checks that no other path to a module
+exists.
 """
 
 from lightning_efficient.core.report import EfficiencyReport, ReportEntry, report_for

@@ -23,8 +23,9 @@ Plus the **cuBLAS workspaces**: the caching allocator holds one per thread that 
 adds them to the tracker at the first product of the forward and of the backward.
 
 The tables follow torch's sources (``aten/src/ATen/autocast_mode.cpp``,
-``native/transformers/cuda/sdp_utils.cpp``, ``attention.cpp``); ``tests/test_cuda_kernels.py``
-checks the autocast table against the operators the installed torch registers for CUDA autocast.
+``native/transformers/cuda/sdp_utils.cpp``, ``attention.cpp``);
+``tests/measure/memory/test_cuda_kernels.py`` checks the autocast table against the operators the
+installed torch registers for CUDA autocast.
 """
 
 from __future__ import annotations

@@ -286,48 +286,55 @@ class StorageTracker(TorchDispatchMode):
         ]
 
     def summary(self, offload: dict[str, bool] | None = None) -> MemoryEstimate:
-        """Replay the log with the final labels: peak, bytes per category at the peak, phases.
+        """Replay the log with the final labels (:func:`_replay`): peak, bytes per category at
+        the peak, phases; categories with ``offload[category]`` true count in host memory."""
+        return _replay(self._events, offload)
 
-        Categories with ``offload[category]`` true are counted in host memory, not the device.
-        """
-        offload = offload or {}
-        device = host = host_peak = 0
-        current = dict.fromkeys(CATEGORIES, 0)
-        peak, at_peak, peak_phase = 0, dict(current), "forward"
-        phase_peaks: dict[str, int] = {}
-        phase_by_category: dict[str, dict[str, int]] = {}
-        levels: dict[int, dict[str, int]] = {}  # backward: gradient bytes -> the most at that level
-        for rec, sign, phase in self._events:
-            if rec is None:  # entering ``phase``: what is live now counts for it
-                if device > phase_peaks.get(phase, -1):
-                    phase_peaks[phase] = device
-                    phase_by_category[phase] = dict(current)
-                continue
-            n = sign * rec.nbytes
-            if rec.host or offload.get(rec.category, False):
-                host += n
-                host_peak = max(host_peak, host)
-                continue
-            device += n
-            current[rec.category] += n
-            if phase not in phase_peaks or device > phase_peaks[phase]:
+
+def _replay(events: list, offload: dict[str, bool] | None = None) -> MemoryEstimate:
+    """Replay a tracker's log (``StorageTracker._events``: ``(record or None, +1/-1, phase)``)
+    with its final labels: peak, bytes per category at the peak, phases.
+
+    Categories with ``offload[category]`` true are counted in host memory, not the device.
+    """
+    offload = offload or {}
+    device = host = host_peak = 0
+    current = dict.fromkeys(CATEGORIES, 0)
+    peak, at_peak, peak_phase = 0, dict(current), "forward"
+    phase_peaks: dict[str, int] = {}
+    phase_by_category: dict[str, dict[str, int]] = {}
+    levels: dict[int, dict[str, int]] = {}  # backward: gradient bytes -> the most at that level
+    for rec, sign, phase in events:
+        if rec is None:  # entering ``phase``: what is live now counts for it
+            if device > phase_peaks.get(phase, -1):
                 phase_peaks[phase] = device
                 phase_by_category[phase] = dict(current)
-            if phase == "backward":
-                level = levels.get(current["gradients"])
-                if level is None or device > sum(level.values()):
-                    levels[current["gradients"]] = dict(current)
-            if device > peak:
-                peak, at_peak, peak_phase = device, dict(current), phase
-        return MemoryEstimate(
-            peak_bytes=peak,
-            by_category=at_peak,
-            peak_phase=peak_phase,
-            phase_peaks=phase_peaks,
-            host_bytes=host_peak,
-            phase_by_category=phase_by_category,
-            backward_levels=_frontier(levels),
-        )
+            continue
+        n = sign * rec.nbytes
+        if rec.host or offload.get(rec.category, False):
+            host += n
+            host_peak = max(host_peak, host)
+            continue
+        device += n
+        current[rec.category] += n
+        if phase not in phase_peaks or device > phase_peaks[phase]:
+            phase_peaks[phase] = device
+            phase_by_category[phase] = dict(current)
+        if phase == "backward":
+            level = levels.get(current["gradients"])
+            if level is None or device > sum(level.values()):
+                levels[current["gradients"]] = dict(current)
+        if device > peak:
+            peak, at_peak, peak_phase = device, dict(current), phase
+    return MemoryEstimate(
+        peak_bytes=peak,
+        by_category=at_peak,
+        peak_phase=peak_phase,
+        phase_peaks=phase_peaks,
+        host_bytes=host_peak,
+        phase_by_category=phase_by_category,
+        backward_levels=_frontier(levels),
+    )
 
 
 def _frontier(levels: dict[int, dict[str, int]]) -> list[dict[str, int]]:

@@ -16,7 +16,7 @@ as before the split):
   duration of training; the class itself is untouched, so state_dict keys never change).
 """
 
-from lightning_efficient.techniques.batch_size.callbacks import EfficientBatchSize, OOMRecovery
+from lightning_efficient.techniques.batch_size.callback import EfficientBatchSize, OOMRecovery
 from lightning_efficient.techniques.batch_size.guard import OOMGuard
 from lightning_efficient.techniques.batch_size.sizing import (
     accumulation_for,

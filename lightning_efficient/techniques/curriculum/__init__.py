@@ -16,7 +16,7 @@ Callbacks (they only decide *when*): ``Curriculum`` and ``SequenceLengthWarmup``
 Not built: the self-paced mode (difficulty from the module's per-sample training loss).
 """
 
-from lightning_efficient.techniques.curriculum.callbacks import Curriculum, SequenceLengthWarmup
+from lightning_efficient.techniques.curriculum.callback import Curriculum, SequenceLengthWarmup
 from lightning_efficient.techniques.curriculum.difficulty import (
     DIFFICULTY_BUILTINS,
     difficulty_scores,

@@ -16,13 +16,13 @@ Pure functions (no Lightning needed; the ones a user composes are in
 - ``LengthBucketSampler`` and ``padding_stats`` (``buckets.py``): batches of similar length, less
   padding.
 
-Callbacks (``callbacks.py``; they only decide *when*): ``DataLoaderTuning`` and
+Callbacks (``callback.py``; they only decide *when*): ``DataLoaderTuning`` and
 ``DevicePreload``. ``InputStallMonitor`` measures and so lives in
 ``lightning_efficient.measure.speed.input_stall``.
 """
 
 from lightning_efficient.techniques.dataloading.buckets import LengthBucketSampler, padding_stats
-from lightning_efficient.techniques.dataloading.callbacks import DataLoaderTuning, DevicePreload
+from lightning_efficient.techniques.dataloading.callback import DataLoaderTuning, DevicePreload
 from lightning_efficient.techniques.dataloading.preload import (
     PreloadedBatches,
     PreloadRefused,

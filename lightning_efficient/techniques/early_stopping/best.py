@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient.techniques.early_stopping.functions import host_copy
+from lightning_efficient.techniques.early_stopping.rollback import host_copy
 
 __all__ = ["BestWeights", "load_full_state_dict", "not_kept_message", "read_checkpoint"]
 

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.validate import check_bool, check_choice, check_float, check_int
-from lightning_efficient.techniques.early_stopping.functions import (
+from lightning_efficient.techniques.early_stopping.budgets import budget_reason
+from lightning_efficient.techniques.early_stopping.plateau import (
     MODES,
     PlateauTracker,
-    budget_reason,
-    check_half_life,
     matching_checkpoint,
     missing_metric_message,
 )
+from lightning_efficient.techniques.early_stopping.smoothing import check_half_life
 
 __all__ = [
     "Budgets",

@@ -13,8 +13,8 @@ are in :mod:`lightning_efficient.functional`):
   and free its gradient at once (:mod:`.in_backward`).
 - :mod:`.checkpoint`: what a checkpoint holds and what a resumed run restores.
 
-:class:`OptimizerSwap` (:mod:`.swap`) is the thin callback that decides *when*. The estimate-only
-state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
+:class:`OptimizerSwap` (:mod:`.callback`) is the thin callback that decides *when*. The
+estimate-only state models (:class:`EightBitStateModel`, :class:`AdafactorStateModel`) and
 :func:`optimizer_state_bytes` live in :mod:`lightning_efficient.measure.memory.optimizer_models`.
 """
 
@@ -29,6 +29,7 @@ from lightning_efficient.techniques.optimizers.build import (
     optimizer_class,
     swap_optimizer,
 )
+from lightning_efficient.techniques.optimizers.callback import OptimizerSwap
 from lightning_efficient.techniques.optimizers.in_backward import (
     InBackwardOptimizer,
     attach_optimizer_in_backward,
@@ -37,7 +38,6 @@ from lightning_efficient.techniques.optimizers.schedulers import (
     rebind_schedulers,
     repoint_scheduler,
 )
-from lightning_efficient.techniques.optimizers.swap import OptimizerSwap
 
 __all__ = [
     "NAMES",

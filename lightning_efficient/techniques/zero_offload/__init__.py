@@ -27,6 +27,7 @@ Pure functions (no Lightning needed; ``zero_offload_config`` and ``export_fp32``
 made, usable on a CPU (gloo) so that tests run the real DeepSpeed.
 """
 
+from lightning_efficient.techniques.zero_offload.callback import ZeROOffload
 from lightning_efficient.techniques.zero_offload.config import (
     SAVE_FORMATS,
     host_buffers,
@@ -53,7 +54,6 @@ from lightning_efficient.techniques.zero_offload.state import (
     load_zero_optimizer_state,
     zero_optimizer_state,
 )
-from lightning_efficient.techniques.zero_offload.strategy import ZeROOffload
 
 __all__ = [
     "ZeROOffload",

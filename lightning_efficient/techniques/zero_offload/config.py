@@ -280,8 +280,8 @@ def host_buffers(
     ``largest_parameter`` elements, ``param_bytes`` per element on the device (4 fp32, 2 bf16),
     ``optimizer_state_bytes`` per element of optimizer state (Adam 8, Adagrad 4). Read from
     DeepSpeed 0.19's ZeRO optimizers and checked against a real CPU run's live tensors and
-    resident memory (``tests/test_zero_offload.py``, ``benchmarks/zero_offload.py``). With
-    optimizer offload:
+    resident memory (``tests/techniques/test_zero_offload.py``, ``benchmarks/zero_offload.py``).
+    With optimizer offload:
 
     - ``"fp32 master weights"``: 4 B each, a separate fp32 copy even when training in fp32;
     - ``"fp32 gradients"``: 4 B each, the gradient partition the host step reads;

@@ -15,11 +15,11 @@ from helpers import TINY_MODEL, fit, params_of, tiny_data, tiny_model
 from lightning.pytorch import Callback, LightningDataModule
 
 from lightning_efficient.core.report import report_for
-from lightning_efficient.measure.memory.budget import largest_within
 from lightning_efficient.functional import (
     largest_fitting_batch,
     micro_batch_step,
 )
+from lightning_efficient.measure.memory.budget import largest_within
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.batch_size import (

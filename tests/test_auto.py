@@ -20,6 +20,7 @@ from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.planning import (
     CHECKPOINT_ALL,
+    CHECKPOINT_FEWEST,
     Part,
     Rung,
     checkpoint_fewest,
@@ -107,6 +108,36 @@ def test_trial_out_of_memory_steps_down_a_size_then_a_stack() -> None:
             64,
             trial=lambda r, n: SimpleNamespace(ok=False, reserved_bytes=0),
         )
+
+
+def test_decide_stack_needs_no_trainer_and_hands_the_budget_down() -> None:
+    """The public entry: AutoEfficient's decision for a model and its batches, no trainer; the
+    same decision as the ladder, the estimate and the search wired by hand, and the budget in
+    the decision's "fewest blocks" part (handed by the search: the ladder takes none)."""
+    from helpers import tiny_model
+
+    from lightning_efficient.planning import decide_stack
+
+    model = tiny_model()
+    batch = lambda n: (torch.zeros(n, 32, dtype=torch.long),) * 2  # noqa: E731
+    plain = auto_fit.estimate_measure(model, batch, 10**12, 8, {"device": "cpu"})
+    budget = int(plain(Rung("as configured", "32-true"), 2)[1])  # the plain step holds 2 of 8
+    d = decide_stack(model, batch, budget, 8, goal="memory", device="cpu", bf16=False)
+    assert (d.rung.name, d.micro, d.accumulation) == ("as configured", 2, 4)
+    by_hand = decide(
+        auto_fit.ladder_for(model, precision="32-true", bf16=False),
+        auto_fit.estimate_measure(model, batch, budget, 8, {"device": "cpu"}),
+        budget, 8, goal="memory", unusable=auto_fit.own_accumulation,
+    )  # fmt: skip
+    assert (by_hand.rung, by_hand.micro, by_hand.estimates) == (d.rung, d.micro, d.estimates)
+    # the ladder's "fewest blocks" takes the budget the search hands it, and only then builds
+    fewest = Rung("fewest", "32-true", (CHECKPOINT_FEWEST,))
+    with pytest.raises(ValueError, match="Rung.within"):
+        fewest.build()
+    seen: list[Any] = []
+    picked = decide([fewest], lambda r, n: seen.append(r) or _measure(r, n), 1000, 64).rung
+    assert picked.callbacks == (checkpoint_fewest(1000),) and picked.build()[0][0].budget == 1000
+    assert all(r.callbacks == (CHECKPOINT_ALL,) for r in seen)  # estimated as every block
 
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -361,9 +392,9 @@ def test_undone_when_fit_raises(tmp_path) -> None:
     # block checkpointed), given as the decision (AutoEfficient applies it as one it made: the
     # decision's own estimates are test_family_within_budget_and_not_wasteful's; the trial
     # steps undo their own changes, test_trial_oom_steps_one_size_down)
-    rungs = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False)
+    rungs = auto_fit.ladder_for(model, precision="32-true", bf16=False)
     usable = [r for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")]
-    rung = max(usable, key=lambda r: len(r.callbacks))
+    rung = max(usable, key=lambda r: len(r.callbacks)).within(2**30)
     assert {p.class_path for p in rung.callbacks} == {
         "ChunkedCrossEntropy", "OptimizerSwap", "ActivationCheckpointing"
     }  # fmt: skip

@@ -22,8 +22,8 @@ E = 16
 def _usable_rungs() -> list[Any]:
     """Every rung the callback's ladder can pick for the decoder on a 32-true CPU trainer."""
     model, _ = family("decoder", batch_size=E)
-    rungs = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False)
-    return [r for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")]
+    rungs = auto_fit.ladder_for(model, precision="32-true", bf16=False)
+    return [r.within(2**30) for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")]
 
 
 # -- 2: a resumed run is bit-identical to an uninterrupted one, with every rung -------------------
@@ -140,15 +140,15 @@ def test_optimizer_family_kept_and_rungs_without_the_swap() -> None:
 
     sgd, adam = SGDGPT(**TINY_MODEL), AdamGPT(**TINY_MODEL)
     # AutoEfficient's ladder: no 8-bit swap for SGD (with momentum or without), Adam's own form
-    assert _swaps(auto_fit.ladder_for(sgd, 2**30, precision="32-true", bf16=False)) == set()
-    assert _swaps(auto_fit.ladder_for(adam, 2**30, precision="32-true", bf16=False)) == {"adam8bit"}
+    assert _swaps(auto_fit.ladder_for(sgd, precision="32-true", bf16=False)) == set()
+    assert _swaps(auto_fit.ladder_for(adam, precision="32-true", bf16=False)) == {"adam8bit"}
     # checkpointing alone is a rung, before the same with 8-bit states
-    names = [r.name for r in default_ladder(2**30)]
+    names = [r.name for r in default_ladder()]
     assert names.index("bf16-mixed + checkpoint fewest blocks") < names.index(
         "bf16-mixed + adamw8bit + checkpoint fewest blocks"
     )
-    assert _swaps(default_ladder(2**30, optimizer="sgd")) == set()
-    assert not any(r.strategy for r in default_ladder(2**30, optimizer="sgd"))
+    assert _swaps(default_ladder(optimizer="sgd")) == set()
+    assert not any(r.strategy for r in default_ladder(optimizer="sgd"))
 
 
 @pytest.mark.slow
@@ -311,7 +311,7 @@ def test_configured_technique_used_as_given(tmp_path, monkeypatch) -> None:
     from lightning_efficient.core.validate import SettingsError
 
     model, _ = family("decoder", batch_size=E)
-    ladder = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False,
+    ladder = auto_fit.ladder_for(model, precision="32-true", bf16=False,
                                  configured=[OptimizerSwap("adamw8bit")])  # fmt: skip
     assert _swaps(ladder) == set() and len({repr(r.callbacks) for r in ladder}) == len(ladder)
     # a decision whose stack has the user's technique: the user's instance, once
@@ -356,12 +356,12 @@ def test_live_batch_size_read_and_put_back(tmp_path) -> None:
 def test_ddp_ladder_offers_checkpointing_and_8bit_without_fsdp() -> None:
     from lightning_efficient.planning import default_ladder
 
-    ddp = default_ladder(2**30, world_size=2, configured_sharding="ddp")
+    ddp = default_ladder(world_size=2, configured_sharding="ddp")
     plain = [r for r in ddp if r.strategy is None]
     classes = {p.class_path for r in plain for p in r.callbacks}
     assert {"ActivationCheckpointing", "OptimizerSwap"} <= classes
     # under FSDP (sharded parameters) no 8-bit rung: bitsandbytes steps whole tensors
-    fsdp = default_ladder(2**30, world_size=2, configured_sharding="full")
+    fsdp = default_ladder(world_size=2, configured_sharding="full")
     assert _swaps(fsdp) == set()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +35,6 @@ from lightning_efficient.planning.ladder import (
     ladder_options,
     technique_class,
     trains_without_cache,
-    without_configured,
 )
 from lightning_efficient.planning.search import decide, estimate_rung, try_rung
 from lightning_efficient.techniques.batch_size.choice import (
@@ -63,12 +63,12 @@ __all__ = [
     "stack_callbacks",
     "own_accumulation",
     "trial_runner",
+    "without_configured",
 ]
 
 
 def ladder_for(
     model: Any,
-    budget_bytes: int,
     *,
     precision: str,
     bf16: bool,
@@ -83,7 +83,6 @@ def ladder_for(
     as given)."""
     optimizer = configured_optimizer_class(model)
     ladder = default_ladder(
-        budget_bytes,
         precision=precision,
         bf16=bf16,
         accumulate_grad_batches=2,
@@ -94,6 +93,27 @@ def ladder_for(
     )
     # DeepSpeed's ZeRO sets the accumulation itself: never AutoEfficient's (`plan` offers it)
     return [r for r in without_configured(ladder, configured) if not own_accumulation(r)]
+
+
+def without_configured(rungs: Sequence[Rung], configured: Sequence[Any]) -> list[Rung]:
+    """``rungs`` with every part whose technique the fit already has taken out (the configured
+    one is used as given: a technique given twice is refused), and the rungs that become the
+    same stack as an earlier one dropped."""
+    have = {type(obj).__name__ for obj in configured}
+    out: list[Rung] = []
+    seen: set[str] = set()
+    for rung in rungs:
+        parts = tuple(p for p in rung.callbacks if p.class_path not in have)
+        strategy = (
+            rung.strategy if rung.strategy is None or rung.strategy.class_path not in have else None
+        )
+        if parts != rung.callbacks or strategy is not rung.strategy:
+            rung = replace(rung, callbacks=parts, strategy=strategy)
+        key = repr((rung.precision, rung.callbacks, rung.strategy, rung.configured))
+        if key not in seen:
+            seen.add(key)
+            out.append(rung)
+    return out
 
 
 def estimate_measure(
@@ -228,7 +248,7 @@ def own_accumulation(rung: Rung) -> str:
     """Why ``rung`` cannot be AutoEfficient's even in a Trainer built from the plan ("" when it
     can): its strategy sets the accumulation itself (DeepSpeed's ZeRO), so the micro-batch and
     accumulation that keep the effective batch cannot be set."""
-    _, strategy = rung.build()
+    strategy = rung.strategy.build() if rung.strategy is not None else None
     if strategy is None or not getattr(strategy, "handles_gradient_accumulation", False):
         return ""
     return (
@@ -499,7 +519,6 @@ def decide_stack(
     configured = list(settings.get("callbacks", ()))
     rungs = ladder_for(
         model,
-        budget_bytes,
         precision=precision,
         bf16=bf16 and not trainer_fixed,
         world_size=settings.get("world_size", 1),

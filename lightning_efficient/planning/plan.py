@@ -224,7 +224,6 @@ def plan_stack(
         list(ladder)
         if ladder is not None
         else default_ladder(
-            budget_bytes,
             precision=precision,
             bf16=bf16,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -235,6 +234,7 @@ def plan_stack(
             **ladder_options(model),
         )
     )
+    rungs = [rung.within(budget_bytes) for rung in rungs]  # as the search builds them
     target = resolve_target(device)
     result = PlanResult(
         budget_bytes, world_size=world_size, target=target.label, host_budget_bytes=host_bytes

@@ -18,9 +18,10 @@ checkpointed blocks run more fake operations). ``goal="speed"`` with an effectiv
 most ``PROBE``: each stack at the whole batch, cheapest first; the first that fits is the
 answer. Otherwise each stack is estimated at the smallest divisor and at the largest up to
 ``PROBE``, and a line through the two (memory is close to linear in the micro-batch) predicts
-the largest divisor that fits. Only the best predictions are estimated at their size, a size
-down while the estimate does not fit and a size up while the next one fits too; a confirmed
-micro-batch that no other prediction beats (or ties, cheaper) ends the search.
+the largest divisor that fits. Only the best predictions are confirmed, by the one search of a
+micro-batch in a budget (:func:`~lightning_efficient.measure.memory.budget.largest_within`:
+the size next to the prediction, then a bracket closed by interpolation and bisection); a
+confirmed micro-batch that no other prediction beats (or ties, cheaper) ends the search.
 
 Never a rung that saves nothing: a rung whose estimate is not lower than that of an earlier rung
 it extends (:func:`~lightning_efficient.planning.ladder.extended_by`: the same precision, all of
@@ -286,8 +287,12 @@ class Search:
         self.tried: list[tuple[str, str]] = []
         self.order = {id(r): i for i, r in enumerate(self.rungs)}
 
+    def built(self, rung: Rung) -> Rung:
+        """``rung`` as the search builds it: the budget handed to its parts that take one."""
+        return rung.within(self.budget_bytes)
+
     def _key(self, rung: Rung, n: int) -> str:
-        stand_in = self.estimated_as(rung)
+        stand_in = self.estimated_as(self.built(rung))
         return repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n))
 
     def estimate(self, rung: Rung, n: int) -> tuple[bool, float, Any]:
@@ -295,7 +300,7 @@ class Search:
         host bytes over the host budget do not fit)."""
         key = self._key(rung, n)
         if key not in self.cache:
-            fits, used, est = self.measure(self.estimated_as(rung), n)
+            fits, used, est = self.measure(self.estimated_as(self.built(rung)), n)
             fits = fits and not host_shortfall(est, self.host_budget_bytes)
             self.cache[key] = (fits, used, est)
         return self.cache[key]
@@ -445,6 +450,8 @@ def decide(
     one of its exact divisors. ``unusable(rung)``: why a rung cannot be applied here ("" when it
     can), recorded in ``tried``. ``trial(rung, micro)``: real steps confirming an option (None:
     none); on out-of-memory the next size down is tried, then the next option.
+    The budget is handed to the rungs' parts that take one (``Rung.within``) when the search
+    builds them: for ``measure``, ``trial`` and the decision.
     ``estimated_as(rung)``: the rung whose estimate stands for ``rung``'s (:func:`measured_as`;
     at one size, ``plan_stack`` estimates each rung as itself). ``host_budget_bytes``: host
     memory for the offloading techniques (:func:`host_shortfall`: an estimate whose host bytes
@@ -464,11 +471,12 @@ def decide(
             raise search.nothing_fits(excluded)
         for option in options:
             for micro in search.steps_down(option):
-                result = trial(option.rung, micro) if trial is not None else None
+                rung = search.built(option.rung)
+                result = trial(rung, micro) if trial is not None else None
                 if result is None or result.ok:
                     _, used, est = search.estimate(option.rung, micro)
                     return Decision(
-                        option.rung, micro, effective // micro, world_size, goal, budget_bytes,
+                        rung, micro, effective // micro, world_size, goal, budget_bytes,
                         target, estimate_bytes=used,
                         host_bytes=int(getattr(est, "host_bytes", 0) or 0),
                         trial_bytes=int(result.reserved_bytes) if result is not None else None,

@@ -25,41 +25,29 @@ import torch
 
 from benchmarks._results import environment, provenance, save_results, table
 from benchmarks.workloads import gpt2, hf_loss
-from lightning_efficient.core.validate import format_bytes, parse_bytes
+from lightning_efficient.core.validate import format_bytes
 from lightning_efficient.measure.memory.targets import resolve_target
-from lightning_efficient.planning.fit import (
-    estimate_measure,
-    ladder_for,
-    own_accumulation,
-)
-from lightning_efficient.planning.search import decide
+from lightning_efficient.planning import decide_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def decision_row(model, seq: int, budget: str, effective: int, goal: str, target) -> dict:
     """One decision, timed from the ladder to the pick (the estimates included)."""
-    budget_bytes = parse_bytes("budget", budget)
     start = time.perf_counter()
-    rungs = ladder_for(model, budget_bytes, precision="32-true", bf16=True)
-    settings = {"precision": "32-true", "optimizer": "adamw", "loss_fn": hf_loss, "device": target}
-    measure = estimate_measure(
-        model,
-        lambda n: torch.zeros(n, seq, dtype=torch.long),
-        budget_bytes,
-        effective,
-        settings,
-    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d = decide(
-            rungs,
-            measure,
-            budget_bytes,
+        d = decide_stack(  # as fit --auto: every rung usable, the bf16-mixed ones included
+            model,
+            lambda n: torch.zeros(n, seq, dtype=torch.long),
+            budget,
             effective,
             goal=goal,
-            unusable=own_accumulation,  # as fit --auto
-            target=target.label,
+            precision="32-true",
+            bf16=True,
+            optimizer="adamw",
+            loss_fn=hf_loss,
+            device=target,
         )
     seconds = time.perf_counter() - start
     return {

@@ -26,12 +26,8 @@ import torch
 from benchmarks._results import environment, provenance, save_results, table
 from lightning_efficient.core.validate import format_bytes, parse_bytes
 from lightning_efficient.measure.memory.targets import resolve_target
-from lightning_efficient.planning.fit import (
-    estimate_measure,
-    fixed_by_trainer,
-    ladder_for,
-)
-from lightning_efficient.planning.search import decide
+from lightning_efficient.planning import Rung, decide_stack
+from lightning_efficient.planning.fit import estimate_measure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,27 +53,21 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def decision_row(use_cache: bool, target: Any) -> dict[str, Any]:
     """AutoEfficient's decision for GPT-2 with ``use_cache``, timed (the estimates included)."""
     model = gpt2(use_cache)
-    budget_bytes = parse_bytes("budget", BUDGET)
     start = time.perf_counter()
-    rungs = ladder_for(model, budget_bytes, precision=PRECISION, bf16=False)
-    settings = {"precision": PRECISION, "optimizer": "adamw", "loss_fn": lm_loss, "device": target}
-    measure = estimate_measure(
-        model, lambda n: torch.zeros(n, SEQ, dtype=torch.long), budget_bytes, EFFECTIVE, settings
-    )
+    settings = {"optimizer": "adamw", "loss_fn": lm_loss, "device": target}
+    batch_of = lambda n: torch.zeros(n, SEQ, dtype=torch.long)  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d = decide(
-            rungs,
-            measure,
-            budget_bytes,
-            EFFECTIVE,
-            goal="speed",
-            unusable=lambda rung: fixed_by_trainer(rung, PRECISION),  # as the callback
-            target=target.label,
+        d = decide_stack(  # as the callback: rungs that need another precision unusable
+            model, batch_of, BUDGET, EFFECTIVE, precision=PRECISION, trainer_fixed=True, **settings
         )
         seconds = time.perf_counter() - start
         # the "as configured" rung at the chosen micro-batch: the cache is on there, and named
-        plain = measure(rungs[0], d.micro)[2]
+        measure = estimate_measure(
+            model, batch_of, parse_bytes("budget", BUDGET), EFFECTIVE,
+            {**settings, "precision": PRECISION},
+        )  # fmt: skip
+        plain = measure(Rung("as configured", PRECISION), d.micro)[2]
     configured = [why for name, why in d.tried if name == "as configured"]
     return {
         "use_cache": use_cache,

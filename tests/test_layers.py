@@ -685,3 +685,92 @@ def test_test_modules_have_unique_names(tmp_path) -> None:
     assert _same_names(tmp_path) == ["test_x: a/test_x.py, b/test_x.py"]  # the rule sees one
     same = _same_names(Path(__file__).parent)
     assert not same, "rename one of each:\n" + "\n".join(same)
+
+
+#: The one search of the largest micro-batch within a budget (issue 50): the planner, AutoEfficient
+#: and EfficientBatchSize call it; no other function may search sizes against a budget.
+SIZE_SEARCH = (f"{PACKAGE}.measure.memory.budget", "largest_within")
+#: Names that say a function is about micro-batch sizes (a block count is another search).
+_SIZE_WORDS = ("size", "micro", "divisor", "candidate")
+
+
+def _mentions(node: ast.AST) -> set[str]:
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    names |= {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}
+    return {n.lower() for n in names}
+
+
+def _about_budget(node: ast.AST) -> bool:
+    return any("budget" in n or n == "usable" for n in _mentions(node))
+
+
+def _size_searches(source: str) -> list[tuple[str, str]]:
+    """``(function, what)`` for each search of micro-batch sizes against a budget in ``source``
+    (a top-level function or method, its closures included): a line to the budget (``(budget -
+    x) / slope``), a bisection (``(lo + hi) // 2`` in a ``while``), or a loop over sizes that
+    compares them with the budget."""
+    tree = ast.parse(source)
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    defs += [
+        m
+        for c in tree.body
+        if isinstance(c, ast.ClassDef)
+        for m in c.body
+        if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    found = []
+    for fn in defs:
+        if not any(w in n for n in _mentions(fn) for w in _SIZE_WORDS):
+            continue
+        for node in ast.walk(fn):
+            if (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, ast.Div)
+                and isinstance(node.left, ast.BinOp)
+                and isinstance(node.left.op, ast.Sub)
+                and _about_budget(node.left)
+            ):
+                found.append((fn.name, "a line to the budget"))
+            elif isinstance(node, ast.While) and any(
+                isinstance(b, ast.BinOp)
+                and isinstance(b.op, ast.FloorDiv)
+                and isinstance(b.left, ast.BinOp)
+                and isinstance(b.left.op, ast.Add)
+                for b in ast.walk(node)
+            ):
+                found.append((fn.name, "a bisection"))
+            elif isinstance(node, (ast.For, ast.comprehension)) and any(
+                w in n for n in _mentions(node.iter) for w in _SIZE_WORDS
+            ):
+                body = node.body if isinstance(node, ast.For) else node.ifs
+                if any(
+                    isinstance(c, ast.Compare) and _about_budget(c)
+                    for b in body
+                    for c in ast.walk(b)
+                ):
+                    found.append((fn.name, "sizes compared with the budget"))
+    return found
+
+
+def test_one_micro_batch_search() -> None:
+    """The largest micro-batch within a budget is searched in one function
+    (:data:`SIZE_SEARCH`); a second implementation (the planner's line through two estimates
+    and EfficientBatchSize's bisection, issue 50) fails here."""
+    module, function = SIZE_SEARCH
+    seen = {(m, name) for m in MODULES for name, _ in _size_searches(MODULES[m].read_text())}
+    assert (module, function) in seen  # the rule sees the one search
+    others = sorted(f"{m}.{name}" for m, name in seen - {SIZE_SEARCH})
+    assert not others, f"a second search of the micro-batch against a budget: {others}"
+    # it can fail: the two engines of d4a4bb9, in short
+    line = "def guess(sizes, low, slope, budget_bytes):\n    return (budget_bytes - low) / slope\n"
+    bisect = (
+        "def largest(fits, lo, hi, max_batch_size):\n    while hi - lo > 1:\n"
+        "        mid = (lo + hi) // 2\n        lo, hi = (mid, hi) if fits(mid) else (lo, mid)\n"
+    )
+    walk = "def best(sizes, est, budget):\n    return max(n for n in sizes if est(n) <= budget)\n"
+    assert [what for src in (line, bisect, walk) for _, what in _size_searches(src)] == [
+        "a line to the budget",
+        "a bisection",
+        "sizes compared with the budget",
+    ]

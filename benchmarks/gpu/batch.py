@@ -41,7 +41,8 @@ def _usable_ladder(ctx: Ctx, rec: Recorder, model: Any) -> list[Any]:
     from lightning_efficient.techniques.chunked_loss import worth_chunking
 
     rungs = []
-    for rung in default_ladder(ctx.cap_bytes, chunked_loss=worth_chunking(model)):
+    for rung in default_ladder(chunked_loss=worth_chunking(model)):
+        rung = rung.within(ctx.cap_bytes)  # the budget handed to the parts that take one
         try:
             rung.build()
         except ImportError as err:

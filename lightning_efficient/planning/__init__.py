@@ -7,17 +7,20 @@ commands.
   exact-divisor micro-batch each rung fits, ranked by the goal, confirmed by real steps).
 - :mod:`.plan`: :func:`plan_stack`, the planner's table at the batch it is given.
 - :mod:`.decision`: AutoEfficient's ``Decision`` and its checkpoint form.
-- :mod:`.fit`: what AutoEfficient reads from a fit, and how it measures and applies.
+- :mod:`.fit`: what AutoEfficient reads from a fit, and how it measures and applies;
+  :func:`~.fit.decide_stack`, its decision without a trainer.
 - :mod:`.auto`: ``AutoEfficient``, the thin callback (``lightning_efficient.AutoEfficient``).
 """
 
 from lightning_efficient.planning.auto import AutoEfficient
 from lightning_efficient.planning.decision import GOALS, Decision, DecisionStateError, divisors
+from lightning_efficient.planning.fit import decide_stack
 from lightning_efficient.planning.ladder import (
     ADAM8BIT,
     ADAMW8BIT,
     ADAMW8BIT_IN_BACKWARD,
     CHECKPOINT_ALL,
+    CHECKPOINT_FEWEST,
     CHUNKED_LOSS,
     FSDP_FULL,
     FSDP_GRAD_OP,
@@ -36,6 +39,7 @@ __all__ = [
     "ADAMW8BIT",
     "ADAMW8BIT_IN_BACKWARD",
     "CHECKPOINT_ALL",
+    "CHECKPOINT_FEWEST",
     "CHUNKED_LOSS",
     "FSDP_FULL",
     "FSDP_GRAD_OP",
@@ -50,6 +54,7 @@ __all__ = [
     "Rung",
     "checkpoint_fewest",
     "decide",
+    "decide_stack",
     "default_ladder",
     "divisors",
     "estimate_rung",

@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.core.validate import SettingsError
+from lightning_efficient.core.validate import SettingsError, check_choice, parse_bytes
 from lightning_efficient.measure.memory.estimate import EstimateError
 from lightning_efficient.measure.memory.settings import (
     configured_optimizer,
     configured_optimizer_class,
     estimate_settings,
 )
-from lightning_efficient.planning.decision import Decision
+from lightning_efficient.measure.memory.targets import resolve_target
+from lightning_efficient.planning.decision import GOALS, Decision
 from lightning_efficient.planning.ladder import (
     Rung,
     default_ladder,
     ladder_options,
     technique_class,
     trains_without_cache,
-    without_configured,
 )
 from lightning_efficient.planning.search import decide, estimate_rung, try_rung
 from lightning_efficient.techniques.batch_size.choice import (
@@ -48,6 +49,7 @@ __all__ = [
     "apply_batch",
     "check_one_sizer",
     "decide_for",
+    "decide_stack",
     "device_memory",
     "effective_batch",
     "estimate_failure",
@@ -61,12 +63,12 @@ __all__ = [
     "stack_callbacks",
     "own_accumulation",
     "trial_runner",
+    "without_configured",
 ]
 
 
 def ladder_for(
     model: Any,
-    budget_bytes: int,
     *,
     precision: str,
     bf16: bool,
@@ -81,7 +83,6 @@ def ladder_for(
     as given)."""
     optimizer = configured_optimizer_class(model)
     ladder = default_ladder(
-        budget_bytes,
         precision=precision,
         bf16=bf16,
         accumulate_grad_batches=2,
@@ -92,6 +93,27 @@ def ladder_for(
     )
     # DeepSpeed's ZeRO sets the accumulation itself: never AutoEfficient's (`plan` offers it)
     return [r for r in without_configured(ladder, configured) if not own_accumulation(r)]
+
+
+def without_configured(rungs: Sequence[Rung], configured: Sequence[Any]) -> list[Rung]:
+    """``rungs`` with every part whose technique the fit already has taken out (the configured
+    one is used as given: a technique given twice is refused), and the rungs that become the
+    same stack as an earlier one dropped."""
+    have = {type(obj).__name__ for obj in configured}
+    out: list[Rung] = []
+    seen: set[str] = set()
+    for rung in rungs:
+        parts = tuple(p for p in rung.callbacks if p.class_path not in have)
+        strategy = (
+            rung.strategy if rung.strategy is None or rung.strategy.class_path not in have else None
+        )
+        if parts != rung.callbacks or strategy is not rung.strategy:
+            rung = replace(rung, callbacks=parts, strategy=strategy)
+        key = repr((rung.precision, rung.callbacks, rung.strategy, rung.configured))
+        if key not in seen:
+            seen.add(key)
+            out.append(rung)
+    return out
 
 
 def estimate_measure(
@@ -112,15 +134,16 @@ def estimate_measure(
     existing = list(base.pop("callbacks", ()))
 
     def measure(rung: Rung, micro: int) -> tuple[bool, float, Any]:
-        accumulation = 1 if micro >= effective else 2
         try:
-            est = estimate_rung(
+            return estimate_rung(
                 model,
                 make_batch(micro),
                 rung,
+                budget_bytes,
+                accumulation=1 if micro >= effective else 2,
                 existing=existing,
                 without_cache=trains_without_cache(rung),  # as AutoEfficient trains it
-                **{**base, "accumulate_grad_batches": accumulation},
+                **base,
             )
         except Exception as err:
             if not rung.callbacks and rung.strategy is None:  # the fit's own step: not memory
@@ -128,7 +151,6 @@ def estimate_measure(
             # what the rung adds cannot be estimated (or cannot serve): the rung is passed over
             # as "cannot estimate" with the reason, never the whole decision lost
             return False, math.inf, err
-        return est.fits(budget_bytes), float(est.required_bytes), est
 
     return measure
 
@@ -226,7 +248,7 @@ def own_accumulation(rung: Rung) -> str:
     """Why ``rung`` cannot be AutoEfficient's even in a Trainer built from the plan ("" when it
     can): its strategy sets the accumulation itself (DeepSpeed's ZeRO), so the micro-batch and
     accumulation that keep the effective batch cannot be set."""
-    _, strategy = rung.build()
+    strategy = rung.strategy.build() if rung.strategy is not None else None
     if strategy is None or not getattr(strategy, "handles_gradient_accumulation", False):
         return ""
     return (
@@ -422,37 +444,18 @@ def decide_for(
             f"accumulate_grad_batches) to at most {share * world}."
         )
     settings = estimate_settings(trainer, exclude=list(exclude))
-    precision = str(trainer.precision)
-    rungs = ladder_for(
+    settings["precision"] = str(trainer.precision)  # the ladder's (each rung estimates its own)
+    decision = decide_stack(
         module,
-        budget_bytes,
-        precision=precision,
-        bf16=bf16 and not trainer_fixed,
-        world_size=trainer.world_size,
-        sharding=settings.get("sharding"),
-        configured=settings["callbacks"],
-    )
-    measure = estimate_measure(module, make_batch, budget_bytes, effective, settings)
-    device = trainer.strategy.root_device
-    existing = settings["callbacks"]
-    runner = (
-        trial_runner(module, make_batch, budget_bytes, effective, device, existing)
-        if trial
-        else None
-    )
-    decision = decide(
-        rungs,
-        measure,
+        make_batch,
         budget_bytes,
         effective,
         goal=goal,
-        world_size=trainer.world_size,
-        unusable=(lambda rung: fixed_by_trainer(rung, precision))
-        if trainer_fixed
-        else own_accumulation,
-        trial=runner,
-        target=getattr(settings.get("device"), "label", device.type),
+        bf16=bf16,
+        trainer_fixed=trainer_fixed,
+        trial_on=trainer.strategy.root_device if trial else None,
         host_budget_bytes=host_budget_bytes,
+        **settings,
     )
     if share is not None:
         drop_last = bool(getattr(loader, "drop_last", False))
@@ -465,3 +468,78 @@ def decide_for(
                 "samples per rank keeps it"
             )
     return decision
+
+
+def decide_stack(
+    model: Any,
+    make_batch: Callable[[int], Any],
+    budget: int | str,
+    effective: int,
+    *,
+    goal: str = "speed",
+    precision: str = "32-true",
+    bf16: bool = True,
+    trainer_fixed: bool = False,
+    trial_on: Any = None,
+    host_budget_bytes: int | None = None,
+    **settings: Any,
+) -> Decision:
+    """AutoEfficient's decision without a trainer: the stack and the micro-batch (an exact
+    divisor of one rank's ``effective`` batch) for ``model``, its batches of ``n`` samples from
+    ``make_batch(n)`` (the worst case: the longest samples), within ``budget`` (bytes or
+    ``"24GiB"``), by ``goal`` (``"speed"`` or ``"memory"``). The ladder
+    (:func:`ladder_for`, with the bf16-mixed rungs where ``bf16`` and the model trains in
+    ``precision`` "32-true"), its estimates (:func:`estimate_measure`) and the one search
+    (:func:`~lightning_efficient.planning.search.decide`); :func:`decide_for` is this for a fit.
+
+    ``settings``: the estimate's keywords (``optimizer``, ``loss_fn``, ``device``: the target
+    modelled, e.g. ``"cuda"`` or ``"cuda:a100"``; ``callbacks``: techniques the fit has;
+    ``world_size``, ``sharding``). ``trainer_fixed``: a Trainer is built already (a callback),
+    so rungs that need another precision or a strategy are unusable (and ``bf16`` is ignored).
+    ``trial_on``: a device to confirm the pick with real steps on (``None``: estimates only).
+    ``host_budget_bytes``: host memory the offloading rungs may keep (``None``: no limit).
+
+    Example (GPT-2 small, nothing allocated: the model on the meta device)::
+
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config())
+        decision = decide_stack(
+            model, lambda n: torch.zeros(n, 1024, dtype=torch.long), "24GiB", 64,
+            loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss, device="cuda",
+        )
+        print(decision.summary(), decision.to_yaml("data"), sep="\n")
+    """
+    budget_bytes = parse_bytes("budget", budget)
+    check_choice("goal", goal, GOALS)
+    settings = {
+        **settings,
+        "precision": precision,
+        "device": resolve_target(settings.get("device")),
+    }
+    configured = list(settings.get("callbacks", ()))
+    rungs = ladder_for(
+        model,
+        precision=precision,
+        bf16=bf16 and not trainer_fixed,
+        world_size=settings.get("world_size", 1),
+        sharding=settings.get("sharding"),
+        configured=configured,
+    )
+    runner = None
+    if trial_on is not None:
+        device = torch.device(trial_on) if isinstance(trial_on, str) else trial_on
+        runner = trial_runner(model, make_batch, budget_bytes, effective, device, configured)
+    return decide(
+        rungs,
+        estimate_measure(model, make_batch, budget_bytes, effective, settings),
+        budget_bytes,
+        effective,
+        goal=goal,
+        world_size=settings.get("world_size", 1),
+        unusable=(lambda rung: fixed_by_trainer(rung, precision))
+        if trainer_fixed
+        else own_accumulation,
+        trial=runner,
+        target=settings["device"].label,
+        host_budget_bytes=host_budget_bytes,
+    )

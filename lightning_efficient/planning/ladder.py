@@ -9,7 +9,7 @@ Walked by the one search (:mod:`lightning_efficient.planning.search`): ``plan_st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "BF16_WEIGHT_RUNGS",
     "ADAMW8BIT_IN_BACKWARD",
     "CHECKPOINT_ALL",
+    "CHECKPOINT_FEWEST",
     "CHUNKED_LOSS",
     "FROZEN_4BIT",
     "FSDP_FULL",
@@ -53,7 +54,6 @@ __all__ = [
     "technique_class",
     "trains_full_weights",
     "trains_without_cache",
-    "without_configured",
 ]
 
 
@@ -88,23 +88,42 @@ class Part:
     arguments, stated once. ``build()`` makes a fresh instance; ``spec()`` is the same arguments
     as a LightningCLI ``class_path``/``init_args`` entry.
 
-    ``estimated_as``: the part whose estimate gives this one's largest micro-batch, where the
-    part decides from the size it is given (checkpointing "the fewest blocks within a budget"
-    fits exactly where checkpointing every block fits); ``None``: the part itself. ``extends``:
-    the part this one is, with more (checkpointing every block with its boundaries in host
-    memory and tiled layers extends checkpointing every block: :func:`extended_by`). Neither is
-    part of the part's identity (equality, ``repr``)."""
+    ``takes_budget``: the constructor argument that receives the memory budget (checkpointing
+    "the fewest blocks within the budget": ``"budget"``), handed to the part when the search
+    builds its rung (:meth:`within`); ``None``: the part needs no budget. ``estimated_as``: the
+    part whose estimate gives this one's largest micro-batch, where the part decides from the
+    size it is given (the fewest blocks fit exactly where every block fits); ``None``: the part
+    itself. ``extends``: the part this one is, with more (checkpointing every block with its
+    boundaries in host memory and tiled layers extends checkpointing every block:
+    :func:`extended_by`). Neither of the last two is part of the part's identity (equality,
+    ``repr``)."""
 
     class_path: str
     init_args: dict[str, Any] = field(default_factory=dict)
+    takes_budget: str | None = None
     estimated_as: Part | None = field(default=None, compare=False, repr=False)
     extends: Part | None = field(default=None, compare=False, repr=False)
 
+    def within(self, budget_bytes: int) -> Part:
+        """This part with the budget handed to it (itself when it takes none)."""
+        if self.takes_budget is None:
+            return self
+        args = {**self.init_args, self.takes_budget: budget_bytes}
+        return Part(self.class_path, args, None, self.estimated_as, self.extends)
+
     def build(self) -> Any:
-        return technique_class(self.class_path)(**self.init_args)
+        return technique_class(self.class_path)(**self._args())
 
     def spec(self) -> dict[str, Any]:
-        return spec(self.class_path, self.init_args)
+        return spec(self.class_path, self._args())
+
+    def _args(self) -> dict[str, Any]:
+        if self.takes_budget is not None:
+            raise ValueError(
+                f"{self.class_path} takes the budget (`{self.takes_budget}`): build its rung "
+                "with `Rung.within(budget_bytes)`, as the search does."
+            )
+        return self.init_args
 
 
 @dataclass
@@ -123,6 +142,15 @@ class Rung:
     cost: str = ""
     sharding: str | None = None
     configured: tuple[Any, ...] = ()
+
+    def within(self, budget_bytes: int) -> Rung:
+        """This rung with the budget handed to its parts that take one (``Part.within``);
+        itself when none does."""
+        parts = tuple(p.within(budget_bytes) for p in self.callbacks)
+        strategy = self.strategy.within(budget_bytes) if self.strategy is not None else None
+        if parts == self.callbacks and strategy == self.strategy:
+            return self
+        return replace(self, callbacks=parts, strategy=strategy)
 
     def build(self) -> tuple[list[Any], Any]:
         callbacks = [*self.configured, *(part.build() for part in self.callbacks)]
@@ -144,7 +172,7 @@ class Rung:
         return Stack(self.precision, callbacks, strategy)
 
 
-#: The parts of the ladder (``checkpoint_fewest`` takes the budget, ``optimizer_swap`` the name).
+#: The parts of the ladder (``CHECKPOINT_FEWEST`` takes the budget, ``optimizer_swap`` the name).
 ADAMW8BIT = Part("OptimizerSwap", {"name": "adamw8bit"})
 ADAM8BIT = Part("OptimizerSwap", {"name": "adam8bit"})
 ADAMW8BIT_IN_BACKWARD = Part("OptimizerSwap", {"name": "adamw8bit", "optimizer_in_backward": True})
@@ -156,6 +184,11 @@ ZERO3_OFFLOAD = Part(
 FSDP_GRAD_OP = Part("FullyShardedStrategy", {"sharding": "grad_op"})
 FSDP_FULL = Part("FullyShardedStrategy")
 CHUNKED_LOSS = Part("ChunkedCrossEntropy")
+#: Checkpoint the fewest blocks within the budget the search hands it (estimated, for its largest
+#: micro-batch, as :data:`CHECKPOINT_ALL`: it fits wherever every block does).
+CHECKPOINT_FEWEST = Part(
+    "ActivationCheckpointing", takes_budget="budget", estimated_as=CHECKPOINT_ALL
+)
 #: Long context: every block checkpointed, the inputs it keeps for the recompute in (pinned)
 #: host memory, its position-wise layers run in tiles along the sequence (same maths).
 LONG_CONTEXT = Part(
@@ -211,8 +244,9 @@ def optimizer_swap(name: str, *, in_backward: bool = False) -> Part:
 
 def checkpoint_fewest(budget_bytes: int) -> Part:
     """Checkpoint the fewest blocks that bring the estimated peak under ``budget_bytes``
-    (estimated, for its largest micro-batch, as :data:`CHECKPOINT_ALL`)."""
-    return Part("ActivationCheckpointing", {"budget": budget_bytes}, estimated_as=CHECKPOINT_ALL)
+    (estimated, for its largest micro-batch, as :data:`CHECKPOINT_ALL`): :data:`CHECKPOINT_FEWEST`
+    with the budget handed to it."""
+    return CHECKPOINT_FEWEST.within(budget_bytes)
 
 
 def ladder_options(model: Any) -> dict[str, bool]:
@@ -242,7 +276,6 @@ def trains_full_weights(model: Any) -> bool:
 
 
 def default_ladder(
-    budget_bytes: int,
     *,
     precision: str = "32-true",
     bf16: bool = True,
@@ -258,7 +291,9 @@ def default_ladder(
     long_context: bool = False,
 ) -> list[Rung]:
     """The stacks the planner tries, cheapest first. ``configured``: the techniques (callbacks
-    and strategy) the config already has; the first rung, "as configured", estimates them.
+    and strategy) the config already has; the first rung, "as configured", estimates them. No
+    budget: the search hands it to the rungs that take one (``Rung.within``: checkpointing the
+    fewest blocks).
 
     ``optimizer``: the user's optimizer (a name, class path, class or instance; a factory
     counts as AdamW, the estimate's default). The 8-bit rungs swap it for the 8-bit form of its
@@ -325,7 +360,7 @@ def default_ladder(
     eight = eight_bit_form(family) if eight_bit else None
     swap = (optimizer_swap(eight),) if eight else ()
     low = "bf16-mixed" if bf16 and precision == "32-true" else precision
-    fewest = checkpoint_fewest(budget_bytes)
+    fewest = CHECKPOINT_FEWEST
     loss = (CHUNKED_LOSS,) if chunked_loss else ()
     name = f"{low} + chunked loss" if chunked_loss else low  # what every later rung starts with
     rungs = [Rung("as configured", precision, cost="none", configured=tuple(configured))]
@@ -507,35 +542,6 @@ def trains_without_cache(rung: Rung) -> bool:
     (a training forward never reads the cache); "as configured" and a precision alone keep the
     model as configured. The search estimates and tries each rung the same way."""
     return bool(rung.callbacks)
-
-
-def without_configured(rungs: Sequence[Rung], configured: Sequence[Any]) -> list[Rung]:
-    """``rungs`` with every part whose technique the fit already has taken out (the configured
-    one is used as given: a technique given twice is refused), and the rungs that become the
-    same stack as an earlier one dropped."""
-    have = {type(obj).__name__ for obj in configured}
-    out: list[Rung] = []
-    seen: set[str] = set()
-    for rung in rungs:
-        parts = tuple(p for p in rung.callbacks if p.class_path not in have)
-        strategy = (
-            rung.strategy if rung.strategy is None or rung.strategy.class_path not in have else None
-        )
-        if parts != rung.callbacks or strategy is not rung.strategy:
-            rung = Rung(
-                rung.name,
-                rung.precision,
-                parts,
-                strategy,
-                rung.cost,
-                rung.sharding,
-                rung.configured,
-            )
-        key = repr((rung.precision, rung.callbacks, rung.strategy, rung.configured))
-        if key not in seen:
-            seen.add(key)
-            out.append(rung)
-    return out
 
 
 #: Shardings that divide at least the optimizer state, gradients and parameters in flight as

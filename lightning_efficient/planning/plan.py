@@ -38,18 +38,14 @@ from lightning_efficient.measure.memory.settings import (
     configured_optimizer_class,
 )
 from lightning_efficient.measure.memory.targets import resolve_target
-from lightning_efficient.planning.ladder import (
-    Rung,
-    default_ladder,
-    extended_by,
-    ladder_options,
-)
+from lightning_efficient.planning.ladder import Rung, default_ladder, ladder_options
 from lightning_efficient.planning.search import (
     decide,
     estimate_rung,
     host_shortfall,
     resolve_host_budget,
     rung_sharding,
+    saves_nothing,
     try_rung,
 )
 
@@ -228,7 +224,6 @@ def plan_stack(
         list(ladder)
         if ladder is not None
         else default_ladder(
-            budget_bytes,
             precision=precision,
             bf16=bf16,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -239,6 +234,7 @@ def plan_stack(
             **ladder_options(model),
         )
     )
+    rungs = [rung.within(budget_bytes) for rung in rungs]  # as the search builds them
     target = resolve_target(device)
     result = PlanResult(
         budget_bytes, world_size=world_size, target=target.label, host_budget_bytes=host_bytes
@@ -259,12 +255,13 @@ def plan_stack(
         if id(rung) in outcomes:
             return outcomes[id(rung)]
         try:
-            est = estimate_rung(
+            fits, _, est = estimate_rung(
                 model,
                 batch,
                 rung,
+                budget_bytes,
+                accumulation=accumulate_grad_batches,
                 optimizer=optimizer,
-                accumulate_grad_batches=accumulate_grad_batches,
                 cuda_rounding=cuda_rounding,
                 device=target,
                 loss_fn=loss_fn,
@@ -275,7 +272,7 @@ def plan_stack(
         except ValueError as err:  # e.g. a checkpointing budget no block count reaches
             outcomes[id(rung)] = (None, f"does not fit: {_first_line(err)}", None)
         else:
-            problem = "" if est.fits(budget_bytes) else "over budget"
+            problem = "" if fits else "over budget"
             outcomes[id(rung)] = (est, problem or host_shortfall(est, host_bytes), None)
         return outcomes[id(rung)]
 
@@ -304,8 +301,10 @@ def plan_stack(
     shown = rungs if chosen is None or try_all else rungs[: rungs.index(chosen) + 1]
     for rung in shown:
         est, problem, err = outcome(rung)
-        if rung is not chosen and est is not None:
-            problem = _saves_nothing(rung, rungs[: rungs.index(rung)], outcomes) or problem
+        found = None if rung is chosen or est is None else saves_nothing(
+            rung, rungs[: rungs.index(rung)], lambda r, _n: _known(outcomes, r), [1]
+        )  # fmt: skip
+        problem = f"saves nothing over {found[0].name}" if found is not None else problem
         result.shardings[id(rung)] = rung_sharding(rung, rung.build()[1], sharding, world_size)
         result.tried.append((rung, est, problem))
         if err is not None:
@@ -314,19 +313,10 @@ def plan_stack(
     return result
 
 
-def _saves_nothing(rung: Rung, earlier: Sequence[Rung], outcomes: dict[int, Any]) -> str:
-    """The table's verdict for a rung that needs no less than an earlier rung it extends and
-    recomputes no fewer checkpointed blocks (:func:`extended_by`: what it adds saves nothing;
-    the search passes it over), else "". A rung that reaches the budget with fewer recomputed
-    blocks saves time, whatever its peak."""
-    own = outcomes[id(rung)][0]
-    blocks = own.figures.get("checkpointed_blocks", 0)
-    for base in extended_by(rung, earlier):
-        est = outcomes.get(id(base), (None,))[0]
-        fewer = blocks < (est.figures.get("checkpointed_blocks", 0) if est is not None else 0)
-        if est is not None and own.required_bytes >= est.required_bytes and not fewer:
-            return f"saves nothing over {base.name}"
-    return ""
+def _known(outcomes: dict[int, Any], rung: Rung) -> tuple[float, MemoryEstimate] | None:
+    """``(bytes, estimate)`` of a rung estimated at the batch given, else None."""
+    est = outcomes.get(id(rung), (None,))[0]
+    return (float(est.required_bytes), est) if est is not None else None
 
 
 def _itself(rung: Rung) -> Rung:

@@ -18,9 +18,10 @@ checkpointed blocks run more fake operations). ``goal="speed"`` with an effectiv
 most ``PROBE``: each stack at the whole batch, cheapest first; the first that fits is the
 answer. Otherwise each stack is estimated at the smallest divisor and at the largest up to
 ``PROBE``, and a line through the two (memory is close to linear in the micro-batch) predicts
-the largest divisor that fits. Only the best predictions are estimated at their size, a size
-down while the estimate does not fit and a size up while the next one fits too; a confirmed
-micro-batch that no other prediction beats (or ties, cheaper) ends the search.
+the largest divisor that fits. Only the best predictions are confirmed, by the one search of a
+micro-batch in a budget (:func:`~lightning_efficient.measure.memory.budget.largest_within`:
+the size next to the prediction, then a bracket closed by interpolation and bisection); a
+confirmed micro-batch that no other prediction beats (or ties, cheaper) ends the search.
 
 Never a rung that saves nothing: a rung whose estimate is not lower than that of an earlier rung
 it extends (:func:`~lightning_efficient.planning.ladder.extended_by`: the same precision, all of
@@ -42,9 +43,10 @@ import torch
 from torch import nn
 
 from lightning_efficient.core.validate import format_bytes, parse_bytes
-from lightning_efficient.measure.memory.estimate import MemoryEstimate, estimate_memory
+from lightning_efficient.measure.memory.budget import compared_bytes, largest_within, step_within
 from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.settings import strategy_sharding
+from lightning_efficient.measure.memory.types import MemoryEstimate
 from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.measure.trials.trial import trial_within
 from lightning_efficient.planning.decision import GOALS, Decision, divisors
@@ -54,6 +56,7 @@ __all__ = [
     "GOALS",
     "Decision",
     "Option",
+    "Search",
     "decide",
     "divisors",
     "estimate_rung",
@@ -61,6 +64,7 @@ __all__ = [
     "measured_as",
     "resolve_host_budget",
     "rung_sharding",
+    "saves_nothing",
     "try_rung",
 ]
 
@@ -86,17 +90,21 @@ def estimate_rung(
     model: Any,
     batch: Any,
     rung: Rung,
+    budget_bytes: int,
     *,
+    accumulation: int = 1,
     existing: Sequence[Any] = (),
     without_cache: bool = False,
     **settings: Any,
-) -> MemoryEstimate:
-    """Estimate a rung: ``estimate_memory`` of ``model`` on ``batch`` with the rung's precision
-    and techniques (built fresh) on top of ``existing`` (the fit's own); ``settings``: the
-    estimate's other keywords (on several ranks, the sharding is :func:`rung_sharding`'s).
-    ``without_cache``: trained without a Hugging Face key/value cache, as AutoEfficient runs the
-    rung (:func:`~lightning_efficient.planning.ladder.trains_without_cache`); otherwise the
-    rung's own techniques decide, and a cache still built is named in the estimate's notes."""
+) -> tuple[bool, float, MemoryEstimate]:
+    """A rung's step at the micro-batch of ``batch`` with ``accumulation``, against
+    ``budget_bytes``: :func:`~lightning_efficient.measure.memory.budget.step_within` (``(fits,
+    bytes, estimate)``) of ``model`` with the rung's precision and techniques (built fresh) on top
+    of ``existing`` (the fit's own); ``settings``: the estimate's other keywords (on several
+    ranks, the sharding is :func:`rung_sharding`'s). ``without_cache``: trained without a Hugging
+    Face key/value cache, as AutoEfficient runs the rung
+    (:func:`~lightning_efficient.planning.ladder.trains_without_cache`); otherwise the rung's own
+    techniques decide, and a cache still built is named in the estimate's notes."""
     callbacks, strategy = rung.build()
     kwargs = {**settings, "precision": rung.precision}
     world_size = kwargs.get("world_size", 1)
@@ -104,7 +112,9 @@ def estimate_rung(
         kwargs["sharding"] = rung_sharding(rung, strategy, kwargs.get("sharding"), world_size)
     techniques = [*existing, *callbacks, *([strategy] if strategy is not None else [])]
     with _cache_off(model, without_cache):
-        return estimate_memory(model, batch, callbacks=techniques, **kwargs)
+        return step_within(
+            model, batch, budget_bytes, accumulation=accumulation, callbacks=techniques, **kwargs
+        )
 
 
 @contextlib.contextmanager
@@ -218,6 +228,211 @@ def _cannot(estimate: Any) -> str:
     return f"cannot estimate: {lines[0] if lines else type(estimate).__name__}"
 
 
+#: known(rung, n) -> (bytes, estimate) of ``rung`` at micro-batch ``n``, or None (not estimated)
+Known = Callable[[Rung, int], "tuple[float, Any] | None"]
+
+
+def saves_nothing(
+    rung: Rung, earlier: Sequence[Rung], known: Known, at: Sequence[int]
+) -> tuple[Rung, float, float] | None:
+    """``(base, bytes of rung, bytes of base)`` at the last size of ``at`` for the first rung of
+    ``earlier`` that ``rung`` extends (:func:`~lightning_efficient.planning.ladder.extended_by`)
+    and that needs no more at every size of ``at``, where ``rung`` recomputes no fewer
+    checkpointed blocks (reaching the budget with fewer saves time, whatever the peak); None:
+    what ``rung`` adds saves memory (or it is not known). The planner's table and the search
+    pass such a rung over."""
+    for base in extended_by(rung, earlier):
+        pairs = [(known(rung, n), known(base, n)) for n in at]
+        if pairs and all(
+            r is not None and b is not None and r[0] >= b[0] and not _fewer_blocks(r[1], b[1])
+            for r, b in pairs
+        ):
+            return base, pairs[-1][0][0], pairs[-1][1][0]  # type: ignore[index]
+    return None
+
+
+def _fewer_blocks(estimate: Any, base: Any) -> bool:
+    def blocks(est: Any) -> int:
+        return getattr(est, "figures", {}).get("checkpointed_blocks", 0) if est is not None else 0
+
+    return blocks(estimate) < blocks(base)
+
+
+class Search:
+    """One decision's search (the rule: the module's docstring): the rungs, the exact divisors
+    of the effective batch, and every estimate made (each stand-in at each size once).
+    :meth:`options` ranks the usable rungs' largest micro-batches (``tried`` says why for each
+    rung); :func:`decide` confirms them with real steps. The largest micro-batch of a rung is
+    :func:`~lightning_efficient.measure.memory.budget.largest_within`'s."""
+
+    def __init__(
+        self,
+        rungs: Sequence[Rung],
+        measure: Measure,
+        budget_bytes: int,
+        effective: int,
+        *,
+        goal: str = "speed",
+        unusable: Callable[[Rung], str] | None = None,
+        estimated_as: Callable[[Rung], Rung] = measured_as,
+        host_budget_bytes: int | None = None,
+    ) -> None:
+        self.rungs, self.measure, self.budget_bytes = list(rungs), measure, budget_bytes
+        self.goal, self.unusable, self.estimated_as = goal, unusable, estimated_as
+        self.host_budget_bytes = host_budget_bytes
+        self.sizes = divisors(effective)
+        # the second point of each rung's line: the largest divisor up to PROBE (an estimate at
+        # a much larger size costs more: a chunked loss or checkpointed blocks run more fake
+        # operations)
+        s = self.sizes
+        self.probe = max(n for n in s if n <= max(PROBE, s[min(1, len(s) - 1)]))
+        self.cache: dict[str, tuple[bool, float, Any]] = {}
+        self.tried: list[tuple[str, str]] = []
+        self.order = {id(r): i for i, r in enumerate(self.rungs)}
+
+    def built(self, rung: Rung) -> Rung:
+        """``rung`` as the search builds it: the budget handed to its parts that take one."""
+        return rung.within(self.budget_bytes)
+
+    def _key(self, rung: Rung, n: int) -> str:
+        stand_in = self.estimated_as(self.built(rung))
+        return repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n))
+
+    def estimate(self, rung: Rung, n: int) -> tuple[bool, float, Any]:
+        """``(fits, bytes, estimate)`` of ``rung`` at micro-batch ``n`` (its stand-in's, once;
+        host bytes over the host budget do not fit)."""
+        key = self._key(rung, n)
+        if key not in self.cache:
+            fits, used, est = self.measure(self.estimated_as(self.built(rung)), n)
+            fits = fits and not host_shortfall(est, self.host_budget_bytes)
+            self.cache[key] = (fits, used, est)
+        return self.cache[key]
+
+    def known(self, rung: Rung, n: int) -> tuple[float, Any] | None:
+        """``(bytes, estimate)`` of ``rung`` at ``n`` if estimated already (finite), else None."""
+        hit = self.cache.get(self._key(rung, n))
+        return (hit[1], hit[2]) if hit is not None and math.isfinite(hit[1]) else None
+
+    def largest(self, rung: Rung, *, guess_only: bool = False) -> int:
+        """The largest divisor ``rung`` fits (0: none); ``guess_only``: the line's guess."""
+
+        def bytes_at(n: int) -> float:
+            return compared_bytes(*self.estimate(rung, n)[:2], self.budget_bytes)
+
+        return largest_within(
+            self.sizes, bytes_at, self.budget_bytes, probe=self.probe, guess_only=guess_only
+        )
+
+    def passed_over(self, rung: Rung, applicable: list[Rung], at: Sequence[int]) -> str:
+        """Why ``rung`` is passed over (:func:`saves_nothing` over an earlier applicable rung),
+        else ""."""
+        found = saves_nothing(rung, applicable[: applicable.index(rung)], self.known, at)
+        if found is None:
+            return ""
+        base, r, b = found
+        return (
+            f"saves nothing over {base.name} ({format_bytes(int(r))} vs {format_bytes(int(b))} "
+            f"at micro-batch {at[-1]}): passed over"
+        )
+
+    def rank(self, option: Option) -> tuple[int, int]:
+        """The larger micro-batch first; among equal ones the cheaper (earlier) rung."""
+        return -option.micro, self.order[id(option.rung)]
+
+    def options(self, excluded: set[str]) -> list[Option]:
+        """The usable rungs' options, best first (``excluded``: rungs that ran out of memory in
+        real steps); ``tried`` says what became of each rung."""
+        self.tried.clear()
+        usable: list[Rung] = []
+        applicable: list[Rung] = []  # usable, or out of memory in real steps
+        for rung in self.rungs:
+            reason = self.unusable(rung) if self.unusable is not None else ""
+            why = reason or ("ran out of memory in real steps" if rung.name in excluded else "")
+            applicable += [] if reason else [rung]
+            if why:
+                self.tried.append((rung.name, why))
+            else:
+                usable.append(rung)
+        if self.goal == "speed" and self.probe == self.sizes[-1]:
+            whole = self._whole_batch(usable, applicable)
+            if whole is not None:
+                return [whole]
+        return self._confirmed(self._guesses(usable, applicable))
+
+    def _whole_batch(self, usable: list[Rung], applicable: list[Rung]) -> Option | None:
+        """The cheapest rung that holds the whole effective batch, if one does: nothing does
+        better (one estimate per rung, at that size)."""
+        n = self.sizes[-1]
+        for rung in usable:
+            ok, used, est = self.estimate(rung, n)
+            size = format_bytes(int(used)) if math.isfinite(used) else "not estimated"
+            nothing = (
+                _cannot(est)
+                or host_shortfall(est, self.host_budget_bytes)
+                or self.passed_over(rung, applicable, [n])
+            )
+            fit = "fits" if ok else "does not fit"
+            self.tried.append((rung.name, nothing or f"{fit} micro-batch {n} ({size})"))
+            if ok and not nothing:
+                return Option(rung, n, used, est)
+        return None
+
+    def _guesses(self, usable: list[Rung], applicable: list[Rung]) -> list[tuple[Rung, int]]:
+        """Each usable rung's guess (a line through 2 estimates), cheapest first, until one
+        reaches the whole batch (``goal="memory"``: the first that fits at all)."""
+        guesses: list[tuple[Rung, int]] = []
+        for rung in usable:
+            guess = self.largest(rung, guess_only=True)
+            if guess == 0:
+                est = self.estimate(rung, self.sizes[0])[2]
+                why = _cannot(est) or host_shortfall(est, self.host_budget_bytes)
+                self.tried.append((rung.name, why or "does not fit at micro-batch 1"))
+                continue
+            nothing = self.passed_over(rung, applicable, sorted({self.sizes[0], self.probe}))
+            if nothing:
+                self.tried.append((rung.name, nothing))
+                continue
+            guesses.append((rung, guess))
+            self.tried.append((rung.name, f"about micro-batch {guess} (line through 2 estimates)"))
+            if self.goal == "memory" or guess == self.sizes[-1]:
+                break
+        return guesses
+
+    def _confirmed(self, guesses: list[tuple[Rung, int]]) -> list[Option]:
+        """The best guesses' largest micro-batches, until no guess left can beat (or tie,
+        cheaper) the best one found."""
+        pending = sorted(guesses, key=lambda g: -g[1]) if self.goal == "speed" else guesses
+        found: list[Option] = []
+        while pending:
+            rung, _ = pending.pop(0)
+            micro = self.largest(rung)
+            if micro:
+                _, used, est = self.estimate(rung, micro)
+                found.append(Option(rung, micro, used, est))
+                self.tried.append(
+                    (rung.name, f"fits micro-batch {micro} ({format_bytes(int(used))})")
+                )
+            if not found or not pending:
+                continue
+            rival = Option(pending[0][0], pending[0][1], 0.0)
+            if self.goal == "memory" or min(map(self.rank, found)) <= self.rank(rival):
+                break
+        return sorted(found, key=self.rank)
+
+    def steps_down(self, option: Option) -> list[int]:
+        """The sizes real steps try for ``option``: its micro-batch, then one size down."""
+        return [n for n in self.sizes if n <= option.micro][-2:][::-1]
+
+    def nothing_fits(self, excluded: set[str]) -> ValueError:
+        return ValueError(
+            f"no usable stack fits {format_bytes(self.budget_bytes)} even at micro-batch 1"
+            + (" in real steps" if excluded else "")
+            + _weights_alone(self.cache.values(), self.budget_bytes)
+            + ": "
+            + "; ".join(f"{name}: {why}" for name, why in self.tried)
+        )
+
+
 def decide(
     rungs: Sequence[Rung],
     measure: Measure,
@@ -238,6 +453,8 @@ def decide(
     one of its exact divisors. ``unusable(rung)``: why a rung cannot be applied here ("" when it
     can), recorded in ``tried``. ``trial(rung, micro)``: real steps confirming an option (None:
     none); on out-of-memory the next size down is tried, then the next option.
+    The budget is handed to the rungs' parts that take one (``Rung.within``) when the search
+    builds them: for ``measure``, ``trial`` and the decision.
     ``estimated_as(rung)``: the rung whose estimate stands for ``rung``'s (:func:`measured_as`;
     at one size, ``plan_stack`` estimates each rung as itself). ``host_budget_bytes``: host
     memory for the offloading techniques (:func:`host_shortfall`: an estimate whose host bytes
@@ -245,197 +462,34 @@ def decide(
     ``ValueError`` when no usable rung fits even a micro-batch of 1 (or none ran).
     """
     start = time.perf_counter()
-    sizes = divisors(effective)
-    tried: list[tuple[str, str]] = []
-    options: list[Option] = []
-    cache: dict[str, tuple[bool, float, Any]] = {}
-    count = 0
-
-    def estimate(rung: Rung, n: int) -> tuple[bool, float, Any]:
-        nonlocal count
-        stand_in = estimated_as(rung)
-        key = repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n))
-        if key not in cache:
-            count += 1
-            fits, used, est = measure(stand_in, n)
-            cache[key] = (fits and not host_shortfall(est, host_budget_bytes), used, est)
-        return cache[key]
-
-    # the second point of each rung's line: the largest divisor up to PROBE (an estimate at a
-    # much larger size costs more: a chunked loss or checkpointed blocks run more fake operations)
-    probe = max(n for n in sizes if n <= max(PROBE, sizes[min(1, len(sizes) - 1)]))
-
-    def predicted(rung: Rung) -> int:
-        """The largest divisor that a line through the estimates at the smallest size and at
-        ``probe`` (memory is close to linear in the micro-batch) keeps within the budget; 0:
-        the smallest does not fit."""
-        ok, low, _ = estimate(rung, sizes[0])
-        if not ok or probe == sizes[0]:
-            return sizes[0] if ok else 0
-        high_n = probe
-        ok, high, _ = estimate(rung, high_n)
-        if ok and high_n == sizes[-1]:
-            return high_n
-        if not math.isfinite(high):  # the estimate could not run there: a line through 2 sizes
-            high_n = sizes[1]
-            high = estimate(rung, high_n)[1]
-        slope = (high - low) / (high_n - sizes[0]) if math.isfinite(high) else math.inf
-        slope = max(slope, 1e-9)
-        return max(
-            n for n in sizes if n == sizes[0] or low + slope * (n - sizes[0]) <= budget_bytes
-        )
-
-    def confirmed(rung: Rung, guess: int) -> Option | None:
-        """The estimate at the predicted size: down a size while it does not fit; up a size
-        while the next one fits too."""
-        i = sizes.index(guess)
-        while i >= 0 and not estimate(rung, sizes[i])[0]:
-            i -= 1
-        if i < 0:
-            return None
-        while i + 1 < len(sizes) and sizes[i] == guess and estimate(rung, sizes[i + 1])[0]:
-            i, guess = i + 1, sizes[i + 1]
-        _, used, est = estimate(rung, sizes[i])
-        return Option(rung, sizes[i], used, est)
-
-    def known(rung: Rung, n: int) -> float | None:
-        """The bytes of ``rung`` at ``n`` if estimated already (finite), else ``None``."""
-        stand_in = estimated_as(rung)
-        hit = cache.get(repr((stand_in.precision, stand_in.callbacks, stand_in.strategy, n)))
-        return hit[1] if hit is not None and math.isfinite(hit[1]) else None
-
-    def saves_nothing(rung: Rung, applicable: list[Rung], at: list[int]) -> str:
-        """Why ``rung`` is passed over ("" when it is not): an earlier rung that can be applied
-        here and that it extends (:func:`~lightning_efficient.planning.ladder.extended_by`)
-        needs no more at every size of ``at``: what the rung adds saves nothing."""
-        for base in extended_by(rung, applicable[: applicable.index(rung)]):
-            pairs = [(known(rung, n), known(base, n)) for n in at]
-            if pairs and all(r is not None and b is not None and r >= b for r, b in pairs):
-                n, (r, b) = at[-1], pairs[-1]
-                return (
-                    f"saves nothing over {base.name} ({format_bytes(int(r))} vs "
-                    f"{format_bytes(int(b))} at micro-batch {n}): passed over"
-                )
-        return ""
-
-    def evaluate(excluded: set[str]) -> list[Option]:
-        order = {id(r): i for i, r in enumerate(rungs)}
-        usable: list[Rung] = []
-        applicable: list[Rung] = []  # usable, or out of memory in real steps
-        for rung in rungs:
-            reason = unusable(rung) if unusable is not None else ""
-            why = reason or ("ran out of memory in real steps" if rung.name in excluded else "")
-            if not reason:
-                applicable.append(rung)
-            if why:
-                tried.append((rung.name, why))
-            else:
-                usable.append(rung)
-        if goal == "speed" and probe == sizes[-1]:
-            # the cheapest stack that holds the whole effective batch, if one does: nothing does
-            # better (one estimate per stack, at that size)
-            for rung in usable:
-                ok, used, est = estimate(rung, sizes[-1])
-                fit = "fits" if ok else "does not fit"
-                size = format_bytes(int(used)) if math.isfinite(used) else "not estimated"
-                nothing = (
-                    _cannot(est)
-                    or host_shortfall(est, host_budget_bytes)
-                    or saves_nothing(rung, applicable, [sizes[-1]])
-                )
-                tried.append((rung.name, nothing or f"{fit} micro-batch {sizes[-1]} ({size})"))
-                if ok and not nothing:
-                    return [Option(rung, sizes[-1], used, est)]
-        guesses: list[tuple[Rung, int]] = []
-        for rung in usable:
-            guess = predicted(rung)
-            if guess == 0:
-                est = estimate(rung, sizes[0])[2]
-                why = (
-                    _cannot(est)
-                    or host_shortfall(est, host_budget_bytes)
-                    or "does not fit at micro-batch 1"
-                )
-                tried.append((rung.name, why))
-                continue
-            nothing = saves_nothing(rung, applicable, sorted({sizes[0], probe}))
-            if nothing:
-                tried.append((rung.name, nothing))
-                continue
-            guesses.append((rung, guess))
-            tried.append((rung.name, f"about micro-batch {guess} (line through 2 estimates)"))
-            if goal == "memory" or guess == sizes[-1]:
-                break
-        # confirm the best guesses with an estimate at their size, until no guess left can beat
-        # the best confirmed micro-batch
-        pending = sorted(guesses, key=lambda g: -g[1]) if goal == "speed" else guesses
-        found: list[Option] = []
-        while pending:
-            rung, guess = pending.pop(0)
-            option = confirmed(rung, guess)
-            if option is not None:
-                found.append(option)
-                tried.append(
-                    (
-                        rung.name,
-                        f"fits micro-batch {option.micro} ({format_bytes(int(option.bytes))})",
-                    )
-                )
-            if not found or not pending:
-                continue
-            best = min(found, key=lambda o: (-o.micro, order[id(o.rung)]))
-            rival = pending[0]  # the next guess: can it beat (or tie, cheaper) the best found?
-            if goal == "memory" or (-best.micro, order[id(best.rung)]) <= (
-                -rival[1],
-                order[id(rival[0])],
-            ):
-                break
-        return sorted(found, key=lambda o: (-o.micro, order[id(o.rung)]))
-
+    search = Search(
+        rungs, measure, budget_bytes, effective, goal=goal, unusable=unusable,
+        estimated_as=estimated_as, host_budget_bytes=host_budget_bytes,
+    )  # fmt: skip
     notes: list[str] = []
     excluded: set[str] = set()
     while True:
-        tried.clear()
-        options = evaluate(excluded)
+        options = search.options(excluded)
         if not options:
-            raise ValueError(
-                f"no usable stack fits {format_bytes(budget_bytes)} even at micro-batch 1"
-                + (" in real steps" if excluded else "")
-                + _weights_alone(cache.values(), budget_bytes)
-                + ": "
-                + "; ".join(f"{name}: {why}" for name, why in tried)
-            )
-        ranked = options
-        for option in ranked:
-            steps_down = [n for n in sizes if n <= option.micro][-2:][::-1]
-            for micro in steps_down:
-                result = trial(option.rung, micro) if trial is not None else None
-                if result is not None and not result.ok:
-                    last = micro == steps_down[-1]
-                    notes.append(
-                        f"{option.rung.name} at micro-batch {micro}: a real step ran out of "
-                        f"memory ({format_bytes(int(result.reserved_bytes))} reserved); "
-                        + ("next stack" if last else "one size down")
-                    )
-                    continue
-                used, est = option.bytes, option.estimate
-                if micro != option.micro:
-                    _, used, est = estimate(option.rung, micro)
-                return Decision(
-                    option.rung,
-                    micro,
-                    effective // micro,
-                    world_size,
-                    goal,
-                    budget_bytes,
-                    target,
-                    estimate_bytes=used,
-                    host_bytes=int(getattr(est, "host_bytes", 0) or 0),
-                    trial_bytes=int(result.reserved_bytes) if result is not None else None,
-                    trial_ok=None if result is None else True,
-                    seconds=time.perf_counter() - start,
-                    estimates=count,
-                    tried=list(tried),
-                    notes=notes,
+            raise search.nothing_fits(excluded)
+        for option in options:
+            for micro in search.steps_down(option):
+                rung = search.built(option.rung)
+                result = trial(rung, micro) if trial is not None else None
+                if result is None or result.ok:
+                    _, used, est = search.estimate(option.rung, micro)
+                    return Decision(
+                        rung, micro, effective // micro, world_size, goal, budget_bytes,
+                        target, estimate_bytes=used,
+                        host_bytes=int(getattr(est, "host_bytes", 0) or 0),
+                        trial_bytes=int(result.reserved_bytes) if result is not None else None,
+                        trial_ok=None if result is None else True,
+                        seconds=time.perf_counter() - start, estimates=len(search.cache),
+                        tried=list(search.tried), notes=notes,
+                    )  # fmt: skip
+                down = "next stack" if micro == search.steps_down(option)[-1] else "one size down"
+                notes.append(
+                    f"{option.rung.name} at micro-batch {micro}: a real step ran out of memory "
+                    f"({format_bytes(int(result.reserved_bytes))} reserved); {down}"
                 )
             excluded.add(option.rung.name)

@@ -22,6 +22,7 @@ from lightning_efficient.core.report import report_for
 from lightning_efficient.core.validate import SettingsError
 from lightning_efficient.planning import (
     CHECKPOINT_ALL,
+    CHECKPOINT_FEWEST,
     Part,
     Rung,
     checkpoint_fewest,
@@ -109,6 +110,36 @@ def test_trial_out_of_memory_steps_down_a_size_then_a_stack() -> None:
             64,
             trial=lambda r, n: SimpleNamespace(ok=False, reserved_bytes=0),
         )
+
+
+def test_decide_stack_needs_no_trainer_and_hands_the_budget_down() -> None:
+    """The public entry: AutoEfficient's decision for a model and its batches, no trainer; the
+    same decision as the ladder, the estimate and the search wired by hand, and the budget in
+    the decision's "fewest blocks" part (handed by the search: the ladder takes none)."""
+    from helpers import tiny_model
+
+    from lightning_efficient.planning import decide_stack
+
+    model = tiny_model()
+    batch = lambda n: (torch.zeros(n, 32, dtype=torch.long),) * 2  # noqa: E731
+    plain = auto_fit.estimate_measure(model, batch, 10**12, 8, {"device": "cpu"})
+    budget = int(plain(Rung("as configured", "32-true"), 2)[1])  # the plain step holds 2 of 8
+    d = decide_stack(model, batch, budget, 8, goal="memory", device="cpu", bf16=False)
+    assert (d.rung.name, d.micro, d.accumulation) == ("as configured", 2, 4)
+    by_hand = decide(
+        auto_fit.ladder_for(model, precision="32-true", bf16=False),
+        auto_fit.estimate_measure(model, batch, budget, 8, {"device": "cpu"}),
+        budget, 8, goal="memory", unusable=auto_fit.own_accumulation,
+    )  # fmt: skip
+    assert (by_hand.rung, by_hand.micro, by_hand.estimates) == (d.rung, d.micro, d.estimates)
+    # the ladder's "fewest blocks" takes the budget the search hands it, and only then builds
+    fewest = Rung("fewest", "32-true", (CHECKPOINT_FEWEST,))
+    with pytest.raises(ValueError, match="Rung.within"):
+        fewest.build()
+    seen: list[Any] = []
+    picked = decide([fewest], lambda r, n: seen.append(r) or _measure(r, n), 1000, 64).rung
+    assert picked.callbacks == (checkpoint_fewest(1000),) and picked.build()[0][0].budget == 1000
+    assert all(r.callbacks == (CHECKPOINT_ALL,) for r in seen)  # estimated as every block
 
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -363,9 +394,9 @@ def test_undone_when_fit_raises(tmp_path) -> None:
     # block checkpointed), given as the decision (AutoEfficient applies it as one it made: the
     # decision's own estimates are test_family_within_budget_and_not_wasteful's; the trial
     # steps undo their own changes, test_trial_oom_steps_one_size_down)
-    rungs = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False)
+    rungs = auto_fit.ladder_for(model, precision="32-true", bf16=False)
     usable = [r for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")]
-    rung = max(usable, key=lambda r: len(r.callbacks))
+    rung = max(usable, key=lambda r: len(r.callbacks)).within(2**30)
     assert {p.class_path for p in rung.callbacks} == {
         "ChunkedCrossEntropy", "OptimizerSwap", "ActivationCheckpointing"
     }  # fmt: skip
@@ -499,8 +530,8 @@ def test_default_gpt2_config_gets_the_same_micro_batch_and_losses(tmp_path) -> N
 def _usable_rungs() -> list[Any]:
     """Every rung the callback's ladder can pick for the decoder on a 32-true CPU trainer."""
     model, _ = family("decoder", batch_size=E)
-    rungs = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False)
-    return [r for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")]
+    rungs = auto_fit.ladder_for(model, precision="32-true", bf16=False)
+    return [r.within(2**30) for r in rungs if not auto_fit.fixed_by_trainer(r, "32-true")]
 
 
 # -- 2: a resumed run is bit-identical to an uninterrupted one, with every rung -------------------
@@ -617,15 +648,15 @@ def test_optimizer_family_kept_and_rungs_without_the_swap() -> None:
 
     sgd, adam = SGDGPT(**TINY_MODEL), AdamGPT(**TINY_MODEL)
     # AutoEfficient's ladder: no 8-bit swap for SGD (with momentum or without), Adam's own form
-    assert _swaps(auto_fit.ladder_for(sgd, 2**30, precision="32-true", bf16=False)) == set()
-    assert _swaps(auto_fit.ladder_for(adam, 2**30, precision="32-true", bf16=False)) == {"adam8bit"}
+    assert _swaps(auto_fit.ladder_for(sgd, precision="32-true", bf16=False)) == set()
+    assert _swaps(auto_fit.ladder_for(adam, precision="32-true", bf16=False)) == {"adam8bit"}
     # checkpointing alone is a rung, before the same with 8-bit states
-    names = [r.name for r in default_ladder(2**30)]
+    names = [r.name for r in default_ladder()]
     assert names.index("bf16-mixed + checkpoint fewest blocks") < names.index(
         "bf16-mixed + adamw8bit + checkpoint fewest blocks"
     )
-    assert _swaps(default_ladder(2**30, optimizer="sgd")) == set()
-    assert not any(r.strategy for r in default_ladder(2**30, optimizer="sgd"))
+    assert _swaps(default_ladder(optimizer="sgd")) == set()
+    assert not any(r.strategy for r in default_ladder(optimizer="sgd"))
 
 
 @pytest.mark.slow
@@ -788,7 +819,7 @@ def test_configured_technique_used_as_given(tmp_path, monkeypatch) -> None:
     from lightning_efficient.core.validate import SettingsError
 
     model, _ = family("decoder", batch_size=E)
-    ladder = auto_fit.ladder_for(model, 2**30, precision="32-true", bf16=False,
+    ladder = auto_fit.ladder_for(model, precision="32-true", bf16=False,
                                  configured=[OptimizerSwap("adamw8bit")])  # fmt: skip
     assert _swaps(ladder) == set() and len({repr(r.callbacks) for r in ladder}) == len(ladder)
     # a decision whose stack has the user's technique: the user's instance, once
@@ -833,12 +864,12 @@ def test_live_batch_size_read_and_put_back(tmp_path) -> None:
 def test_ddp_ladder_offers_checkpointing_and_8bit_without_fsdp() -> None:
     from lightning_efficient.planning import default_ladder
 
-    ddp = default_ladder(2**30, world_size=2, configured_sharding="ddp")
+    ddp = default_ladder(world_size=2, configured_sharding="ddp")
     plain = [r for r in ddp if r.strategy is None]
     classes = {p.class_path for r in plain for p in r.callbacks}
     assert {"ActivationCheckpointing", "OptimizerSwap"} <= classes
     # under FSDP (sharded parameters) no 8-bit rung: bitsandbytes steps whole tensors
-    fsdp = default_ladder(2**30, world_size=2, configured_sharding="full")
+    fsdp = default_ladder(world_size=2, configured_sharding="full")
     assert _swaps(fsdp) == set()
 
 

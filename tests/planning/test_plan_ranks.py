@@ -64,12 +64,12 @@ def full_sharded(workload):
 
 
 def test_one_device_ladder_unchanged() -> None:
-    assert [r.name for r in default_ladder(2**30)] == ONE_DEVICE
-    assert [r.name for r in default_ladder(2**30, world_size=1)] == ONE_DEVICE
+    assert [r.name for r in default_ladder()] == ONE_DEVICE
+    assert [r.name for r in default_ladder(world_size=1)] == ONE_DEVICE
 
 
 def test_multi_rank_ladder_shards_before_offload() -> None:
-    names = [r.name for r in default_ladder(2**30, world_size=8)]
+    names = [r.name for r in default_ladder(world_size=8)]
     assert names == [
         "as configured",
         "bf16-mixed",
@@ -84,7 +84,7 @@ def test_multi_rank_ladder_shards_before_offload() -> None:
         "bf16-mixed + checkpoint all blocks + ZeRO-3 parameter offload",
     ]
     # a config that already shards fully gets no sharding rung that divides less or the same
-    fully = [r.name for r in default_ladder(2**30, world_size=8, configured_sharding="full")]
+    fully = [r.name for r in default_ladder(world_size=8, configured_sharding="full")]
     assert not any(n.endswith(("FSDP grad_op", "FSDP full")) for n in fully)
     assert "bf16-mixed + FSDP full + checkpoint all blocks" in fully
 
@@ -102,7 +102,7 @@ def test_sharding_rung_meets_a_budget_ddp_cannot(workload, full_sharded, tmp_pat
         world_size=world,
         device="cpu",
         cuda_rounding=True,
-        ladder=default_ladder(full.peak_bytes, world_size=world),
+        ladder=default_ladder(world_size=world),
     )
     chosen = result.chosen
     assert chosen is not None and chosen.name == "bf16-mixed + FSDP full", result.to_markdown()

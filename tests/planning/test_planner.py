@@ -162,7 +162,7 @@ def test_every_rung_writes_back_what_it_builds(world_size) -> None:
     builds and what its yaml says are made from the same arguments."""
     from lightning_efficient import techniques
 
-    ladder = default_ladder(2**30, world_size=world_size)
+    ladder = [r.within(2**30) for r in default_ladder(world_size=world_size)]
     assert {r.name for r in ladder} >= {"as configured"} and len(ladder) > 4
     for rung in ladder:
         callbacks, strategy = rung.build()
@@ -202,7 +202,7 @@ def test_wide_logits_get_the_chunked_loss_rung_before_anything_lossy() -> None:
     plan = plan_stack(wide, (x, x), (bf16 + chunked) // 2, device="cpu")
     assert plan.chosen.name == "bf16-mixed + chunked loss"
     assert "class_path: ChunkedCrossEntropy" in plan.to_yaml()
-    narrow = default_ladder(2**30)
+    narrow = default_ladder()
     assert not any("chunked" in r.name for r in narrow)
 
 
@@ -219,7 +219,7 @@ def test_one_yaml_writer_and_the_ladder_classes() -> None:
     assert OptimizerSwap in LADDER_CLASSES.values()
     with pytest.raises(ValueError, match="not a technique of the ladder"):
         technique_class("os.system")
-    rung = next(r for r in default_ladder(2**30) if len(r.callbacks) == 2)
+    rung = next(r.within(2**30) for r in default_ladder() if len(r.callbacks) == 2)
     plan = PlanResult(2**30, chosen=rung)
     trainer = yaml.safe_load(plan.to_yaml(devices=2))["trainer"]
     assert trainer == {**yaml.safe_load(rung.stack().to_yaml())["trainer"], "devices": 2}
@@ -283,10 +283,10 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
         "bf16_weights": False,
         "long_context": True,
     }
-    plain = default_ladder(2**30, **ladder_options(full))
+    plain = default_ladder(**ladder_options(full))
     assert not any(FROZEN_4BIT in r.callbacks for r in plain)
     assert any(p.class_path == "OptimizerSwap" for r in plain for p in r.callbacks)
-    names = [r.name for r in default_ladder(2**30, **ladder_options(lora))]
+    names = [r.name for r in default_ladder(**ladder_options(lora))]
     assert not any("8bit" in n for n in names)  # 8-bit states would stay 32-bit on the adapters
     four = [i for i, n in enumerate(names) if "4-bit frozen weights" in n]
     assert [names[i] for i in four] == [
@@ -302,10 +302,10 @@ def test_4bit_rung_where_frozen_weights_dominate_and_no_8bit_rung_on_small_adapt
     chosen = select_frozen_linears(lora).chosen
     assert chosen and not any(layers[n].weight.requires_grad for n in chosen)
     # the same on several ranks: one 4-bit rung under DDP, none where FSDP is configured
-    ddp = default_ladder(2**30, world_size=2, **ladder_options(lora))
+    ddp = default_ladder(world_size=2, **ladder_options(lora))
     assert sum(FROZEN_4BIT in r.callbacks for r in ddp) == 1
     assert not any(FROZEN_4BIT in r.callbacks and r.strategy is not None for r in ddp)
-    fsdp = default_ladder(2**30, world_size=2, configured_sharding="full", **ladder_options(lora))
+    fsdp = default_ladder(world_size=2, configured_sharding="full", **ladder_options(lora))
     assert not any(FROZEN_4BIT in r.callbacks for r in fsdp)
 
 
@@ -379,20 +379,20 @@ def test_bf16_weights_rung_on_full_weight_training_only() -> None:
     from lightning_efficient.planning.ladder import ladder_options
 
     full, lora = _llama(lora=False), _llama(lora=True)
-    names = [r.name for r in default_ladder(2**30, **ladder_options(full))]
+    names = [r.name for r in default_ladder(**ladder_options(full))]
     sr = names.index("bf16-true + adamw_sr + checkpoint all blocks")
     assert names[sr + 1] == "bf16-true + adamw8bit_sr + checkpoint all blocks"
     assert names.index("bf16-mixed + adamw8bit + checkpoint all blocks") < sr
     assert sr < min(i for i, n in enumerate(names) if "in backward" in n or "ZeRO" in n)
-    rung = default_ladder(2**30, **ladder_options(full))[sr]
+    rung = default_ladder(**ladder_options(full))[sr]
     assert rung.precision == "bf16-true" and "quality gate" in rung.cost
-    assert not any("bf16-true" in r.name for r in default_ladder(2**30, **ladder_options(lora)))
-    fixed = default_ladder(2**30, bf16=False, **ladder_options(full))
+    assert not any("bf16-true" in r.name for r in default_ladder(**ladder_options(lora)))
+    fixed = default_ladder(bf16=False, **ladder_options(full))
     assert not any(r.precision == "bf16-true" for r in fixed)
     # the planner takes it at a budget just under the 8-bit + checkpointing rung's estimate
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     kw = dict(loss_fn=_hf_loss, optimizer="adamw", device="cpu")
-    ladder = default_ladder(2**40, **ladder_options(full))
+    ladder = default_ladder(**ladder_options(full))
     eight = ladder[names.index("bf16-mixed + adamw8bit + checkpoint all blocks")]
     peak = plan_stack(full, (ids,), "1TiB", ladder=[eight], **kw).tried[0][1].peak_bytes
     plan = plan_stack(full, (ids,), peak - 1, ladder=[eight, *ladder[sr : sr + 2]], **kw)
@@ -453,8 +453,8 @@ def test_every_stack_the_planner_can_emit_fits(tmp_path) -> None:
     from lightning_efficient.planning import default_ladder
     from lightning_efficient.techniques.zero_offload import ZeROOffload
 
-    for rung in default_ladder(2**40, bf16=True):
-        callbacks, strategy = rung.build()
+    for rung in default_ladder(bf16=True):
+        callbacks, strategy = rung.within(2**40).build()
         if isinstance(strategy, ZeROOffload):
             continue  # DeepSpeed rungs: fitted in tests/techniques/test_zero_offload.py
         for cb in callbacks:

@@ -20,6 +20,7 @@ from lightning_efficient.functional import (
     largest_fitting_batch,
     micro_batch_step,
 )
+from lightning_efficient.measure.memory.budget import largest_within
 from lightning_efficient.measure.memory.estimate import estimate_memory
 from lightning_efficient.measure.trials.trial import is_out_of_memory
 from lightning_efficient.techniques.batch_size import (
@@ -125,6 +126,71 @@ def test_largest_fitting_batch_exact_on_any_monotone_curve() -> None:
         curve = lambda n: a + 7 * n + b * n**c  # noqa: E731
         want = max((n for n in range(1, top + 1) if curve(n) <= budget), default=0)
         assert largest_fitting_batch(curve, budget, top)[0] == want
+
+
+def _counted(curve):
+    """``curve`` as ``bytes_at``, with the sizes it was called at (in order)."""
+    calls: list[int] = []
+
+    def bytes_at(n: int) -> float:
+        calls.append(n)
+        return curve(n)
+
+    return bytes_at, calls
+
+
+def test_largest_within_edges() -> None:
+    """The one search of a micro-batch in a budget: nothing fits, all fit, a single size."""
+    line = lambda n: 100.0 + 10 * n  # noqa: E731
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    bytes_at, calls = _counted(line)
+    assert largest_within(sizes, bytes_at, 50) == 0 and calls == [128, 1]  # nothing fits
+    bytes_at, calls = _counted(line)
+    assert largest_within(sizes, bytes_at, 50, probe=64) == 0 and calls == [1]  # smallest first
+    bytes_at, calls = _counted(line)
+    assert largest_within(sizes, bytes_at, 10**6) == 128 and calls == [128]  # all fit: 1
+    bytes_at, calls = _counted(line)
+    assert largest_within(sizes, bytes_at, 10**6, probe=64) == 128 and calls == [1, 64, 128]
+    assert largest_within([8], line, 180) == 8 and largest_within([8], line, 179) == 0
+    # the probe bounds the line's second point; the guess is the line's, unconfirmed
+    bytes_at, calls = _counted(line)
+    assert largest_within(sizes, bytes_at, 500, probe=64, guess_only=True) == 32
+    assert calls == [1, 64]
+    bytes_at, calls = _counted(line)
+    assert largest_within(sizes, bytes_at, 500, probe=64) == 32 and calls == [1, 64, 32]
+    with pytest.raises(ValueError, match="sizes"):
+        largest_within([], line, 500)
+    with pytest.raises(ValueError, match="sizes"):
+        largest_within([0, 4], line, 500)
+
+
+def test_largest_within_exact_on_monotone_curves_and_local_on_others() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a, b, c = rng.randint(1, 50), rng.random() * 3, rng.choice([1.0, 1.3, 2.0])
+        budget, top = rng.randint(1, 10**5), rng.randint(1, 3000)
+        sizes = [d for d in range(1, top + 1) if top % d == 0] if rng.random() < 0.5 else None
+        sizes = sizes or list(range(1, top + 1))
+        curve = lambda n: a + 7 * n + b * n**c  # noqa: E731
+        bytes_at, calls = _counted(curve)
+        want = max((n for n in sizes if curve(n) <= budget), default=0)
+        assert largest_within(sizes, bytes_at, budget, probe=rng.choice([None, 64])) == want
+        assert len(calls) == len(set(calls)) and len(calls) <= 30
+    # a curve that shrinks (an estimate that is not monotone): a size that fits next to one
+    # that does not (or the largest), estimated, never a guess
+    for _ in range(300):
+        sizes = sorted(rng.sample(range(1, 500), rng.randint(1, 40)))
+        noisy = {n: rng.random() * 1000 for n in sizes}
+        bytes_at, calls = _counted(noisy.__getitem__)
+        got = largest_within(sizes, bytes_at, 500, probe=rng.choice([None, 64]))
+        if got == 0:
+            assert noisy[sizes[0]] > 500
+            continue
+        assert got in calls and noisy[got] <= 500
+        after = sizes.index(got) + 1
+        assert after == len(sizes) or (sizes[after] in calls and noisy[sizes[after]] > 500)
 
 
 # -- worst case --------------------------------------------------------------------------------------

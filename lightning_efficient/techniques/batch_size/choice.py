@@ -23,7 +23,7 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.memory.estimate import estimate_memory
+from lightning_efficient.measure.memory.budget import compared_bytes, step_within, usable_bytes
 from lightning_efficient.measure.memory.settings import estimate_settings
 from lightning_efficient.measure.speed.host import available_bytes
 from lightning_efficient.measure.trials.trial import throughput, trial_within
@@ -277,11 +277,11 @@ def choose_batch_size(
     loader = source.train_dataloader()
     hw = _hardware(trainer)
     budget = _budget(trainer, s.budget_bytes)
-    usable = int(budget * (1 - s.margin))
+    usable = usable_bytes(budget, s.margin)
     make_batch, n_data = worst_case_sampler(loader, s.probe_samples)
     cap = search_cap(s.max_batch_size, n_data, world, s.target_batch_size)
     notes: list[str] = []
-    estimate_fn, how = _estimator(trainer, pl_module, make_batch, s, exclude, notes, usable)
+    estimate_fn, how = _estimator(trainer, pl_module, make_batch, s, exclude, notes, budget)
     largest, seen = largest_fitting_batch(estimate_fn, usable, cap)
     if largest == 0:
         raise OutOfMemoryRecoveryError(
@@ -364,7 +364,7 @@ def _estimator(
     s: SizingSettings,
     exclude: Any,
     notes: list[str],
-    usable: int,
+    budget: int,
 ) -> tuple[Callable[[int], float], str]:
     settings = estimate_settings(trainer, exclude=[] if exclude is None else [exclude])
     settings["optimizer"] = s.optimizer  # the sizing's optimizer (before the fit builds one)
@@ -373,16 +373,11 @@ def _estimator(
     def estimate(n: int) -> float:
         # with accumulation, gradients stay live through the next micro-batch's forward
         accumulating = (s.target_batch_size or 0) > n * world or trainer.accumulate_grad_batches > 1
-        result = estimate_memory(
-            pl_module,
-            make_batch(n),
-            **{**settings, "accumulate_grad_batches": 2 if accumulating else 1},
-        )
-        # on a CUDA device what the caching allocator reserves must fit (fragmentation): a
-        # peak that fits but whose reserve does not counts as the reserve, over the budget
-        if result.fits(usable):
-            return result.peak_bytes
-        return max(result.required_bytes, usable + 1)
+        fits, used, _ = step_within(
+            pl_module, make_batch(n), budget, accumulation=2 if accumulating else 1,
+            margin=s.margin, **settings,
+        )  # fmt: skip
+        return compared_bytes(fits, used, usable_bytes(budget, s.margin))
 
     try:
         estimate(1)
@@ -391,6 +386,7 @@ def _estimator(
         reason = f"{type(err).__name__}: {err}"
     if trainer.strategy.root_device.type == "cuda":
         notes.append(f"estimate failed ({reason[:200]}); searching with real trial steps")
+        usable = usable_bytes(budget, s.margin)
         return (lambda n: _trial_peak(trainer, pl_module, make_batch(n), s, usable)), "trial steps"
     raise RuntimeError(
         f"EfficientBatchSize: the memory estimate cannot run this model on CPU ({reason[:500]})."

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_efficient.core.validate import check_int
+from lightning_efficient.measure.memory.budget import largest_within
 
 __all__ = [
     "round_batch_size",
@@ -194,48 +195,24 @@ def largest_fitting_batch(
     budget_bytes: int,
     max_batch_size: int = 8192,
 ) -> tuple[int, dict[int, float]]:
-    """The largest batch size ``n <= max_batch_size`` with ``estimate_fn(n) <= budget_bytes``.
+    """The largest batch size ``n <= max_batch_size`` with ``estimate_fn(n) <= budget_bytes``:
+    :func:`~lightning_efficient.measure.memory.budget.largest_within` over every size from 1 to
+    ``max_batch_size`` (1 and ``max_batch_size`` estimated first, then typically two more).
 
     ``estimate_fn(n)`` returns the peak bytes of a training step at batch size ``n`` (the
     instrument's estimate, or a real trial returning ``inf`` on OOM); it must not shrink as
-    ``n`` grows. Memory is close to linear in the batch, so the search interpolates between
-    the sizes known to fit and not to fit (falling back to bisection when that does not halve
-    the interval): ``max_batch_size`` and 1, then typically two more calls. No OOM is needed.
-    Returns ``(n, {size: bytes evaluated})``; ``n == 0`` when even 1 does not fit.
+    ``n`` grows. No OOM is needed. Returns ``(n, {size: bytes evaluated})``; ``n == 0`` when
+    even 1 does not fit.
     """
     budget_bytes = check_int("budget_bytes", int(budget_bytes), minimum=1)
     max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
     seen: dict[int, float] = {}
 
-    def fits(n: int) -> bool:
-        if n not in seen:
-            seen[n] = float(estimate_fn(n))
-        return seen[n] <= budget_bytes
+    def bytes_at(n: int) -> float:
+        seen[n] = float(estimate_fn(n))
+        return seen[n]
 
-    if fits(max_batch_size):
-        return max_batch_size, seen
-    if not fits(1):
-        return 0, seen
-    lo, hi = 1, max_batch_size
-    bisect = False
-    while hi - lo > 1:
-        width = hi - lo
-        slope = (seen[hi] - seen[lo]) / width if math.isfinite(seen[hi]) else 0.0
-        interpolated = not bisect and slope > 0
-        guess = lo + int((budget_bytes - seen[lo]) / slope) if interpolated else (lo + hi) // 2
-        guess = min(max(guess, lo + 1), hi - 1)
-        if fits(guess):
-            lo = guess
-            if interpolated and hi - lo > 1:  # a linear model lands exactly: confirm with n + 1
-                if fits(lo + 1):
-                    lo += 1
-                else:
-                    hi = lo + 1
-        else:
-            hi = guess
-        # an interpolation that did not halve the interval is followed by a bisection step
-        bisect = interpolated and (hi - lo) * 2 > width
-    return lo, seen
+    return largest_within(range(1, max_batch_size + 1), bytes_at, budget_bytes), seen
 
 
 def search_cap(

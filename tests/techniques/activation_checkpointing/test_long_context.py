@@ -294,7 +294,7 @@ def test_long_context_rung_extends_checkpointing_every_block() -> None:
     (and, with 4-bit frozen weights, that rung), so the search compares their estimates."""
     from lightning_efficient.planning.ladder import LONG_CONTEXT, default_ladder, extended_by
 
-    rungs = default_ladder(2**30, long_context=True, frozen_4bit=True, optimizer="sgd")
+    rungs = default_ladder(long_context=True, frozen_4bit=True, optimizer="sgd")
     by_name = {r.name: r for r in rungs}
     long = [r for r in rungs if LONG_CONTEXT in r.callbacks]
     assert [r.name for r in long] == [
@@ -304,10 +304,8 @@ def test_long_context_rung_extends_checkpointing_every_block() -> None:
     assert by_name["bf16-mixed + checkpoint all blocks"] in extended_by(long[0], rungs)
     four = by_name["bf16-mixed + 4-bit frozen weights + checkpoint all blocks"]
     assert four in extended_by(long[1], rungs)
-    assert not default_ladder(2**30, long_context=True, world_size=2)[-1].callbacks.count(
-        LONG_CONTEXT
-    )
-    assert not any(LONG_CONTEXT in r.callbacks for r in default_ladder(2**30))
+    assert not default_ladder(long_context=True, world_size=2)[-1].callbacks.count(LONG_CONTEXT)
+    assert not any(LONG_CONTEXT in r.callbacks for r in default_ladder())
 
 
 class _LlamaModule(pl.LightningModule):

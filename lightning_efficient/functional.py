@@ -16,7 +16,7 @@ Every other helper stays importable from its module (e.g. ``format_bytes`` from
 """
 
 from lightning_efficient.core.change import Change
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
+from lightning_efficient.core.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.optimizer_models import optimizer_state_bytes
 from lightning_efficient.techniques._blocks import find_repeated_blocks
 from lightning_efficient.techniques.accumulation.weighting import count, window_factor

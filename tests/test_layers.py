@@ -774,3 +774,43 @@ def test_one_micro_batch_search() -> None:
         "a bisection",
         "sizes compared with the budget",
     ]
+
+
+# -- issue 50: "trains without the key/value cache", declared once, read once per side -----------
+#: The modules that switch a Hugging Face model's cache off for training: the fit's one reader of
+#: ``trains_without_cache`` (the technique base), the estimate's (its plan), and the planner's
+#: estimates and trials of a rung as AutoEfficient runs it.
+CACHE_SWITCHERS = {
+    f"{PACKAGE}.core.technique",
+    f"{PACKAGE}.measure.memory.types",
+    f"{PACKAGE}.planning.search",
+}
+
+
+def _cache_switchers(sources: dict[str, str]) -> set[str]:
+    return {
+        m
+        for m, src in sources.items()
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None))
+        == "apply_training_without_cache"
+    }
+
+
+def test_the_cache_is_switched_by_the_flags_readers_only() -> None:
+    """A technique declares ``trains_without_cache``; only the readers switch the cache (the three
+    techniques and AutoEfficient each switched it themselves before)."""
+    sources = {m: p.read_text() for m, p in MODULES.items()}
+    assert _cache_switchers(sources) == CACHE_SWITCHERS
+    # it can fail: a technique that switches it in its own hook
+    own = "def on_fit_start(self, trainer, m):\n    self.record(trainer, apply_training_without_cache(m))\n"
+    assert _cache_switchers({"x": own}) == {"x"}
+    # a flagged technique that overrides on_train_start calls the base's (the reader)
+    from lightning_efficient.core.technique import Technique
+
+    for _, cls, _ in _classes():
+        if issubclass(cls, Technique) and "on_train_start" in vars(cls):
+            flagged = cls.trains_without_cache or cls.__name__ == "AutoEfficient"
+            body = inspect.getsource(vars(cls)["on_train_start"])
+            assert not flagged or "super().on_train_start" in body, cls.__name__

@@ -9,6 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_efficient.core import compat
 from lightning_efficient.core.change import Change, changes_for, undo_last_first
+from lightning_efficient.core.kv_cache import apply_training_without_cache, cache_switched_off
 from lightning_efficient.core.report import report_for
 
 __all__ = [
@@ -113,9 +114,9 @@ class Technique(Callback):
     #: parameters only during its call (ZeRO-3, ``gathers_parameters_per_call``) cannot serve it.
     uses_parameters_after_call: bool = False
     #: Trains without a Hugging Face model's key/value cache (a training forward never reads it):
-    #: the estimate's plan switches it off once for all such techniques
-    #: (``measure.memory.types.EstimatePlan.configure``), the fit in the technique's
-    #: ``on_fit_start`` (``measure.memory.kv_cache.apply_training_without_cache``).
+    #: switched off once for all such techniques, in the fit by the first of them
+    #: (:meth:`on_train_start`, after ``configure_model`` built the layers) and in the estimate by
+    #: its plan (``measure.memory.types.EstimatePlan.configure``).
     trains_without_cache: bool = False
     #: Report figures that are decisions every rank must take alike (e.g. ``stopped_step``):
     #: under several ranks the report says "same on N ranks", or warns that the ranks differ.
@@ -153,6 +154,14 @@ class Technique(Callback):
     # -- hooks -----------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         compat.check(trainer, techniques_of(trainer))
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """The one reader of ``trains_without_cache`` in the fit: the first technique that
+        declares it switches the cache off for training (``core.kv_cache``), undone with the
+        technique's other changes; the others find it off. A technique that overrides this hook
+        calls it."""
+        if self.trains_without_cache and not cache_switched_off(pl_module):
+            self.record(trainer, apply_training_without_cache(pl_module))
 
     # -- changes and their undo ---------------------------------------------------------------
     def record(self, trainer: Any, change: Change) -> Change:

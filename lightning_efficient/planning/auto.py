@@ -16,7 +16,6 @@ from lightning_efficient.core.validate import (
     format_bytes,
     parse_bytes,
 )
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.planning import fit as on_fit
 from lightning_efficient.planning.decision import GOALS, Decision
 from lightning_efficient.planning.ladder import trains_full_weights, trains_without_cache
@@ -173,8 +172,8 @@ class AutoEfficient(Technique):
         self._added = on_fit.add_callbacks(trainer, self, callbacks)  # first: see add_callbacks
         if decision.accumulation > 1 or trainer.world_size > 1:  # one step on the whole batch
             self.record(trainer, add_exact_accumulation(trainer, pl_module))
-        if trains_without_cache(decision.rung):  # as estimated: no Hugging Face key/value cache
-            self.record(trainer, apply_training_without_cache(pl_module))
+        # as estimated: no Hugging Face key/value cache (switched in the base's on_train_start)
+        self.trains_without_cache = trains_without_cache(decision.rung)
         for callback in callbacks:
             callback.setup(trainer, pl_module, "fit")
         if decision is not self._preset:  # fit --auto printed its decision already

@@ -308,8 +308,9 @@ def default_ladder(
     Several ranks: as configured, bf16, then sharding across the ranks before anything lossy
     or slow: ``FullyShardedStrategy(sharding="grad_op")`` (the same communication volume as
     DDP), ``FullyShardedStrategy()`` (full sharding, +50% communication), full sharding with
-    the fewest checkpointed blocks, then all blocks; then, under the configured strategy (what
-    a callback can apply to a built Trainer), checkpointing the fewest and every block, and
+    every block checkpointed; then, under the configured strategy (what a callback can apply to
+    a built Trainer), checkpointing the fewest (not under ``FullyShardedStrategy``: the budget
+    search would estimate a sharded module, which it refuses) and every block, and
     (under DDP, where the parameters are not sharded) 8-bit states with every block; then ZeRO
     offload to the host. ``configured_sharding``: how the configured strategy divides the state
     (a sharding rung that divides no more than it is left out).
@@ -370,8 +371,9 @@ def default_ladder(
         rungs.append(Rung(name, low, loss, cost="none: the same maths without the full logits"))
     lossy = "8-bit optimizer states (lossy, small)"
     if world_size > 1:
-        rungs += _sharding_rungs(name, low, fewest, configured_sharding, loss)
-        rungs += _checkpoint_rungs(name, low, fewest, loss, ())
+        rungs += _sharding_rungs(name, low, configured_sharding, loss)
+        plain = _checkpoint_rungs(name, low, fewest, loss, ())
+        rungs += plain[1:] if configured_sharding in _FSDP else plain  # as _sharding_rungs
         if swap and configured_sharding in (None, "ddp"):  # bitsandbytes steps whole tensors
             rungs.append(
                 Rung(f"{name} + {eight} + checkpoint all blocks", low,
@@ -548,10 +550,12 @@ def trains_without_cache(rung: Rung) -> bool:
 #: much as SHARD_GRAD_OP does (a grad_op rung adds nothing to them), and as much as FULL_SHARD.
 _AT_LEAST_GRAD_OP = ("zero2", "zero3", "grad_op", "full")
 _AT_LEAST_FULL = ("zero3", "full")
+#: The configured shardings of ``FullyShardedStrategy`` (FSDP2: the module is sharded in place).
+_FSDP = ("grad_op", "full")
 
 
 def _sharding_rungs(
-    name: str, low: str, fewest: Part, configured_sharding: str | None, loss: tuple[Part, ...]
+    name: str, low: str, configured_sharding: str | None, loss: tuple[Part, ...]
 ) -> list[Rung]:
     """The multi-rank rungs between bf16 and host offload (see :func:`default_ladder`)."""
     rungs = []
@@ -575,20 +579,15 @@ def _sharding_rungs(
                 cost="parameters gathered again in backward (+50% communication over DDP)",
             )
         )
-    rungs += [
-        Rung(
-            f"{name} + FSDP full + checkpoint fewest blocks",
-            low,
-            (*loss, fewest),
-            FSDP_FULL,
-            cost="+ recompute some blocks' forward",
-        ),
+    # no "fewest blocks" rung sharded: its budget search estimates the module at the first
+    # batch, which fully_shard has sharded by then (ActivationCheckpointing refuses it)
+    rungs.append(
         Rung(
             f"{name} + FSDP full + checkpoint all blocks",
             low,
             (*loss, CHECKPOINT_ALL),
             FSDP_FULL,
             cost="+ recompute every block's forward (~+30% step time)",
-        ),
-    ]
+        )
+    )
     return rungs

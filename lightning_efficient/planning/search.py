@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_efficient.core.kv_cache import apply_training_without_cache
 from lightning_efficient.core.validate import format_bytes, parse_bytes
 from lightning_efficient.measure.memory.budget import compared_bytes, largest_within, step_within
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.settings import strategy_sharding
 from lightning_efficient.measure.memory.types import MemoryEstimate
 from lightning_efficient.measure.speed.host import available_bytes

@@ -19,10 +19,10 @@ from torch import nn
 
 from lightning_efficient.core._internals import fsdp_sharded
 from lightning_efficient.core.change import Change, ChangeLog
+from lightning_efficient.core.kv_cache import apply_training_without_cache
 from lightning_efficient.core.technique import ChangesEstimate, Technique
 from lightning_efficient.core.validate import check_bool, check_choice, check_int, format_bytes
 from lightning_efficient.measure.memory.caching_allocator import replay
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.optimizer_models import estimate_factory, optimizer_class
 
 __all__ = [

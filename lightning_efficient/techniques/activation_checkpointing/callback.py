@@ -10,7 +10,6 @@ from torch import nn
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_int, parse_bytes
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.measure.memory.settings import estimate_settings
 from lightning_efficient.techniques._blocks import check_policy, select_modules
 from lightning_efficient.techniques.activation_checkpointing.apply import (
@@ -153,7 +152,6 @@ class ActivationCheckpointing(Technique):
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self.record(trainer, apply_training_without_cache(pl_module))
         self._tiling = self._tile(pl_module)
         if self._tiling is not None:
             self.record(trainer, self._tiling)

@@ -7,7 +7,6 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import SettingsError, check_choice, parse_bytes
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.chunked_loss import backends
 from lightning_efficient.techniques.chunked_loss.apply import (
     apply_chunked_cross_entropy,
@@ -102,7 +101,6 @@ class ChunkedCrossEntropy(Technique):
         find_output_projection(pl_module, self.head)  # `head=` checked before anything runs
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self.record(trainer, apply_training_without_cache(pl_module))
         self._change = self.record(trainer, self._apply(pl_module, say=self.no_effect))
         available = [n for n, ok in self._change.value.available.items() if ok]
         libraries = f"installed: {', '.join(available)}" if available else "no library installed"

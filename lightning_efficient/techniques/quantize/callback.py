@@ -7,7 +7,6 @@ from typing import Any
 from lightning_efficient.core.change import Change
 from lightning_efficient.core.technique import Technique
 from lightning_efficient.core.validate import check_bool, check_choice
-from lightning_efficient.measure.memory.kv_cache import apply_training_without_cache
 from lightning_efficient.techniques.quantize.adapters import (
     apply_frozen_base_loading,
     trainable_state,
@@ -98,7 +97,6 @@ class FrozenWeights4bit(Technique):
             checkpoint["state_dict"] = trainable_state(pl_module, checkpoint["state_dict"])
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self.record(trainer, apply_training_without_cache(pl_module))
         change = self._apply(pl_module, compute_dtype_for(trainer.precision))
         self._change = self.record(trainer, change)
         if not change.figures["layers_4bit"]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_efficient.core._internals import module_tensor_slots
+from lightning_efficient.core._internals import fsdp_sharded, module_tensor_slots
 from lightning_efficient.core.change import Change
 from lightning_efficient.measure.step import silenced_logging
 
@@ -116,14 +116,24 @@ def keep_module_state(module: nn.Module, *, values: bool = True, rng: bool = Tru
     and, with ``rng``, the RNG); the returned change's ``undo()`` puts all of it back.
 
     ``values``: also copy the data of every tensor held (to the host) and copy it back in place
-    on undo; ``False`` keeps references only (for steps that change no real tensor's data)."""
+    on undo; ``False`` keeps references only (for steps that change no real tensor's data).
+
+    Under FSDP2 (``fully_shard``) the parameter dicts are FSDP's: a forward registers the
+    unsharded parameters and the root keeps them until its backward, with FSDP's own record
+    saying so; putting the sharded ones back would leave that record wrong (the next forward
+    met a sharded weight). Their entries are left to FSDP; their values are still kept."""
     modules = list(dict.fromkeys(module.modules()))
+    fsdp_owned = {"_parameters"} if fsdp_sharded(module) else set()
     saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
     grads: list[tuple[nn.Parameter, Any]] = []
     kept = _Values()
     for m in modules:
         own = dict(vars(m))
-        items = {k: c for k, v in own.items() if (c := _containers(v)) is not None}
+        items = {
+            k: c
+            for k, v in own.items()
+            if k not in fsdp_owned and (c := _containers(v)) is not None
+        }
         saved.append((m, own, items))
         for store, is_param in module_tensor_slots(m):
             for t in store.values():

@@ -47,7 +47,7 @@ MOVED = {
 #: Stayed at the floor's root: what every room runs on.
 ROOT_MODULES = {"step", "scratch", "plots"}
 #: Made in a room after the floor was grouped (no old flat path).
-BORN_IN_A_ROOM = {"speed.fetch_watch"}
+BORN_IN_A_ROOM = {"speed.fetch_watch", "memory.budget"}
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

@@ -123,16 +123,17 @@ def keep_module_state(module: nn.Module, *, values: bool = True, rng: bool = Tru
     saying so; putting the sharded ones back would leave that record wrong (the next forward
     met a sharded weight). Their entries are left to FSDP; their values are still kept."""
     modules = list(dict.fromkeys(module.modules()))
-    fsdp_owned = {"_parameters"} if fsdp_sharded(module) else set()
+    fsdp = bool(fsdp_sharded(module))
     saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
     grads: list[tuple[nn.Parameter, Any]] = []
     kept = _Values()
     for m in modules:
         own = dict(vars(m))
+        fsdps = [d for d, is_param in module_tensor_slots(m) if is_param] if fsdp else []
         items = {
             k: c
             for k, v in own.items()
-            if k not in fsdp_owned and (c := _containers(v)) is not None
+            if not any(v is d for d in fsdps) and (c := _containers(v)) is not None
         }
         saved.append((m, own, items))
         for store, is_param in module_tensor_slots(m):

@@ -21,6 +21,7 @@ Prints a table and saves benchmarks/results/gallery_blocks.{md,json}.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,8 @@ def main() -> None:
         )
         + "\n\nFrees: bytes off the estimated forward/backward peak of one step (fake tensors,"
         " one step, stateless SGD), as a share of the plain run's activations. Ranking time:"
-        " `rank_blocks` (the plain estimate and one per group, 1 torch thread; the machine was"
-        " shared with other jobs).\n\n"
+        " `rank_blocks` (the plain estimate and one per group, 1 torch thread; load average"
+        f" {os.getloadavg()[0]:.1f} when it ended).\n\n"
         "Command: `python -m benchmarks.gallery_blocks`\n\nEnvironment: "
         + ", ".join(f"{k} {v}" for k, v in env.items())
         + "\n"
